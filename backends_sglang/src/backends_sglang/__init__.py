@@ -1,0 +1,3 @@
+"""sglang driver for backends (not implemented yet; see the project issues)."""
+
+__version__ = "0.1.0"
