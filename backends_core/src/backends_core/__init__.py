@@ -1,1 +1,104 @@
-"""placeholder"""
+"""backends: one client layer between RL trainers and LLM inference servers.
+
+``backends_core`` defines the driver contract (pluggy hookspecs) and the runtime around it: config, HTTP
+ownership, errors, multi-turn bridging, admin fan-out, CLI and the conformance kit. Backends are separate
+distributions registered under the ``backends_core.backends`` entry-point group.
+"""
+
+from __future__ import annotations
+
+from backends_core._http import Server
+from backends_core.bridge import BridgeStats, Conversation, extend_prompt
+from backends_core.client import Client
+from backends_core.config import ClientConfig, Limits, RetryPolicy, Timeouts
+from backends_core.errors import (
+    AdminError,
+    BackendConflictError,
+    BackendError,
+    BackendLoadError,
+    BackendNotFoundError,
+    BackendValidationError,
+    BridgeError,
+    ConfigError,
+    InvalidRequestError,
+    NetworkError,
+    RenderError,
+    RequestError,
+    RequestTimeout,
+    ResponseParseError,
+    ServerStatusError,
+    TransportError,
+    UnsupportedOperationError,
+)
+from backends_core.events import Event
+from backends_core.fleet import ServerOutcome
+from backends_core.hookspecs import hookimpl
+from backends_core.plugins import ENTRY_POINT_GROUP, BackendInfo, available_backends
+from backends_core.routed_experts import align_routed_experts, decode_routed_experts
+from backends_core.types import (
+    DistributedGroup,
+    GenerateRequest,
+    GenerateResult,
+    LoraAdapter,
+    RoutedExperts,
+    SamplingParams,
+    ServerState,
+    TeacherLogprobs,
+    TeacherRequest,
+    TensorSpec,
+    TopLogprob,
+    Usage,
+    WeightVersionSpan,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "AdminError",
+    "BackendConflictError",
+    "BackendError",
+    "BackendInfo",
+    "BackendLoadError",
+    "BackendNotFoundError",
+    "BackendValidationError",
+    "BridgeError",
+    "BridgeStats",
+    "Client",
+    "ClientConfig",
+    "ConfigError",
+    "Conversation",
+    "DistributedGroup",
+    "Event",
+    "GenerateRequest",
+    "GenerateResult",
+    "InvalidRequestError",
+    "Limits",
+    "LoraAdapter",
+    "NetworkError",
+    "RenderError",
+    "RequestError",
+    "RequestTimeout",
+    "ResponseParseError",
+    "RetryPolicy",
+    "RoutedExperts",
+    "SamplingParams",
+    "Server",
+    "ServerOutcome",
+    "ServerState",
+    "ServerStatusError",
+    "TeacherLogprobs",
+    "TeacherRequest",
+    "TensorSpec",
+    "Timeouts",
+    "TopLogprob",
+    "TransportError",
+    "UnsupportedOperationError",
+    "Usage",
+    "WeightVersionSpan",
+    "align_routed_experts",
+    "available_backends",
+    "decode_routed_experts",
+    "extend_prompt",
+    "hookimpl",
+]

@@ -1,0 +1,3 @@
+from backends_core.cli import main
+
+raise SystemExit(main())

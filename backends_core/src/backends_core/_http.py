@@ -1,0 +1,133 @@
+"""The one choke point between hooks and HTTP.
+
+Backends never build an ``httpx`` client or map an ``httpx`` exception: they get a :class:`Server` and call
+:meth:`Server.request`. Every failure leaves here as a :mod:`backends_core.errors` type with the cause
+chained: timeouts as :class:`RequestTimeout`, connection trouble as :class:`NetworkError`, non-2xx as
+:class:`ServerStatusError` carrying the server's own error body, a non-JSON 2xx body as
+:class:`ResponseParseError`. Retries follow the client's :class:`RetryPolicy` and only cover failures where
+the server certainly did not act (connect errors) or said "not now" (the policy's statuses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import attrs
+import httpx
+
+from backends_core.config import RetryPolicy
+from backends_core.errors import NetworkError, RequestTimeout, ResponseParseError, ServerStatusError
+
+__all__ = ["Server"]
+
+#: Where a request goes: the data plane (generation, scoring) or the admin plane (separate pool and timeout).
+Plane = Literal["data", "admin"]
+#: Builds a hint for a non-2xx status (e.g. "start the server with --enable-scale-out"), or returns None.
+StatusHint = Callable[[int, Any], str | None]
+
+
+@attrs.define(eq=False)
+class Server:
+    """One inference server as a backend hook sees it.
+
+    :ivar base_url: data-plane root URL, no trailing slash.
+    :ivar admin_url: admin-plane root URL (equals ``base_url`` unless configured).
+    """
+
+    base_url: str
+    admin_url: str
+    _data: httpx.AsyncClient = attrs.field(alias="data_client", repr=False)
+    _admin: httpx.AsyncClient = attrs.field(alias="admin_client", repr=False)
+    _retry: RetryPolicy = attrs.field(alias="retry", repr=False, factory=RetryPolicy)
+    _admin_timeout: float | None = attrs.field(alias="admin_timeout", default=None, repr=False)
+    #: Per-server memo for backends (e.g. ``max_model_len`` read once from ``/v1/models``).
+    cache: dict[str, Any] = attrs.field(factory=dict, repr=False)
+
+    def url(self, path: str, *, plane: Plane = "data") -> str:
+        root = self.admin_url if plane == "admin" else self.base_url
+        return root + (path if path.startswith("/") else "/" + path)
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        params: Mapping[str, Any] | None = None,
+        plane: Plane = "data",
+        expect: Literal["json", "text", "none"] = "json",
+        retry: bool = True,
+        status_hint: StatusHint | None = None,
+    ) -> Any:
+        """Send one request and return the decoded body.
+
+        :param method: HTTP method.
+        :param path: path below the plane's root URL.
+        :param json_body: JSON-serialisable body, or ``None`` for no body.
+        :param params: query parameters.
+        :param plane: ``"data"`` or ``"admin"`` (separate connection pool and timeout).
+        :param expect: ``"json"`` decodes JSON, ``"text"`` returns text, ``"none"`` ignores the body.
+        :param retry: allow the client's retry policy (turn off for non-idempotent admin calls).
+        :param status_hint: turns a failing status into advice appended to the error.
+        :raises RequestTimeout: a timeout expired.
+        :raises NetworkError: the connection failed.
+        :raises ServerStatusError: the server answered non-2xx.
+        :raises ResponseParseError: ``expect="json"`` and the body is not JSON.
+        """
+        url = self.url(path, plane=plane)
+        client = self._admin if plane == "admin" else self._data
+        attempts = self._retry.attempts if retry else 1
+        extra: dict[str, Any] = {}
+        if plane == "admin":
+            extra["timeout"] = httpx.Timeout(self._admin_timeout)
+        content = None if json_body is None else json.dumps(json_body, separators=(",", ":")).encode()
+        headers = {"content-type": "application/json"} if content is not None else None
+        for attempt in range(1, attempts + 1):
+            try:
+                response = await client.request(
+                    method, url, content=content, params=params, headers=headers, **extra
+                )
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                if attempt < attempts:
+                    await asyncio.sleep(self._retry.delay(attempt))
+                    continue
+                raise _map_transport(exc, method, url) from exc
+            except httpx.TransportError as exc:
+                raise _map_transport(exc, method, url) from exc
+            if response.is_success:
+                return _decode(response, expect, url)
+            if response.status_code in self._retry.retry_statuses and attempt < attempts:
+                await asyncio.sleep(self._retry.delay(attempt))
+                continue
+            body = _error_body(response)
+            hint = status_hint(response.status_code, body) if status_hint else None
+            raise ServerStatusError(method=method, url=url, status_code=response.status_code, body=body, hint=hint)
+        raise AssertionError("unreachable: the retry loop always returns or raises")
+
+
+def _map_transport(exc: httpx.TransportError, method: str, url: str) -> RequestTimeout | NetworkError:
+    if isinstance(exc, httpx.TimeoutException):
+        return RequestTimeout(f"{type(exc).__name__}: {exc or 'timed out'}", method=method, url=url)
+    return NetworkError(f"{type(exc).__name__}: {exc or 'connection failed'}", method=method, url=url)
+
+
+def _decode(response: httpx.Response, expect: str, url: str) -> Any:
+    if expect == "none":
+        return None
+    if expect == "text":
+        return response.text
+    try:
+        return json.loads(response.content)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        snippet = response.content[:200].decode("utf-8", "replace")
+        raise ResponseParseError(f"body is not JSON ({exc.msg if hasattr(exc, 'msg') else exc}): {snippet!r}", url=url) from exc
+
+
+def _error_body(response: httpx.Response) -> Any:
+    try:
+        return json.loads(response.content)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return response.content.decode("utf-8", "replace")

@@ -1,0 +1,299 @@
+"""Client configuration: immutable attrs classes, loaded from mappings or TOML/JSON files through cattrs.
+
+Every validation problem becomes one :class:`~backends_core.errors.ConfigError` whose ``messages`` name the
+field path (``$.timeouts.read``), so a bad config file says exactly what to fix.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import attrs
+import cattrs
+from cattrs.gen import make_dict_structure_fn, override
+
+from backends_core.errors import ConfigError
+
+__all__ = ["ClientConfig", "Limits", "RetryPolicy", "Timeouts"]
+
+_BACKEND_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def _positive_or_none(name: str) -> Any:
+    def check(_inst: Any, _attr: Any, value: float | None) -> None:
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a positive number of seconds or null, got {value!r}")
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class Timeouts:
+    """Seconds to wait; ``None`` means no limit.
+
+    :param connect: establishing a connection.
+    :param read: waiting for a data-plane response (a long generation is legitimate: default 10 min).
+    :param write: sending a request body.
+    :param pool: waiting for a free connection from the pool.
+    :param admin: whole admin request (weight updates on big models take long: default 30 min).
+    """
+
+    connect: float | None = attrs.field(default=10.0, validator=_positive_or_none("connect"))
+    read: float | None = attrs.field(default=600.0, validator=_positive_or_none("read"))
+    write: float | None = attrs.field(default=60.0, validator=_positive_or_none("write"))
+    pool: float | None = attrs.field(default=600.0, validator=_positive_or_none("pool"))
+    admin: float | None = attrs.field(default=1800.0, validator=_positive_or_none("admin"))
+
+
+@attrs.frozen(kw_only=True)
+class Limits:
+    """Connection pool sizes. The admin plane has its own small pool so weight syncs never queue behind
+    thousands of generation requests.
+
+    :param max_connections: data-plane connections across all servers.
+    :param max_keepalive_connections: idle data-plane connections kept open.
+    :param keepalive_expiry: seconds an idle connection is kept; keep it below the server's own keep-alive.
+    :param admin_max_connections: admin-plane connections.
+    """
+
+    max_connections: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
+    max_keepalive_connections: int = attrs.field(default=256, validator=attrs.validators.ge(0))
+    keepalive_expiry: float = attrs.field(default=4.0, validator=attrs.validators.ge(0))
+    admin_max_connections: int = attrs.field(default=32, validator=attrs.validators.ge(1))
+
+
+@attrs.frozen(kw_only=True)
+class RetryPolicy:
+    """Bounded retries for failures where the server certainly did not act on the request
+    (connection refused, connect timeout) and for the listed statuses.
+
+    :param attempts: total attempts, at least 1 (1 disables retries).
+    :param backoff: seconds before the first retry; doubles each time.
+    :param max_backoff: cap on one wait.
+    :param retry_statuses: statuses worth retrying (the server said "not now").
+    """
+
+    attempts: int = attrs.field(default=3, validator=attrs.validators.ge(1))
+    backoff: float = attrs.field(default=0.2, validator=attrs.validators.ge(0))
+    max_backoff: float = attrs.field(default=5.0, validator=attrs.validators.ge(0))
+    retry_statuses: tuple[int, ...] = (502, 503, 504)
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before retry number ``attempt`` (1-based)."""
+        return float(min(self.max_backoff, self.backoff * 2 ** (attempt - 1)))
+
+
+def _urls(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else list(value)
+    out = []
+    for url in items:
+        if not isinstance(url, str):
+            raise ValueError(f"a server URL must be a string, got {url!r}")
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"{url!r} is not an http(s) URL with a host")
+        out.append(url.rstrip("/"))
+    return tuple(out)
+
+
+def _check_backend(_inst: Any, _attr: Any, value: str) -> None:
+    if not _BACKEND_NAME.match(value):
+        raise ValueError(f"backend must match [a-z][a-z0-9_]* (an entry-point name), got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class ClientConfig:
+    """Everything a :class:`~backends_core.Client` needs.
+
+    :param backend: installed backend name (its entry-point name), e.g. ``"vllm"``.
+    :param base_url: one server URL or a list (a fleet); requests spread over them.
+    :param admin_base_url: admin URL per server when admin routes live elsewhere; same length as ``base_url``.
+    :param model: served model name sent with each request.
+    :param tokenizer: local path (or cached name) of the tokenizer with the chat template; loaded offline.
+        Needed only to render messages; ``None`` falls back to ``model``.
+    :param api_key_var: name of the environment variable holding the bearer token (never the key itself;
+        the key is never logged or shown in ``repr``).
+    :param headers: extra headers on every request.
+    :param timeouts: see :class:`Timeouts`; a number sets ``read``.
+    :param limits: see :class:`Limits`.
+    :param retry: see :class:`RetryPolicy`.
+    :param backend_options: backend-specific options, validated by the backend when the client opens.
+    """
+
+    backend: str = attrs.field(validator=_check_backend)
+    base_url: tuple[str, ...] = attrs.field(converter=_urls)
+    admin_base_url: tuple[str, ...] = attrs.field(default=(), converter=_urls)
+    model: str | None = None
+    tokenizer: str | None = None
+    api_key_var: str | None = attrs.field(default=None)
+    headers: Mapping[str, str] = attrs.field(factory=dict, converter=dict)
+    timeouts: Timeouts = attrs.field(factory=Timeouts)
+    limits: Limits = attrs.field(factory=Limits)
+    retry: RetryPolicy = attrs.field(factory=RetryPolicy)
+    backend_options: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
+
+    @base_url.validator
+    def _check_base_url(self, _attr: Any, value: tuple[str, ...]) -> None:
+        if not value:
+            raise ValueError("base_url needs at least one server URL")
+
+    @admin_base_url.validator
+    def _check_admin(self, _attr: Any, value: tuple[str, ...]) -> None:
+        if value and len(value) != len(self.base_url):
+            raise ValueError(
+                f"admin_base_url has {len(value)} URL(s) but base_url has {len(self.base_url)}: give one per server"
+            )
+
+    @api_key_var.validator
+    def _check_key_var(self, _attr: Any, value: str | None) -> None:
+        if value is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", value):
+            raise ValueError(f"api_key_var must be an environment variable NAME, got something else ({len(value)} chars)")
+
+    @property
+    def servers(self) -> tuple[tuple[str, str], ...]:
+        """``(base_url, admin_base_url)`` per server."""
+        return tuple(zip(self.base_url, self.admin_base_url or self.base_url, strict=True))
+
+    def api_key(self) -> str | None:
+        """The API key read from ``api_key_var``; raises :class:`ConfigError` when the variable is unset."""
+        if self.api_key_var is None:
+            return None
+        key = os.environ.get(self.api_key_var)
+        if not key:
+            raise ConfigError([f"environment variable {self.api_key_var} (api_key_var) is not set or empty"])
+        return key
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], *, source: str | None = None) -> ClientConfig:
+        """Build a config from plain data (parsed TOML/JSON); unknown keys are errors."""
+        if not isinstance(data, Mapping):
+            raise ConfigError([f"expected a table/object at $, got {type(data).__name__}"], source=source)
+        try:
+            return _converter.structure(dict(data), cls)
+        except Exception as exc:  # cattrs raises exception groups; attrs validators raise ValueError/TypeError
+            raise ConfigError(_messages(exc), source=source) from exc
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], *, section: str | None = None) -> ClientConfig:
+        """Load from a ``.toml`` or ``.json`` file; ``section`` picks a sub-table (e.g. ``"client"``)."""
+        p = Path(path)
+        try:
+            raw = p.read_bytes()
+        except OSError as exc:
+            raise ConfigError([f"cannot read config file: {exc}"], source=str(p)) from exc
+        try:
+            if p.suffix == ".toml":
+                data: Any = tomllib.loads(raw.decode())
+            elif p.suffix == ".json":
+                data = json.loads(raw)
+            else:
+                raise ConfigError([f"config files must end in .toml or .json, got {p.suffix!r}"], source=str(p))
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError([f"cannot parse: {exc}"], source=str(p)) from exc
+        if section is not None:
+            if not isinstance(data, dict) or section not in data:
+                raise ConfigError([f"no [{section}] section"], source=str(p))
+            data = data[section]
+        return cls.from_mapping(data, source=str(p))
+
+    def to_mapping(self) -> dict[str, Any]:
+        """Plain data that :meth:`from_mapping` reads back to an equal config."""
+        out: dict[str, Any] = _converter.unstructure(self)
+        return out
+
+
+def _messages(exc: BaseException) -> list[str]:
+    if isinstance(exc, cattrs.BaseValidationError):
+        return cattrs.transform_error(exc, path="$", format_exception=_format_exception)
+    return [f"{_format_exception(exc, None)} @ $"]
+
+
+def _format_exception(exc: BaseException, type_: Any) -> str:
+    if isinstance(exc, KeyError):
+        return f"required field missing{f' (expected {_type_name(type_)})' if type_ else ''}"
+    if isinstance(exc, cattrs.ForbiddenExtraKeysError):
+        return f"unknown field(s) {sorted(exc.extra_fields)}"
+    if isinstance(exc, ValueError | TypeError) and str(exc):
+        return str(exc)
+    return cattrs.v.format_exception(exc, type_)
+
+
+def _type_name(type_: Any) -> str:
+    return getattr(type_, "__name__", str(type_))
+
+
+def _structure_urls(value: Any, _type: Any) -> tuple[str, ...]:
+    if value is None or not (isinstance(value, str) or isinstance(value, list | tuple)):
+        raise ValueError(f"expected a URL string or a list of URL strings, got {value!r}")
+    return _urls(value)
+
+
+def _structure_str_map(value: Any, _type: Any) -> dict[str, str]:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise ValueError(f"expected a table of string -> string, got {value!r}")
+    return dict(value)
+
+
+def _structure_any_map(value: Any, _type: Any) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"expected a table, got {type(value).__name__}")
+    return dict(value)
+
+
+def _strict_number(value: Any, _type: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"expected a number, got {value!r}")
+    return float(value)
+
+
+def _strict_int(value: Any, _type: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected an integer, got {value!r}")
+    return value
+
+
+def _strict_str(value: Any, _type: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
+
+
+def _make_converter() -> cattrs.Converter:
+    conv = cattrs.Converter(forbid_extra_keys=True)
+    conv.register_structure_hook(float, _strict_number)
+    conv.register_structure_hook(int, _strict_int)
+    conv.register_structure_hook(str, _strict_str)
+
+    def timeouts_hook(value: Any, type_: Any) -> Timeouts:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return Timeouts(read=float(value))
+        return timeouts_fn(value, type_)
+
+    timeouts_fn = make_dict_structure_fn(Timeouts, conv, _cattrs_forbid_extra_keys=True)
+    conv.register_structure_hook(Timeouts, timeouts_hook)
+    conv.register_structure_hook(
+        ClientConfig,
+        make_dict_structure_fn(
+            ClientConfig,
+            conv,
+            _cattrs_forbid_extra_keys=True,
+            base_url=override(struct_hook=_structure_urls),
+            admin_base_url=override(struct_hook=_structure_urls),
+            headers=override(struct_hook=_structure_str_map),
+            backend_options=override(struct_hook=_structure_any_map),
+        ),
+    )
+    return conv
+
+
+_converter = _make_converter()

@@ -1,0 +1,75 @@
+"""cattrs converters for wire types. Each backend calls :func:`make_converter` and adds its own hooks;
+nobody touches a global converter.
+
+The core converter is strict where silent coercion would corrupt data: an int field refuses ``"12"``,
+``1.5`` and ``true``; a float field takes ints but not strings or booleans; ``str`` refuses numbers.
+Unknown keys in server responses are ignored (servers add fields); structuring errors are turned into one
+:class:`~backends_core.errors.ResponseParseError` naming the field path by :func:`structure_response`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import cattrs
+
+from backends_core.errors import ResponseParseError
+
+__all__ = ["make_converter", "structure_response"]
+
+T = TypeVar("T")
+
+
+def _int(value: Any, _t: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value
+
+
+def _float(value: Any, _t: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"expected a number, got {value!r}")
+    return float(value)
+
+
+def _str(value: Any, _t: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {value!r}")
+    return value
+
+
+def _bool(value: Any, _t: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"expected a boolean, got {value!r}")
+    return value
+
+
+def make_converter() -> cattrs.Converter:
+    """A fresh strict converter for one backend's wire types."""
+    conv = cattrs.Converter(omit_if_default=True)
+    conv.register_structure_hook(int, _int)
+    conv.register_structure_hook(float, _float)
+    conv.register_structure_hook(str, _str)
+    conv.register_structure_hook(bool, _bool)
+    return conv
+
+
+def structure_response(converter: cattrs.Converter, raw: Any, cls: type[T], *, url: str | None = None) -> T:
+    """Structure a response body into ``cls``; any mismatch becomes a :class:`ResponseParseError` whose
+    detail lists each bad field path (``$.samples[0].output_ids[3]: expected an integer, got '7'``)."""
+    try:
+        return converter.structure(raw, cls)
+    except Exception as exc:
+        if isinstance(exc, cattrs.BaseValidationError):
+            detail = "; ".join(cattrs.transform_error(exc, path="$", format_exception=_format))
+        else:
+            detail = f"{type(exc).__name__}: {exc} @ $"
+        raise ResponseParseError(detail, url=url) from exc
+
+
+def _format(exc: BaseException, type_: Any) -> str:
+    if isinstance(exc, KeyError):
+        return "required field missing"
+    if isinstance(exc, TypeError | ValueError) and str(exc):
+        return str(exc)
+    return cattrs.v.format_exception(exc, type_)

@@ -1,0 +1,203 @@
+"""BackendDriver: the typed facade over the plugin manager. The rest of the core calls hooks only here.
+
+It passes every spec argument by keyword, awaits async hooks, raises
+:class:`~backends_core.errors.UnsupportedOperationError` for optional hooks the backend lacks, enforces the
+result invariants every backend promises (one finite float32 logprob per completion id, ``n`` samples), and
+reports each call to ``observe`` plugins.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+import pluggy
+
+from backends_core import hookspecs
+from backends_core._http import Server
+from backends_core.config import ClientConfig
+from backends_core.errors import BackendError, ConfigError, ResponseParseError, UnsupportedOperationError
+from backends_core.events import Event, EventKind
+from backends_core.plugins import implemented_hooks, make_plugin_manager
+from backends_core.types import (
+    GenerateRequest,
+    GenerateResult,
+    Message,
+    TeacherLogprobs,
+    TeacherRequest,
+)
+
+__all__ = ["BackendDriver"]
+
+T = TypeVar("T")
+
+#: Optional hooks that count as capabilities.
+CAPABILITY_HOOKS = frozenset(
+    name for name in hookspecs.__all__ if name not in hookspecs.REQUIRED_HOOKS | hookspecs.INFRASTRUCTURE_HOOKS
+)
+
+
+class BackendDriver:
+    """One backend, loaded and validated, behind typed methods.
+
+    :param config: the client's configuration; ``config.backend`` selects the backend.
+    :param plugin: register this object as the backend instead of its entry point.
+    :param extra_plugins: cross-cutting plugins registered next to the backend.
+    """
+
+    def __init__(self, config: ClientConfig, *, plugin: object | None = None, extra_plugins: Sequence[object] = ()) -> None:
+        self.config = config
+        self.backend = config.backend
+        self.pm: pluggy.PluginManager = make_plugin_manager(config.backend, plugin=plugin, extra_plugins=extra_plugins)
+        backend_plugin = self.pm.get_plugin(config.backend)
+        #: Optional operations this backend implements (hook names).
+        self.capabilities: frozenset[str] = implemented_hooks(self.pm, backend_plugin) & CAPABILITY_HOOKS
+        self.options = self._validate_options(config.backend_options)
+
+    def _validate_options(self, options: Mapping[str, Any]) -> Any:
+        if not self.pm.hook.validate_backend_options.get_hookimpls():
+            if options:
+                raise ConfigError([f"backend {self.backend!r} takes no options, got {sorted(options)} @ $.backend_options"])
+            return dict(options)
+        return self.pm.hook.validate_backend_options(options=dict(options), config=self.config)
+
+    def supports(self, operation: str) -> bool:
+        return operation in self.capabilities
+
+    def require(self, operation: str) -> None:
+        if operation not in self.capabilities:
+            raise UnsupportedOperationError(self.backend, operation)
+
+    def emit(self, kind: EventKind, operation: str, server: str | None, started: float, error: BaseException | None, **detail: object) -> None:
+        if self.pm.hook.observe.get_hookimpls():
+            self.pm.hook.observe(
+                event=Event(kind=kind, operation=operation, backend=self.backend, server=server,
+                            duration_s=time.perf_counter() - started, error=error, detail=detail)
+            )
+
+    async def _observed(self, kind: EventKind, operation: str, server: Server, call: Callable[[], Awaitable[T]]) -> T:
+        started = time.perf_counter()
+        try:
+            result = await call()
+        except BaseException as exc:
+            self.emit(kind, operation, server.base_url, started, exc)
+            raise
+        self.emit(kind, operation, server.base_url, started, None)
+        return result
+
+    # -- request pipeline --------------------------------------------------------------------------
+
+    def render(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None,
+        chat_template_kwargs: Mapping[str, Any],
+        add_generation_prompt: bool,
+        tokenizer: Any,
+    ) -> list[int]:
+        ids = self.pm.hook.render(
+            messages=messages, tools=tools, chat_template_kwargs=chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt, tokenizer=tokenizer, config=self.config,
+        )
+        return list(ids)
+
+    def prepare_request(self, request: GenerateRequest) -> GenerateRequest:
+        prepared = self.pm.hook.prepare_request(request=request, config=self.config)
+        if not isinstance(prepared, GenerateRequest):
+            raise TypeError(f"prepare_request returned {type(prepared).__name__}, expected GenerateRequest")
+        return prepared
+
+    async def generate(self, server: Server, request: GenerateRequest) -> list[GenerateResult]:
+        """``post_generate`` then ``parse_response``, with the result invariants checked."""
+        started = time.perf_counter()
+        try:
+            raw = await self.pm.hook.post_generate(server=server, request=request, config=self.config, options=self.options)
+            results = self._parse(raw, request, server)
+        except BaseException as exc:
+            self.emit("generate", "generate", server.base_url, started, exc)
+            raise
+        self.emit("generate", "generate", server.base_url, started, None,
+                   prompt_tokens=len(request.prompt_ids), completion_tokens=sum(len(r.completion_ids) for r in results))
+        return results
+
+    def _parse(self, raw: Any, request: GenerateRequest, server: Server) -> list[GenerateResult]:
+        try:
+            results = self.pm.hook.parse_response(
+                raw=raw, request=request, server_url=server.base_url, config=self.config, options=self.options
+            )
+        except BackendError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            raise ResponseParseError(f"backend {self.backend!r} could not parse the body: {type(exc).__name__}: {exc}",
+                                     url=server.base_url) from exc
+        if not isinstance(results, list) or len(results) != request.sampling.n:
+            got = len(results) if isinstance(results, list) else type(results).__name__
+            raise ResponseParseError(f"expected {request.sampling.n} sample(s), got {got}", url=server.base_url)
+        for i, result in enumerate(results):
+            check_result(result, where=f"sample {i}", url=server.base_url)
+        return results
+
+    async def teacher_logprobs(self, server: Server, request: TeacherRequest) -> TeacherLogprobs:
+        self.require("teacher_logprobs")
+
+        async def call() -> TeacherLogprobs:
+            result: TeacherLogprobs = await self.pm.hook.teacher_logprobs(
+                server=server, request=request, config=self.config, options=self.options
+            )
+            check_teacher(result, request, url=server.base_url)
+            return result
+
+        return await self._observed("teacher_logprobs", "teacher_logprobs", server, call)
+
+    async def admin(self, operation: str, server: Server, **kwargs: Any) -> Any:
+        """Call ``admin_<operation>`` with ``kwargs`` plus ``server``, ``config`` and ``options``."""
+        hook_name = f"admin_{operation}"
+        self.require(hook_name)
+        hook = getattr(self.pm.hook, hook_name)
+
+        async def call() -> Any:
+            result = await hook(server=server, config=self.config, options=self.options, **kwargs)
+            if result is None:
+                raise ResponseParseError(f"backend {self.backend!r} returned nothing from {hook_name}", url=server.admin_url)
+            return result
+
+        return await self._observed("admin", hook_name, server, call)
+
+
+def check_result(result: GenerateResult, *, where: str, url: str | None) -> None:
+    """Enforce what every backend promises about a sample; raise :class:`ResponseParseError` otherwise."""
+    if not isinstance(result, GenerateResult):
+        raise ResponseParseError(f"{where}: backend returned {type(result).__name__}, expected GenerateResult", url=url)
+    lp = result.logprobs
+    if not isinstance(lp, np.ndarray) or lp.dtype != np.float32 or lp.ndim != 1:
+        raise ResponseParseError(f"{where}: logprobs must be a 1-D float32 array", url=url)
+    if lp.shape[0] != len(result.completion_ids):
+        raise ResponseParseError(
+            f"{where}: {lp.shape[0]} logprobs for {len(result.completion_ids)} completion ids", url=url
+        )
+    if lp.size and not np.isfinite(lp).all():
+        bad = int(np.flatnonzero(~np.isfinite(lp))[0])
+        raise ResponseParseError(f"{where}: logprob at completion position {bad} is {lp[bad]} (not finite)", url=url)
+    if result.top_logprobs is not None and len(result.top_logprobs) != len(result.completion_ids):
+        raise ResponseParseError(f"{where}: {len(result.top_logprobs)} top-logprob rows for {len(result.completion_ids)} ids", url=url)
+    re = result.routed_experts
+    if re is not None:
+        expected = len(result.prompt_ids) + len(result.completion_ids) - 1 - re.start
+        if re.experts.ndim != 3 or re.num_tokens != expected:
+            raise ResponseParseError(
+                f"{where}: routed_experts has shape {re.experts.shape} from position {re.start}; expected {expected} rows", url=url
+            )
+
+
+def check_teacher(result: TeacherLogprobs, request: TeacherRequest, *, url: str | None) -> None:
+    """Enforce the teacher-logprob contract: float32, one per token, NaN at 0, finite elsewhere."""
+    if not isinstance(result, TeacherLogprobs):
+        raise ResponseParseError(f"teacher_logprobs returned {type(result).__name__}, expected TeacherLogprobs", url=url)
+    lp = result.logprobs
+    if lp.dtype != np.float32 or lp.shape != (len(request.token_ids),):
+        raise ResponseParseError(f"teacher logprobs must be float32 of shape ({len(request.token_ids)},), got {lp.dtype} {lp.shape}", url=url)
+    if not np.isnan(lp[0]) or not np.isfinite(lp[1:]).all():
+        raise ResponseParseError("teacher logprobs must be NaN at position 0 and finite elsewhere", url=url)

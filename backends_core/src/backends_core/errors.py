@@ -1,0 +1,232 @@
+"""Every exception backends raises, in one place.
+
+::
+
+    BackendError                                  base of everything this framework raises
+    ├── ConfigError (ValueError)                  bad ClientConfig / backend_options; ``.messages`` has field paths
+    ├── BackendNotFoundError (LookupError)        no installed backend has that name; lists installed ones,
+    │                                             suggests close names, gives the ``pip install`` hint
+    ├── BackendConflictError                      two distributions register the same backend name
+    ├── BackendLoadError (ImportError)            the selected backend failed to import (chained)
+    ├── BackendValidationError                    the backend's hooks don't fit the contract; ``.missing``
+    ├── UnsupportedOperationError (NotImplementedError)
+    │                                             optional hook not implemented; ``.backend``, ``.operation``
+    ├── InvalidRequestError (ValueError)          a caller's arguments are wrong (checked before sending)
+    ├── RenderError (ValueError)                  messages could not be rendered to prompt ids
+    ├── BridgeError                               multi-turn: the new prompt cannot be proven to extend the
+    │                                             previous turn's exact ids; ``.reason``
+    ├── RequestError                              talking to a server failed; ``.method``, ``.url``
+    │   ├── TransportError
+    │   │   ├── RequestTimeout                    connect/read/write/pool timeout
+    │   │   └── NetworkError                      connection refused/reset, protocol error
+    │   └── ServerStatusError                     non-2xx answer; ``.status_code``, ``.body`` (server's words)
+    ├── ResponseParseError (ValueError)           a 2xx body does not match the wire shape; ``.url``, ``.detail``
+    └── AdminError                                an admin operation failed on one or more servers;
+                                                  ``.results`` holds every server's outcome
+
+Backends raise :class:`RenderError`, :class:`ResponseParseError`, :class:`InvalidRequestError` and
+:class:`ConfigError` themselves; HTTP failures are mapped to :class:`RequestError` subclasses at one
+choke point (:mod:`backends_core._http`), so a backend never constructs them.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from backends_core.fleet import ServerOutcome
+
+__all__ = [
+    "AdminError",
+    "BackendConflictError",
+    "BackendError",
+    "BackendLoadError",
+    "BackendNotFoundError",
+    "BackendValidationError",
+    "BridgeError",
+    "ConfigError",
+    "InvalidRequestError",
+    "NetworkError",
+    "RenderError",
+    "RequestError",
+    "RequestTimeout",
+    "ResponseParseError",
+    "ServerStatusError",
+    "TransportError",
+    "UnsupportedOperationError",
+]
+
+#: The umbrella distribution's extras, used for the install hint of an unknown backend.
+FIRST_PARTY_EXTRAS = ("vllm", "dynamo", "sglang")
+
+
+class BackendError(Exception):
+    """Base class of every error raised by backends."""
+
+
+class ConfigError(BackendError, ValueError):
+    """A configuration value is invalid.
+
+    :ivar messages: one readable line per problem, each naming its field path (``$.timeouts.read``).
+    """
+
+    def __init__(self, messages: Sequence[str] | str, *, source: str | None = None) -> None:
+        self.messages = [messages] if isinstance(messages, str) else list(messages)
+        self.source = source
+        where = f" in {source}" if source else ""
+        super().__init__(f"invalid configuration{where}: " + "; ".join(self.messages))
+
+
+class BackendNotFoundError(BackendError, LookupError):
+    """No installed backend is registered under the requested name."""
+
+    def __init__(self, name: str, available: Iterable[str]) -> None:
+        self.name = name
+        self.available = sorted(available)
+        self.suggestions = difflib.get_close_matches(name, self.available, n=3, cutoff=0.6)
+        parts = [f"no backend named {name!r} is installed"]
+        parts.append("installed: " + (", ".join(self.available) if self.available else "none"))
+        if self.suggestions:
+            parts.append("did you mean " + " or ".join(repr(s) for s in self.suggestions) + "?")
+        if name in FIRST_PARTY_EXTRAS:
+            parts.append(f'install it with: pip install "backends[{name}]"')
+        else:
+            parts.append(f'first-party backends install with: pip install "backends[{",".join(FIRST_PARTY_EXTRAS)}]"')
+        super().__init__("; ".join(parts))
+
+
+class BackendConflictError(BackendError):
+    """Two installed distributions register the same backend name."""
+
+    def __init__(self, name: str, distributions: Sequence[str]) -> None:
+        self.name = name
+        self.distributions = list(distributions)
+        super().__init__(
+            f"backend name {name!r} is registered by several distributions: {', '.join(self.distributions)}; "
+            "uninstall all but one"
+        )
+
+
+class BackendLoadError(BackendError, ImportError):
+    """The selected backend's entry point failed to import; the original error is chained."""
+
+    def __init__(self, name: str, target: str, cause: BaseException) -> None:
+        self.backend = name
+        self.target = target
+        super().__init__(f"backend {name!r} ({target}) failed to load: {type(cause).__name__}: {cause}")
+
+
+class BackendValidationError(BackendError):
+    """The backend does not satisfy the driver contract (bad hook signature, missing required hooks)."""
+
+    def __init__(self, backend: str, message: str, *, missing: Sequence[str] = ()) -> None:
+        self.backend = backend
+        self.missing = list(missing)
+        super().__init__(f"backend {backend!r} is invalid: {message}")
+
+
+class UnsupportedOperationError(BackendError, NotImplementedError):
+    """The backend does not implement this optional operation."""
+
+    def __init__(self, backend: str, operation: str, *, hint: str | None = None) -> None:
+        self.backend = backend
+        self.operation = operation
+        msg = f"backend {backend!r} does not support {operation!r}"
+        super().__init__(msg + (f": {hint}" if hint else ""))
+
+
+class InvalidRequestError(BackendError, ValueError):
+    """The caller's arguments are invalid; raised before anything is sent."""
+
+
+class RenderError(BackendError, ValueError):
+    """Messages could not be rendered into prompt token ids."""
+
+
+class BridgeError(BackendError):
+    """A multi-turn prompt could not be proven to extend the previous turn's exact token ids.
+
+    :ivar reason: a short machine-readable key (also the counter name in ``BridgeStats``).
+    """
+
+    def __init__(self, reason: str, detail: str) -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"multi-turn bridge failed ({reason}): {detail}")
+
+
+class RequestError(BackendError):
+    """Talking to a server failed.
+
+    :ivar method: HTTP method of the failed request.
+    :ivar url: full URL of the failed request.
+    """
+
+    def __init__(self, message: str, *, method: str, url: str) -> None:
+        self.method = method
+        self.url = url
+        super().__init__(f"{message} ({method} {url})")
+
+
+class TransportError(RequestError):
+    """The request did not complete at the transport level."""
+
+
+class RequestTimeout(TransportError):
+    """A connect, read, write or pool timeout expired."""
+
+
+class NetworkError(TransportError):
+    """The connection failed (refused, reset, closed mid-response, protocol violation)."""
+
+
+class ServerStatusError(RequestError):
+    """The server answered with a non-2xx status.
+
+    :ivar status_code: the HTTP status.
+    :ivar body: the server's error body, decoded as JSON when possible, else text.
+    """
+
+    def __init__(self, *, method: str, url: str, status_code: int, body: Any, hint: str | None = None) -> None:
+        self.status_code = status_code
+        self.body = body
+        self.hint = hint
+        text = body if isinstance(body, str) else repr(body)
+        if len(text) > 2000:
+            text = text[:2000] + "…"
+        message = f"server answered {status_code}: {text}"
+        if hint:
+            message += f"; hint: {hint}"
+        super().__init__(message, method=method, url=url)
+
+
+class ResponseParseError(BackendError, ValueError):
+    """A 2xx response body does not have the expected wire shape.
+
+    :ivar url: where the body came from (may be ``None`` when parsing offline).
+    :ivar detail: what was wrong, naming the field path.
+    """
+
+    def __init__(self, detail: str, *, url: str | None = None) -> None:
+        self.detail = detail
+        self.url = url
+        super().__init__(f"unexpected response{f' from {url}' if url else ''}: {detail}")
+
+
+class AdminError(BackendError):
+    """An admin operation failed on at least one server.
+
+    :ivar operation: the admin operation's name.
+    :ivar results: every server's :class:`~backends_core.fleet.ServerOutcome`, successes included.
+    """
+
+    def __init__(self, operation: str, results: Sequence[ServerOutcome[Any]]) -> None:
+        self.operation = operation
+        self.results = list(results)
+        failed = [r for r in self.results if r.error is not None]
+        lines = [f"{r.server}: {type(r.error).__name__}: {r.error}" for r in failed]
+        super().__init__(
+            f"{operation} failed on {len(failed)} of {len(self.results)} server(s): " + " | ".join(lines)
+        )

@@ -1,0 +1,439 @@
+"""The driver contract: every hook a backend may implement, and the only place hooks are declared.
+
+Call order for one generation::
+
+    prepare_request (wrappers may rewrite) ──> render (messages -> ids; core default) ──>
+    post_generate (async: payload -> server -> raw JSON) ──> parse_response (raw -> results)
+
+``teacher_logprobs`` and the ``admin_*`` family are called on demand. ``observe`` sees every finished call.
+
+Rules every hook follows:
+
+* All specs are ``firstresult``: one backend is registered per client, and its answer is the answer.
+  Returning ``None`` declines (only meaningful for hooks with a core default).
+* Sync hooks are pure (no I/O). Async hooks do I/O only through the :class:`~backends_core._http.Server`
+  they are given, which maps every HTTP failure to a :mod:`backends_core.errors` type.
+* Required hooks: ``post_generate`` and ``parse_response``. Every other hook is optional; the optional
+  hooks a backend implements are its *capabilities*, and calling a missing one raises
+  :class:`~backends_core.errors.UnsupportedOperationError`.
+* Arguments are passed by keyword; an implementation may accept any subset of them.
+* ``options`` is whatever the backend's ``validate_backend_options`` returned (the raw mapping if it has
+  none and the mapping is empty).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from backends_core._http import Server
+    from backends_core.config import ClientConfig
+    from backends_core.events import Event
+    from backends_core.types import (
+        DistributedGroup,
+        GenerateRequest,
+        GenerateResult,
+        LoraAdapter,
+        Message,
+        PauseMode,
+        ServerState,
+        TeacherLogprobs,
+        TeacherRequest,
+        TensorSpec,
+    )
+
+#: pluggy project name; implementation markers are stored as ``backends_core_impl`` on functions.
+PROJECT_NAME = "backends_core"
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+#: Hooks every backend must implement.
+REQUIRED_HOOKS = frozenset({"post_generate", "parse_response"})
+#: Hooks that are not backend capabilities (core defaults, cross-cutting plugins).
+INFRASTRUCTURE_HOOKS = frozenset({"render", "prepare_request", "observe", "validate_backend_options"})
+
+__all__ = [
+    "admin_abort",
+    "admin_flush_cache",
+    "admin_health",
+    "admin_init_weight_transfer",
+    "admin_load_lora",
+    "admin_pause",
+    "admin_ready",
+    "admin_resume",
+    "admin_sleep",
+    "admin_state",
+    "admin_unload_lora",
+    "admin_update_weights",
+    "admin_update_weights_distributed",
+    "admin_wake",
+    "observe",
+    "parse_response",
+    "post_generate",
+    "prepare_request",
+    "render",
+    "teacher_logprobs",
+    "validate_backend_options",
+]
+
+
+# -- Configuration --------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def validate_backend_options(options: Mapping[str, Any], config: ClientConfig) -> Any:
+    """Validate ``ClientConfig.backend_options`` and return the backend's typed options object.
+
+    Called once when a :class:`~backends_core.Client` opens. Mode: sync, pure. Required: no; without it,
+    a non-empty ``backend_options`` is a :class:`~backends_core.errors.ConfigError` (nothing is silently
+    ignored).
+
+    :param options: the raw ``backend_options`` mapping.
+    :param config: the client's configuration.
+    :returns: the options object later passed to every hook as ``options``.
+    Raises: :class:`~backends_core.errors.ConfigError` naming each bad key (``$.backend_options.<key>``).
+
+    .. versionadded:: 0.1
+    """
+
+
+# -- Request pipeline -----------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def prepare_request(request: GenerateRequest, config: ClientConfig) -> GenerateRequest | None:
+    """Last chance to rewrite a request before it is sent (cache salts, priorities, request ids).
+
+    Called once per generate call, after rendering. Mode: sync, pure. Required: no (the core returns the
+    request unchanged). Cross-cutting plugins implement it as ``@hookimpl(wrapper=True)``: ``request =
+    yield`` gives the inner result, and what the wrapper returns replaces it, so several wrappers chain.
+
+    :param request: the request about to be sent (already holds ``prompt_ids``).
+    :param config: the client's configuration.
+    :returns: the request to send.
+    Raises: :class:`~backends_core.errors.InvalidRequestError`.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def render(
+    messages: Sequence[Message],
+    tools: Sequence[Mapping[str, Any]] | None,
+    chat_template_kwargs: Mapping[str, Any],
+    add_generation_prompt: bool,
+    tokenizer: Any,
+    config: ClientConfig,
+) -> list[int] | None:
+    """Render chat messages to prompt token ids with the model's chat template.
+
+    Called for ``generate(messages=...)`` and by the multi-turn bridge. Mode: sync, pure. Required: no: the
+    core's default (``trylast``) applies the tokenizer's chat template; implement it only when the server
+    expects something else.
+
+    :param messages: chat messages (``role``, ``content``, ``tool_calls``, ``reasoning_content``...).
+    :param tools: tool schemas to render into the prompt, or ``None``.
+    :param chat_template_kwargs: extra template variables (e.g. ``enable_thinking``).
+    :param add_generation_prompt: end with the assistant header so the model answers.
+    :param tokenizer: the transformers tokenizer of ``config.tokenizer``.
+    :param config: the client's configuration.
+    :returns: prompt token ids.
+    Raises: :class:`~backends_core.errors.RenderError`.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+async def post_generate(server: Server, request: GenerateRequest, config: ClientConfig, options: Any) -> Any:
+    """Build the server's wire payload for ``request``, send it, and return the decoded JSON body.
+
+    Called once per generate call. Mode: async I/O through ``server``. Required: yes.
+
+    :param server: the server chosen for this call.
+    :param request: prompt ids, sampling and per-request fields; every sampling field must be sent
+        explicitly.
+    :param config: the client's configuration (``model`` is the default served model name).
+    :param options: the validated backend options.
+    :returns: the decoded response body, handed to :func:`parse_response` unchanged.
+    Raises: :class:`~backends_core.errors.InvalidRequestError` (not expressible for this server);
+        :class:`~backends_core.errors.RequestError` subclasses come from ``server.request``.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def parse_response(raw: Any, request: GenerateRequest, server_url: str, config: ClientConfig, options: Any) -> list[GenerateResult] | None:
+    """Turn a raw generate response into one :class:`~backends_core.types.GenerateResult` per sample.
+
+    Mode: sync, pure (golden-file testable). Required: yes. The result must hold exactly one finite
+    float32 logprob per completion id taken from the engine's own channel, and routed experts decoded with
+    :func:`backends_core.routed_experts.decode_routed_experts` and trimmed to
+    ``request.routed_experts_start``.
+
+    :param raw: what :func:`post_generate` returned.
+    :param request: the request that produced it.
+    :param server_url: the server's base URL (recorded on each result).
+    :param config: the client's configuration.
+    :param options: the validated backend options.
+    :returns: ``request.sampling.n`` results, in sample order.
+    Raises: :class:`~backends_core.errors.ResponseParseError` naming the offending field.
+
+    .. versionadded:: 0.1
+    """
+
+
+# -- Teacher --------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+async def teacher_logprobs(server: Server, request: TeacherRequest, config: ClientConfig, options: Any) -> TeacherLogprobs | None:
+    """Score a given token sequence: the logprob of each token given its prefix.
+
+    Mode: async I/O. Required: no (capability ``teacher_logprobs``).
+
+    :param server: the server to ask.
+    :param request: the ids to score and how many alternatives to return.
+    :param config: the client's configuration.
+    :param options: the validated backend options.
+    :returns: float32 logprobs of length ``len(request.token_ids)`` with NaN at position 0.
+    Raises: :class:`~backends_core.errors.ResponseParseError`; request errors from ``server``.
+
+    .. versionadded:: 0.1
+    """
+
+
+# -- Admin ----------------------------------------------------------------------------------------
+# Every admin hook: Mode: async I/O on the admin plane. Required: no. Returns normally only when the
+# server confirmed the operation; any refusal raises (never "ok" on a failure).
+
+
+@hookspec(firstresult=True)
+async def admin_health(server: Server, config: ClientConfig, options: Any) -> bool | None:
+    """Is the server process alive and answering?
+
+    :param server: the server to ask.
+    :param config: the client's configuration.
+    :param options: the validated backend options.
+    :returns: ``True`` when healthy, ``False`` when the server answered that it is unhealthy.
+    Raises: request errors when it cannot be reached.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+async def admin_ready(server: Server, config: ClientConfig, options: Any) -> bool | None:
+    """Can the server take generation requests now (model loaded, not paused or asleep)?
+
+    :param server: the server to ask.
+    :param config: the client's configuration.
+    :param options: the validated backend options.
+    :returns: ``True`` when ready.
+    Raises: request errors when it cannot be reached.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+async def admin_pause(server: Server, mode: PauseMode, config: ClientConfig, options: Any) -> bool | None:
+    """Stop scheduling generation.
+
+    :param server: the server to pause.
+    :param mode: ``"abort"`` ends in-flight requests now (finish reason ``abort``); ``"wait"`` returns once
+        they complete; ``"keep"`` freezes them to continue after resume.
+    :param config: the client's configuration.
+    :param options: the validated backend options.
+    :returns: ``True`` once the server confirmed the pause.
+    Raises: :class:`~backends_core.errors.UnsupportedOperationError` for a mode the server lacks; request
+        errors.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+async def admin_resume(server: Server, config: ClientConfig, options: Any) -> bool | None:
+    """Resume scheduling after :func:`admin_pause`.
+
+    :param server: the server to resume.
+    :param config: the client's configuration.
+    :param options: the validated backend options.
+    :returns: ``True`` once confirmed.
+    Raises: request errors.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+async def admin_flush_cache(server: Server, config: ClientConfig, options: Any) -> bool | None:
+    """Drop the prefix (KV) cache so no stale entries survive a weight update.
+
+    :param server: the server to flush.
+    :param config: the client's configuration.
+    :param options: the validated backend options.
+    :returns: ``True`` once the server confirmed the flush.
+    Raises: :class:`~backends_core.errors.ServerStatusError` when the server refuses (e.g. requests in flight).
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+async def admin_update_weights(server: Server, path: str, version: str | None, config: ClientConfig, options: Any) -> bool | None:
+    """Load new weights from a directory the server can read.
+
+    :param server: the server to update.
+    :param path: checkpoint directory as seen by the server.
+    :param version: weight version to report afterwards, or ``None`` to leave it to the server.
+    :param config: the client's configuration.
+    :param options: the validated backend options.
+    :returns: ``True`` once the server confirmed the load.
+    Raises: request errors (a refused load is a :class:`~backends_core.errors.ServerStatusError`).
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+async def admin_init_weight_transfer(server: Server, group: DistributedGroup, config: ClientConfig, options: Any) -> bool | None:
+    """Join a trainer-to-server weight-transfer group (NCCL or similar).
+
+    :param server: the server that joins.
+    :param group: rendezvous address, world size, this server's rank offset, group name.
+    :param config: the client's configuration.
+    :param options: the validated backend options.
+    :returns: ``True`` once the server joined.
+    Raises: request errors.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+async def admin_update_weights_distributed(
+    server: Server, group_name: str, tensors: Sequence[TensorSpec], version: str | None, config: ClientConfig, options: Any
+) -> bool | None:
+    """Receive named tensors through a group set up by :func:`admin_init_weight_transfer`.
+
+    :param server: the server that receives.
+    :param group_name: the group to receive on.
+    :param tensors: name, dtype and shape of each tensor, in broadcast order.
+    :param version: weight version to report afterwards, or ``None``.
+    :param config: the client's configuration.
+    :param options: the validated backend options.
+    :returns: ``True`` once the server applied them.
+    Raises: request errors.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+async def admin_load_lora(server: Server, adapter: LoraAdapter, config: ClientConfig, options: Any) -> bool | None:
+    """Load a LoRA adapter, or hot-swap it in place when ``adapter.replace`` and the name is loaded.
+
+    :param server: the server to load on.
+    :param adapter: name, path and replace flag.
+    :param config: the client's configuration.
+    :param options: the validated backend options.
+    :returns: ``True`` once loaded.
+    Raises: request errors (unknown path, duplicate name without ``replace``).
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+async def admin_unload_lora(server: Server, name: str, config: ClientConfig, options: Any) -> bool | None:
+    """Unload a LoRA adapter by name.
+
+    :param server: the server to unload from.
+    :param name: the adapter's name.
+    :param config: the client's configuration.
+    :param options: the validated backend options.
+    :returns: ``True`` once unloaded.
+    Raises: request errors (unknown name).
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+async def admin_state(server: Server, config: ClientConfig, options: Any) -> ServerState | None:
+    """Read the server's admin state: paused, sleeping, weight version, in-flight requests, LoRAs.
+
+    :param server: the server to ask.
+    :param config: the client's configuration.
+    :param options: the validated backend options.
+    :returns: what the server exposes; unknown fields stay ``None``.
+    Raises: request errors; :class:`~backends_core.errors.ResponseParseError`.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+async def admin_sleep(server: Server, level: int, config: ClientConfig, options: Any) -> bool | None:
+    """Release accelerator memory (level 1: offload weights, level 2: discard them).
+
+    :param server: the server to put to sleep.
+    :param level: 1 or 2.
+    :param config: the client's configuration.
+    :param options: the validated backend options.
+    :returns: ``True`` once asleep.
+    Raises: request errors.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+async def admin_wake(server: Server, config: ClientConfig, options: Any) -> bool | None:
+    """Wake a sleeping server.
+
+    :param server: the server to wake.
+    :param config: the client's configuration.
+    :param options: the validated backend options.
+    :returns: ``True`` once awake.
+    Raises: request errors.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+async def admin_abort(server: Server, request_ids: Sequence[str] | None, config: ClientConfig, options: Any) -> int | None:
+    """Abort requests by the ids callers gave them, or all of them.
+
+    :param server: the server to abort on.
+    :param request_ids: caller-given ids (the backend adds any server-side prefix), or ``None`` for all.
+    :param config: the client's configuration.
+    :param options: the validated backend options.
+    :returns: how many requests the server reports aborted (``-1`` when it does not say).
+    Raises: request errors.
+
+    .. versionadded:: 0.1
+    """
+
+
+# -- Observation ----------------------------------------------------------------------------------
+
+
+@hookspec
+def observe(event: Event) -> None:
+    """See every finished call (metrics, tracing, logging). All implementations are called.
+
+    Mode: sync; must not block or raise (an exception propagates to the caller). Required: no.
+
+    :param event: what happened, where, how long it took, and the error if it failed.
+
+    .. versionadded:: 0.1
+    """

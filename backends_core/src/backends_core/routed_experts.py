@@ -1,0 +1,147 @@
+"""Decoding MoE routed experts (router replay), shared by every backend.
+
+Servers send routing as base64, either raw little-endian bytes (SGLang: int32) or a ``.npy`` file (vLLM).
+:func:`decode_routed_experts` base64-decodes once and views the bytes with ``np.frombuffer``: no second
+copy of the payload, whatever its size. The returned array is read-only (it views the decoded bytes).
+:func:`align_routed_experts` checks the row count against the sequence and trims to the requested start
+even when the server ignored it.
+"""
+
+from __future__ import annotations
+
+import ast
+import binascii
+import math
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from backends_core.errors import ResponseParseError
+from backends_core.types import RoutedExperts
+
+__all__ = ["ALLOWED_DTYPES", "align_routed_experts", "decode_routed_experts"]
+
+#: Integer dtypes servers use for expert ids.
+ALLOWED_DTYPES = frozenset({np.dtype("uint8"), np.dtype("uint16"), np.dtype("int16"), np.dtype("int32")})
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+def decode_routed_experts(
+    payload: str | bytes,
+    *,
+    num_layers: int | None = None,
+    top_k: int | None = None,
+    dtype: str | np.dtype[Any] = "int32",
+    num_experts: int | None = None,
+    field: str = "routed_experts",
+) -> npt.NDArray[np.integer[Any]]:
+    """Decode a base64 routing payload into ``[tokens, layers, top_k]``.
+
+    ``.npy`` payloads carry their own dtype and shape; raw payloads use ``dtype`` and need ``num_layers``
+    and ``top_k`` to infer the token count.
+
+    :param payload: the base64 text from the JSON body (``str`` is decoded without re-encoding).
+    :param num_layers: expected layers (checked against ``.npy`` shapes too).
+    :param top_k: expected experts per token.
+    :param dtype: dtype of raw payloads.
+    :param num_experts: when given, every id must be in ``[0, num_experts)``.
+    :param field: name used in error messages.
+    :raises ResponseParseError: bad base64, unsupported dtype, byte count not matching the shape, ids out
+        of range.
+    """
+    if not isinstance(payload, str | bytes):
+        raise ResponseParseError(f"{field} must be a base64 string, got {type(payload).__name__}")
+    try:
+        raw = binascii.a2b_base64(payload, strict_mode=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ResponseParseError(f"{field} is not valid base64: {exc}") from exc
+    if raw.startswith(_NPY_MAGIC):
+        array = _from_npy(raw, field)
+    else:
+        array = _from_raw(raw, np.dtype(dtype), num_layers, top_k, field)
+    if array.ndim != 3:
+        raise ResponseParseError(f"{field} must have 3 dimensions [tokens, layers, top_k], got shape {array.shape}")
+    if num_layers is not None and array.shape[1] != num_layers:
+        raise ResponseParseError(f"{field} has {array.shape[1]} layers, expected {num_layers}")
+    if top_k is not None and array.shape[2] != top_k:
+        raise ResponseParseError(f"{field} has top_k {array.shape[2]}, expected {top_k}")
+    if array.size and (num_experts is not None or array.dtype.kind == "i"):
+        lo, hi = int(array.min()), int(array.max())
+        if lo < 0 or (num_experts is not None and hi >= num_experts):
+            bound = f"[0, {num_experts})" if num_experts is not None else ">= 0"
+            raise ResponseParseError(f"{field} has expert ids in [{lo}, {hi}], expected {bound}")
+    return array
+
+
+def _from_raw(raw: bytes, dtype: np.dtype[Any], num_layers: int | None, top_k: int | None, field: str) -> npt.NDArray[Any]:
+    if dtype not in ALLOWED_DTYPES:
+        raise ResponseParseError(f"{field}: unsupported dtype {dtype}; expected one of {sorted(map(str, ALLOWED_DTYPES))}")
+    if num_layers is None or top_k is None:
+        raise ResponseParseError(f"{field} is raw bytes: num_layers and top_k are needed to know its shape")
+    row = dtype.itemsize * num_layers * top_k
+    if len(raw) % row:
+        raise ResponseParseError(
+            f"{field} has {len(raw)} bytes, not a multiple of {row} (= {dtype.itemsize} B × {num_layers} layers × top_k {top_k})"
+        )
+    return np.frombuffer(raw, dtype=dtype.newbyteorder("<")).reshape(len(raw) // row, num_layers, top_k)
+
+
+def _from_npy(raw: bytes, field: str) -> npt.NDArray[Any]:
+    try:
+        major = raw[6]
+        if major == 1:
+            header_len, start = int.from_bytes(raw[8:10], "little"), 10
+        elif major in (2, 3):
+            header_len, start = int.from_bytes(raw[8:12], "little"), 12
+        else:
+            raise ValueError(f"unknown .npy version {major}")
+        header = ast.literal_eval(raw[start : start + header_len].decode("latin1"))
+        dtype = np.dtype(header["descr"])
+        shape = tuple(int(d) for d in header["shape"])
+        fortran = bool(header["fortran_order"])
+    except (ValueError, KeyError, TypeError, SyntaxError, IndexError) as exc:
+        raise ResponseParseError(f"{field} is not a readable .npy payload: {exc}") from exc
+    if dtype not in ALLOWED_DTYPES and dtype.newbyteorder("=") not in ALLOWED_DTYPES:
+        raise ResponseParseError(f"{field}: unsupported dtype {dtype}; expected one of {sorted(map(str, ALLOWED_DTYPES))}")
+    offset = start + header_len
+    expected = math.prod(shape) * dtype.itemsize
+    if len(raw) - offset != expected:
+        raise ResponseParseError(f"{field}: .npy shape {shape} × {dtype.itemsize} B needs {expected} bytes, payload has {len(raw) - offset}")
+    flat = np.frombuffer(raw, dtype=dtype, count=math.prod(shape), offset=offset)
+    return flat.reshape(shape, order="F" if fortran else "C")
+
+
+def align_routed_experts(
+    experts: npt.NDArray[np.integer[Any]],
+    *,
+    total_tokens: int,
+    server_start: int,
+    wanted_start: int,
+    field: str = "routed_experts",
+) -> RoutedExperts:
+    """Check routing rows against the sequence and trim them to ``wanted_start``.
+
+    A server routes every token it fed through the model, i.e. all but the last sampled one, so rows
+    cover positions ``[server_start, total_tokens - 1)``. A server that ignored the requested start returns
+    rows from 0; both cases are recognised by the row count and trimmed (a view, no copy).
+
+    :param experts: decoded ``[rows, layers, top_k]``.
+    :param total_tokens: ``len(prompt_ids) + len(completion_ids)``.
+    :param server_start: the start the server was asked to honour.
+    :param wanted_start: the start the caller wants.
+    :raises ResponseParseError: the row count fits neither reading, or rows before ``wanted_start`` are missing.
+    """
+    rows = experts.shape[0]
+    if rows == total_tokens - 1 - server_start:
+        first = server_start
+    elif rows == total_tokens - 1:
+        first = 0  # the server ignored the requested start and sent everything
+    else:
+        raise ResponseParseError(
+            f"{field} has {rows} rows; a sequence of {total_tokens} tokens routed from position {server_start} "
+            f"needs {total_tokens - 1 - server_start}"
+        )
+    if wanted_start < first:
+        raise ResponseParseError(f"{field} starts at position {first}, after the requested start {wanted_start}")
+    return RoutedExperts(experts=experts[wanted_start - first :], start=wanted_start)

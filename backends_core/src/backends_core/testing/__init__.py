@@ -1,0 +1,42 @@
+"""The backends test kit, an opt-in pytest plugin: ``pytest_plugins = ["backends_core.testing"]``.
+
+It provides tiny models built locally (:mod:`.tinymodel`), the numpy reference engine (:mod:`.engine`),
+scriptable fakes (:mod:`.fakes`) and the conformance suite every backend subclasses (:mod:`.conformance`).
+
+Options: ``--backend-url URL`` runs conformance suites against a real server instead of their emulator;
+``--backend NAME`` limits that to the suite of one backend (the others are skipped);
+``--backend-model NAME`` is the served model name on that server.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("backends", "backends conformance")
+    group.addoption("--backend-url", default=None, help="run conformance suites against this real server")
+    group.addoption("--backend", default=None, help="with --backend-url: the backend whose suite runs live")
+    group.addoption("--backend-model", default=None, help="with --backend-url: the served model name")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "live: talks to a real server given by --backend-url")
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> Any:
+    """The tiny dense / MoE / LoRA models, built once per machine (cached; see ``default_models_dir``)."""
+    from backends_core.testing.tinymodel import build_tiny_models, default_models_dir
+
+    return build_tiny_models(default_models_dir())
+
+
+@pytest.fixture
+def fake_server() -> Any:
+    """A fresh :class:`~backends_core.testing.fakes.FakeServer`."""
+    from backends_core.testing.fakes import FakeServer
+
+    return FakeServer()

@@ -1,0 +1,320 @@
+"""Backend-neutral domain types: what callers pass in and what every backend hands back.
+
+Wire shapes never appear here; each backend maps its server's JSON to these types in its own
+converter. Arrays use numpy; classes holding arrays compare with ``np.array_equal``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from backends_core.errors import InvalidRequestError
+
+__all__ = [
+    "DistributedGroup",
+    "FinishReason",
+    "GenerateRequest",
+    "GenerateResult",
+    "LoraAdapter",
+    "Message",
+    "PauseMode",
+    "RoutedExperts",
+    "SamplingParams",
+    "ServerState",
+    "TeacherLogprobs",
+    "TeacherRequest",
+    "TensorSpec",
+    "TopLogprob",
+    "Usage",
+    "WeightVersionSpan",
+]
+
+#: A chat message as the chat template sees it (``role``, ``content``, ``tool_calls``, ``reasoning_content``...).
+Message = Mapping[str, Any]
+#: Why generation stopped. ``"abort"`` means the server cut it short (pause with mode abort, explicit abort).
+FinishReason = Literal["stop", "length", "abort"]
+#: How a pause treats in-flight requests: finish them now (``abort``), let them complete first (``wait``),
+#: or freeze them and continue after resume (``keep``).
+PauseMode = Literal["abort", "wait", "keep"]
+PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
+
+_array_eq = attrs.cmp_using(eq=lambda a, b: a is b or (a is not None and b is not None and np.array_equal(a, b, equal_nan=True)))
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise InvalidRequestError(message)
+
+
+def _int_tuple(value: Sequence[int] | None) -> tuple[int, ...]:
+    return tuple(int(v) for v in value) if value is not None else ()
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    """Sampling parameters. Every field is sent to the server explicitly, so what you ask is what runs
+    (servers that fill unset fields from the model's ``generation_config`` never get the chance).
+
+    :param max_tokens: completion tokens to generate at most (>= 1).
+    :param temperature: 0 means greedy.
+    :param top_p: nucleus mass in (0, 1].
+    :param top_k: keep the k most likely tokens; -1 disables.
+    :param min_p: drop tokens below ``min_p`` × the top probability; 0 disables.
+    :param seed: per-request sampling seed; ``None`` lets the server choose.
+    :param n: samples per prompt; ``Client.generate`` needs 1, ``Client.generate_samples`` takes any.
+    :param stop_token_ids: extra token ids that end generation (included in ``completion_ids``).
+    :param ignore_eos: keep going past the model's end-of-sequence tokens.
+    :param min_tokens: generate at least this many tokens before a stop can apply.
+    :param top_logprobs: how many alternatives per position to return besides the sampled token (0 = none).
+    :param repetition_penalty: 1.0 disables.
+    :param presence_penalty: 0 disables.
+    :param frequency_penalty: 0 disables.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    n: int = 1
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    top_logprobs: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __attrs_post_init__(self) -> None:
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        _check(math.isfinite(self.temperature) and self.temperature >= 0, f"temperature must be finite and >= 0, got {self.temperature!r}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
+        _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(self.n >= 1, f"n must be >= 1, got {self.n!r}")
+        _check(0 <= self.min_tokens <= self.max_tokens, f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        _check(0 <= self.top_logprobs <= 20, f"top_logprobs must be in [0, 20], got {self.top_logprobs!r}")
+        _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        _check(all(t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an int or None, got {self.seed!r}")
+
+
+@attrs.frozen(kw_only=True)
+class GenerateRequest:
+    """One generation call after rendering: what a backend's ``post_generate`` turns into a wire payload.
+
+    :param prompt_ids: the exact prompt token ids to send.
+    :param sampling: sampling parameters.
+    :param messages: the messages ``prompt_ids`` were rendered from (``None`` when the caller gave ids).
+    :param tools: tool schemas rendered into the prompt, if any.
+    :param request_id: caller-chosen id, passed through to the server for tracing and abort.
+    :param cache_salt: isolates this request's prefix-cache entries (e.g. per weight version).
+    :param priority: scheduling priority where the server supports it (lower runs first on vLLM).
+    :param lora: name of a loaded LoRA adapter to generate with.
+    :param return_routed_experts: ask for MoE routing of every token (router replay).
+    :param routed_experts_start: first absolute token position whose routing is wanted (multi-turn delta
+        replay). The result is trimmed to it even where the server cannot.
+    :param model: served model name; ``None`` uses ``ClientConfig.model``.
+    """
+
+    prompt_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    sampling: SamplingParams = attrs.field(factory=SamplingParams)
+    messages: tuple[Message, ...] | None = None
+    tools: tuple[Mapping[str, Any], ...] | None = None
+    request_id: str | None = None
+    cache_salt: str | None = None
+    priority: int | None = None
+    lora: str | None = None
+    return_routed_experts: bool = False
+    routed_experts_start: int = 0
+    model: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        _check(len(self.prompt_ids) > 0, "prompt_ids is empty: a prompt needs at least one token")
+        _check(all(t >= 0 for t in self.prompt_ids), "prompt_ids contains a negative token id")
+        _check(0 <= self.routed_experts_start < len(self.prompt_ids) + self.sampling.max_tokens,
+               f"routed_experts_start must be in [0, prompt+max_tokens), got {self.routed_experts_start}")
+
+
+@attrs.frozen(kw_only=True)
+class TopLogprob:
+    """One alternative at a position: token id, its logprob, and its rank when the server gives it."""
+
+    token_id: int
+    logprob: float
+    rank: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class RoutedExperts:
+    """MoE routing of a token range (router replay).
+
+    :ivar experts: integer array ``[tokens, layers, top_k]``; row ``i`` is the routing of the token at
+        absolute position ``start + i`` of prompt + completion. A server never routes the last sampled token,
+        so a full result has ``len(prompt) + len(completion) - 1 - start`` rows.
+    :ivar start: absolute position of row 0.
+    """
+
+    experts: npt.NDArray[np.integer[Any]] = attrs.field(eq=_array_eq)
+    start: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.experts.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.experts.shape[1])
+
+    @property
+    def top_k(self) -> int:
+        return int(self.experts.shape[2])
+
+
+@attrs.frozen(kw_only=True)
+class Usage:
+    """Token accounting reported by the server (``cached_tokens`` is ``None`` where unknown)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class WeightVersionSpan:
+    """Completion positions ``[start, end)`` generated under weight ``version`` (an update mid-request splits)."""
+
+    version: str
+    start: int
+    end: int
+
+
+@attrs.frozen(kw_only=True)
+class GenerateResult:
+    """One sample: exact ids, one finite logprob per completion id, and what the server said about it.
+
+    :ivar logprobs: float32 ``[len(completion_ids)]``, the logprob of each completion id from the engine's
+        own channel; always finite (a non-finite value is a parse error, never passed on).
+    :ivar top_logprobs: per position, the requested alternatives (``None`` unless asked for).
+    :ivar stop_reason: the stop token id (or stop string) that ended generation, if any.
+    :ivar weight_version: the server's weight version when the sample finished.
+    """
+
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    logprobs: npt.NDArray[np.float32] = attrs.field(eq=_array_eq)
+    finish_reason: FinishReason
+    stop_reason: int | str | None = None
+    top_logprobs: tuple[tuple[TopLogprob, ...], ...] | None = None
+    routed_experts: RoutedExperts | None = None
+    weight_version: str | None = None
+    weight_versions: tuple[WeightVersionSpan, ...] = ()
+    usage: Usage | None = None
+    request_id: str | None = None
+    server: str | None = None
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """Prompt followed by completion: the ids the next turn must start with."""
+        return self.prompt_ids + self.completion_ids
+
+
+@attrs.frozen(kw_only=True)
+class TeacherRequest:
+    """Score ``token_ids`` under a model: the logprob of each token given everything before it.
+
+    :param token_ids: the full sequence (prompt + completion) to score; at least two ids.
+    :param top_logprobs: alternatives per position to return (0 = none).
+    :param lora: adapter to score with, ``None`` for the base model.
+    :param model: served model name; ``None`` uses ``ClientConfig.model``.
+    """
+
+    token_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    top_logprobs: int = 0
+    lora: str | None = None
+    model: str | None = None
+    request_id: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        _check(len(self.token_ids) >= 2, "teacher scoring needs at least two token ids (position 0 has no logprob)")
+        _check(all(t >= 0 for t in self.token_ids), "token_ids contains a negative token id")
+        _check(0 <= self.top_logprobs <= 20, f"top_logprobs must be in [0, 20], got {self.top_logprobs!r}")
+
+
+@attrs.frozen(kw_only=True)
+class TeacherLogprobs:
+    """Teacher scores of a sequence.
+
+    :ivar logprobs: float32 ``[len(token_ids)]``. Position 0 has no prefix and therefore no logprob: it holds
+        NaN, so it can never be mistaken for a score; ``logprobs[1:]`` is all finite.
+    :ivar top_logprobs: per position (index 0 is empty), the requested alternatives.
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: npt.NDArray[np.float32] = attrs.field(eq=_array_eq)
+    top_logprobs: tuple[tuple[TopLogprob, ...], ...] | None = None
+    weight_version: str | None = None
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> npt.NDArray[Any]:
+        return self.logprobs if dtype is None else self.logprobs.astype(dtype)
+
+
+@attrs.frozen(kw_only=True)
+class LoraAdapter:
+    """A LoRA adapter on disk.
+
+    :param name: the name requests use to select it.
+    :param path: PEFT adapter directory, as seen by the server.
+    :param replace: reload in place when ``name`` is already loaded (hot swap), instead of failing.
+    """
+
+    name: str
+    path: str
+    replace: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class DistributedGroup:
+    """A trainer-to-server weight-transfer group (NCCL or similar).
+
+    :param master_address: rendezvous host.
+    :param master_port: rendezvous port.
+    :param world_size: trainer ranks + all server ranks.
+    :param rank_offset: this server's first rank in the group.
+    :param group_name: name both sides use.
+    :param backend: collective backend, e.g. ``"nccl"``.
+    """
+
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int
+    group_name: str = "weight_sync"
+    backend: str = "nccl"
+
+
+@attrs.frozen(kw_only=True)
+class TensorSpec:
+    """One tensor to receive through a distributed group: HF parameter name, dtype name, shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...] = attrs.field(converter=_int_tuple)
+
+
+@attrs.frozen(kw_only=True)
+class ServerState:
+    """One server's admin state. ``None`` in a field means the server does not expose it."""
+
+    paused: bool | None = None
+    sleeping: bool | None = None
+    weight_version: str | None = None
+    in_flight: int | None = None
+    loras: tuple[str, ...] | None = None
