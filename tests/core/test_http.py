@@ -11,9 +11,12 @@ from backends_core import NetworkError, RequestTimeout, ResponseParseError, Retr
 def make_server(handler, *, retry: RetryPolicy | None = None) -> Server:
     transport = httpx.MockTransport(handler)
     return Server(
-        base_url="http://data", admin_url="http://admin",
-        data_client=httpx.AsyncClient(transport=transport), admin_client=httpx.AsyncClient(transport=transport),
-        retry=retry or RetryPolicy(attempts=3, backoff=0), admin_timeout=7.0,
+        base_url="http://data",
+        admin_url="http://admin",
+        data_client=httpx.AsyncClient(transport=transport),
+        admin_client=httpx.AsyncClient(transport=transport),
+        retry=retry or RetryPolicy(attempts=3, backoff=0),
+        admin_timeout=7.0,
     )
 
 
@@ -58,8 +61,12 @@ async def test_non_json_success_is_a_parse_error() -> None:
 
 @pytest.mark.parametrize(
     ("exc", "mapped"),
-    [(httpx.ReadTimeout("slow"), RequestTimeout), (httpx.PoolTimeout("busy"), RequestTimeout),
-     (httpx.RemoteProtocolError("reset"), NetworkError), (httpx.ReadError("eof"), NetworkError)],
+    [
+        (httpx.ReadTimeout("slow"), RequestTimeout),
+        (httpx.PoolTimeout("busy"), RequestTimeout),
+        (httpx.RemoteProtocolError("reset"), NetworkError),
+        (httpx.ReadError("eof"), NetworkError),
+    ],
 )
 async def test_transport_errors_map_to_the_most_specific_class_without_retry(exc: Exception, mapped: type) -> None:
     calls = []

@@ -61,7 +61,11 @@ def test_fortran_order_npy_keeps_its_layout() -> None:
         ("not base64!!", {"num_layers": 2, "top_k": 2}, "not valid base64"),
         (b64(b"\x00" * 10), {"num_layers": 2, "top_k": 2}, "10 bytes, not a multiple of 16"),
         (b64(b"\x00" * 16), {}, "num_layers and top_k are needed"),
-        (b64(np.zeros((2, 2, 2), np.float32).tobytes()), {"num_layers": 2, "top_k": 2, "dtype": "float32"}, "unsupported dtype"),
+        (
+            b64(np.zeros((2, 2, 2), np.float32).tobytes()),
+            {"num_layers": 2, "top_k": 2, "dtype": "float32"},
+            "unsupported dtype",
+        ),
         (npy(np.zeros((2, 3, 2), np.int32)), {"num_layers": 2}, "has 3 layers, expected 2"),
         (npy(np.zeros((2, 2, 4), np.int32)), {"top_k": 2}, "top_k 4, expected 2"),
         (npy(np.zeros((2, 4), np.int32)), {}, "3 dimensions"),

@@ -54,7 +54,6 @@ from backends_core.types import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "ENTRY_POINT_GROUP",
     "AdminError",
     "BackendConflictError",
     "BackendError",
@@ -69,6 +68,7 @@ __all__ = [
     "ConfigError",
     "Conversation",
     "DistributedGroup",
+    "ENTRY_POINT_GROUP",
     "Event",
     "GenerateRequest",
     "GenerateResult",

@@ -87,9 +87,7 @@ class Server:
         headers = {"content-type": "application/json"} if content is not None else None
         for attempt in range(1, attempts + 1):
             try:
-                response = await client.request(
-                    method, url, content=content, params=params, headers=headers, **extra
-                )
+                response = await client.request(method, url, content=content, params=params, headers=headers, **extra)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 if attempt < attempts:
                     await asyncio.sleep(self._retry.delay(attempt))
@@ -123,7 +121,9 @@ def _decode(response: httpx.Response, expect: str, url: str) -> Any:
         return json.loads(response.content)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         snippet = response.content[:200].decode("utf-8", "replace")
-        raise ResponseParseError(f"body is not JSON ({exc.msg if hasattr(exc, 'msg') else exc}): {snippet!r}", url=url) from exc
+        raise ResponseParseError(
+            f"body is not JSON ({exc.msg if hasattr(exc, 'msg') else exc}): {snippet!r}", url=url
+        ) from exc
 
 
 def _error_body(response: httpx.Response) -> Any:

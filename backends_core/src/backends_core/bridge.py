@@ -108,8 +108,13 @@ def extend_prompt(
         sentinel_turn: dict[str, Any] = {"role": "assistant", "content": _SENTINEL}
         if assistant_message is not None and assistant_message.get("tool_calls"):
             sentinel_turn["tool_calls"] = assistant_message["tool_calls"]
-        full = render_text(tokenizer, [*history, sentinel_turn, *new_messages], tools=tools,
-                           add_generation_prompt=True, chat_template_kwargs=kwargs)
+        full = render_text(
+            tokenizer,
+            [*history, sentinel_turn, *new_messages],
+            tools=tools,
+            add_generation_prompt=True,
+            chat_template_kwargs=kwargs,
+        )
     except RenderError as exc:
         raise BridgeError("template_error", str(exc)) from exc
     at = full.rfind(_SENTINEL)
@@ -198,8 +203,13 @@ class Conversation:
         if generate_kwargs.get("server") is None:
             generate_kwargs["server"] = self._server
         if not self.turns:
-            result = await client.generate(messages=list(new_messages), sampling=sampling, tools=self.tools,
-                                           chat_template_kwargs=self.chat_template_kwargs, **generate_kwargs)
+            result = await client.generate(
+                messages=list(new_messages),
+                sampling=sampling,
+                tools=self.tools,
+                chat_template_kwargs=self.chat_template_kwargs,
+                **generate_kwargs,
+            )
         else:
             previous = self.turns[-1]
             history = self.messages
@@ -208,8 +218,13 @@ class Conversation:
             started = time.perf_counter()
             try:
                 ids = extend_prompt(
-                    client.tokenizer, history=history, previous=previous, new_messages=new_messages,
-                    assistant_message=assistant_message, tools=self.tools, chat_template_kwargs=self.chat_template_kwargs,
+                    client.tokenizer,
+                    history=history,
+                    previous=previous,
+                    new_messages=new_messages,
+                    assistant_message=assistant_message,
+                    tools=self.tools,
+                    chat_template_kwargs=self.chat_template_kwargs,
                 )
             except BridgeError as exc:
                 stats.failures[exc.reason] += 1

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from backends_core.driver import CAPABILITY_HOOKS
 from backends_core.errors import BackendError
@@ -15,7 +16,7 @@ __all__ = ["main"]
 
 
 def _list(args: argparse.Namespace) -> int:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for info in available_backends():
         try:
             pm = make_plugin_manager(info.name)
@@ -23,8 +24,15 @@ def _list(args: argparse.Namespace) -> int:
             error = None
         except BackendError as exc:
             caps, error = [], str(exc)
-        rows.append({"name": info.name, "distribution": info.distribution, "version": info.version,
-                     "capabilities": caps, "error": error})
+        rows.append(
+            {
+                "name": info.name,
+                "distribution": info.distribution,
+                "version": info.version,
+                "capabilities": caps,
+                "error": error,
+            }
+        )
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
@@ -47,7 +55,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="backends", description="One client layer between RL trainers and inference servers.")
+    parser = argparse.ArgumentParser(
+        prog="backends", description="One client layer between RL trainers and inference servers."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p_list = sub.add_parser("list", help="installed backends with version and capabilities")
     p_list.add_argument("--json", action="store_true", help="machine-readable output")

@@ -16,7 +16,14 @@ from backends_core.driver import BackendDriver
 from backends_core.errors import ConfigError, InvalidRequestError
 from backends_core.fleet import Admin
 from backends_core.rendering import load_tokenizer
-from backends_core.types import GenerateRequest, GenerateResult, Message, SamplingParams, TeacherLogprobs, TeacherRequest
+from backends_core.types import (
+    GenerateRequest,
+    GenerateResult,
+    Message,
+    SamplingParams,
+    TeacherLogprobs,
+    TeacherRequest,
+)
 
 __all__ = ["Client"]
 
@@ -54,8 +61,11 @@ class Client:
             transport=transport,
             headers=headers,
             timeout=httpx.Timeout(connect=t.connect, read=t.read, write=t.write, pool=t.pool),
-            limits=httpx.Limits(max_connections=lim.max_connections, max_keepalive_connections=lim.max_keepalive_connections,
-                                keepalive_expiry=lim.keepalive_expiry),
+            limits=httpx.Limits(
+                max_connections=lim.max_connections,
+                max_keepalive_connections=lim.max_keepalive_connections,
+                keepalive_expiry=lim.keepalive_expiry,
+            ),
         )
         self._admin_http = httpx.AsyncClient(
             transport=transport,
@@ -65,8 +75,14 @@ class Client:
         )
         #: One handle per configured server, in config order.
         self.servers: list[Server] = [
-            Server(base_url=base, admin_url=admin, data_client=self._data, admin_client=self._admin_http,
-                   retry=config.retry, admin_timeout=t.admin)
+            Server(
+                base_url=base,
+                admin_url=admin,
+                data_client=self._data,
+                admin_client=self._admin_http,
+                retry=config.retry,
+                admin_timeout=t.admin,
+            )
             for base, admin in config.servers
         ]
         self._in_flight = {id(s): 0 for s in self.servers}
@@ -80,7 +96,9 @@ class Client:
     async def __aenter__(self) -> Client:
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
@@ -103,7 +121,9 @@ class Client:
         if self._tokenizer is None:
             source = self.config.tokenizer or self.config.model
             if source is None:
-                raise ConfigError(["rendering messages needs a tokenizer: set tokenizer to a local directory @ $.tokenizer"])
+                raise ConfigError(
+                    ["rendering messages needs a tokenizer: set tokenizer to a local directory @ $.tokenizer"]
+                )
             self._tokenizer = load_tokenizer(source)
         return self._tokenizer
 
@@ -133,8 +153,11 @@ class Client:
     ) -> list[int]:
         """Prompt ids for ``messages`` as this backend renders them."""
         return self.driver.render(
-            list(messages), tools=tools, chat_template_kwargs=dict(chat_template_kwargs or {}),
-            add_generation_prompt=add_generation_prompt, tokenizer=self.tokenizer,
+            list(messages),
+            tools=tools,
+            chat_template_kwargs=dict(chat_template_kwargs or {}),
+            add_generation_prompt=add_generation_prompt,
+            tokenizer=self.tokenizer,
         )
 
     def _build_request(
@@ -155,7 +178,9 @@ class Client:
             fields["tools"] = tuple(tools) if tools else None
         else:
             assert prompt_ids is not None
-            if isinstance(prompt_ids, str | bytes) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids):
+            if isinstance(prompt_ids, str | bytes) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt_ids
+            ):
                 raise InvalidRequestError("prompt_ids must be a sequence of ints")
             ids = list(prompt_ids)
         request = GenerateRequest(prompt_ids=ids, sampling=sampling or SamplingParams(), **fields)
@@ -180,9 +205,18 @@ class Client:
     ) -> list[GenerateResult]:
         """Generate ``sampling.n`` samples for one prompt; see :meth:`generate` for the arguments."""
         request = self._build_request(
-            messages=messages, prompt_ids=prompt_ids, sampling=sampling, tools=tools, chat_template_kwargs=chat_template_kwargs,
-            request_id=request_id, cache_salt=cache_salt, priority=priority, lora=lora,
-            return_routed_experts=return_routed_experts, routed_experts_start=routed_experts_start, model=model,
+            messages=messages,
+            prompt_ids=prompt_ids,
+            sampling=sampling,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+            request_id=request_id,
+            cache_salt=cache_salt,
+            priority=priority,
+            lora=lora,
+            return_routed_experts=return_routed_experts,
+            routed_experts_start=routed_experts_start,
+            model=model,
         )
         return await self.send(request, server=server)
 
@@ -233,11 +267,23 @@ class Client:
         :raises ResponseParseError: the answer does not match the wire shape or breaks an invariant.
         """
         if sampling is not None and sampling.n != 1:
-            raise InvalidRequestError(f"generate returns one sample but sampling.n = {sampling.n}; use generate_samples")
+            raise InvalidRequestError(
+                f"generate returns one sample but sampling.n = {sampling.n}; use generate_samples"
+            )
         results = await self.generate_samples(
-            messages=messages, prompt_ids=prompt_ids, sampling=sampling, tools=tools, chat_template_kwargs=chat_template_kwargs,
-            request_id=request_id, cache_salt=cache_salt, priority=priority, lora=lora,
-            return_routed_experts=return_routed_experts, routed_experts_start=routed_experts_start, model=model, server=server,
+            messages=messages,
+            prompt_ids=prompt_ids,
+            sampling=sampling,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+            request_id=request_id,
+            cache_salt=cache_salt,
+            priority=priority,
+            lora=lora,
+            return_routed_experts=return_routed_experts,
+            routed_experts_start=routed_experts_start,
+            model=model,
+            server=server,
         )
         return results[0]
 

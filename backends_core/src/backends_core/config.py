@@ -157,7 +157,9 @@ class ClientConfig:
     @api_key_var.validator
     def _check_key_var(self, _attr: Any, value: str | None) -> None:
         if value is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", value):
-            raise ValueError(f"api_key_var must be an environment variable NAME, got something else ({len(value)} chars)")
+            raise ValueError(
+                f"api_key_var must be an environment variable NAME, got something else ({len(value)} chars)"
+            )
 
     @property
     def servers(self) -> tuple[tuple[str, str], ...]:
@@ -233,7 +235,7 @@ def _type_name(type_: Any) -> str:
 
 
 def _structure_urls(value: Any, _type: Any) -> tuple[str, ...]:
-    if value is None or not (isinstance(value, str) or isinstance(value, list | tuple)):
+    if value is None or not isinstance(value, str | list | tuple):
         raise ValueError(f"expected a URL string or a list of URL strings, got {value!r}")
     return _urls(value)
 

@@ -47,7 +47,9 @@ class BackendDriver:
     :param extra_plugins: cross-cutting plugins registered next to the backend.
     """
 
-    def __init__(self, config: ClientConfig, *, plugin: object | None = None, extra_plugins: Sequence[object] = ()) -> None:
+    def __init__(
+        self, config: ClientConfig, *, plugin: object | None = None, extra_plugins: Sequence[object] = ()
+    ) -> None:
         self.config = config
         self.backend = config.backend
         self.pm: pluggy.PluginManager = make_plugin_manager(config.backend, plugin=plugin, extra_plugins=extra_plugins)
@@ -59,7 +61,9 @@ class BackendDriver:
     def _validate_options(self, options: Mapping[str, Any]) -> Any:
         if not self.pm.hook.validate_backend_options.get_hookimpls():
             if options:
-                raise ConfigError([f"backend {self.backend!r} takes no options, got {sorted(options)} @ $.backend_options"])
+                raise ConfigError(
+                    [f"backend {self.backend!r} takes no options, got {sorted(options)} @ $.backend_options"]
+                )
             return dict(options)
         return self.pm.hook.validate_backend_options(options=dict(options), config=self.config)
 
@@ -70,11 +74,26 @@ class BackendDriver:
         if operation not in self.capabilities:
             raise UnsupportedOperationError(self.backend, operation)
 
-    def emit(self, kind: EventKind, operation: str, server: str | None, started: float, error: BaseException | None, **detail: object) -> None:
+    def emit(
+        self,
+        kind: EventKind,
+        operation: str,
+        server: str | None,
+        started: float,
+        error: BaseException | None,
+        **detail: object,
+    ) -> None:
         if self.pm.hook.observe.get_hookimpls():
             self.pm.hook.observe(
-                event=Event(kind=kind, operation=operation, backend=self.backend, server=server,
-                            duration_s=time.perf_counter() - started, error=error, detail=detail)
+                event=Event(
+                    kind=kind,
+                    operation=operation,
+                    backend=self.backend,
+                    server=server,
+                    duration_s=time.perf_counter() - started,
+                    error=error,
+                    detail=detail,
+                )
             )
 
     async def _observed(self, kind: EventKind, operation: str, server: Server, call: Callable[[], Awaitable[T]]) -> T:
@@ -99,8 +118,12 @@ class BackendDriver:
         tokenizer: Any,
     ) -> list[int]:
         ids = self.pm.hook.render(
-            messages=messages, tools=tools, chat_template_kwargs=chat_template_kwargs,
-            add_generation_prompt=add_generation_prompt, tokenizer=tokenizer, config=self.config,
+            messages=messages,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+            add_generation_prompt=add_generation_prompt,
+            tokenizer=tokenizer,
+            config=self.config,
         )
         return list(ids)
 
@@ -114,13 +137,22 @@ class BackendDriver:
         """``post_generate`` then ``parse_response``, with the result invariants checked."""
         started = time.perf_counter()
         try:
-            raw = await self.pm.hook.post_generate(server=server, request=request, config=self.config, options=self.options)
+            raw = await self.pm.hook.post_generate(
+                server=server, request=request, config=self.config, options=self.options
+            )
             results = self._parse(raw, request, server)
         except BaseException as exc:
             self.emit("generate", "generate", server.base_url, started, exc)
             raise
-        self.emit("generate", "generate", server.base_url, started, None,
-                   prompt_tokens=len(request.prompt_ids), completion_tokens=sum(len(r.completion_ids) for r in results))
+        self.emit(
+            "generate",
+            "generate",
+            server.base_url,
+            started,
+            None,
+            prompt_tokens=len(request.prompt_ids),
+            completion_tokens=sum(len(r.completion_ids) for r in results),
+        )
         return results
 
     def _parse(self, raw: Any, request: GenerateRequest, server: Server) -> list[GenerateResult]:
@@ -131,8 +163,9 @@ class BackendDriver:
         except BackendError:
             raise
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
-            raise ResponseParseError(f"backend {self.backend!r} could not parse the body: {type(exc).__name__}: {exc}",
-                                     url=server.base_url) from exc
+            raise ResponseParseError(
+                f"backend {self.backend!r} could not parse the body: {type(exc).__name__}: {exc}", url=server.base_url
+            ) from exc
         if not isinstance(results, list) or len(results) != request.sampling.n:
             got = len(results) if isinstance(results, list) else type(results).__name__
             raise ResponseParseError(f"expected {request.sampling.n} sample(s), got {got}", url=server.base_url)
@@ -161,7 +194,9 @@ class BackendDriver:
         async def call() -> Any:
             result = await hook(server=server, config=self.config, options=self.options, **kwargs)
             if result is None:
-                raise ResponseParseError(f"backend {self.backend!r} returned nothing from {hook_name}", url=server.admin_url)
+                raise ResponseParseError(
+                    f"backend {self.backend!r} returned nothing from {hook_name}", url=server.admin_url
+                )
             return result
 
         return await self._observed("admin", hook_name, server, call)
@@ -182,22 +217,30 @@ def check_result(result: GenerateResult, *, where: str, url: str | None) -> None
         bad = int(np.flatnonzero(~np.isfinite(lp))[0])
         raise ResponseParseError(f"{where}: logprob at completion position {bad} is {lp[bad]} (not finite)", url=url)
     if result.top_logprobs is not None and len(result.top_logprobs) != len(result.completion_ids):
-        raise ResponseParseError(f"{where}: {len(result.top_logprobs)} top-logprob rows for {len(result.completion_ids)} ids", url=url)
+        raise ResponseParseError(
+            f"{where}: {len(result.top_logprobs)} top-logprob rows for {len(result.completion_ids)} ids", url=url
+        )
     re = result.routed_experts
     if re is not None:
         expected = len(result.prompt_ids) + len(result.completion_ids) - 1 - re.start
         if re.experts.ndim != 3 or re.num_tokens != expected:
             raise ResponseParseError(
-                f"{where}: routed_experts has shape {re.experts.shape} from position {re.start}; expected {expected} rows", url=url
+                f"{where}: routed_experts has shape {re.experts.shape} from position {re.start}; "
+                f"expected {expected} rows",
+                url=url,
             )
 
 
 def check_teacher(result: TeacherLogprobs, request: TeacherRequest, *, url: str | None) -> None:
     """Enforce the teacher-logprob contract: float32, one per token, NaN at 0, finite elsewhere."""
     if not isinstance(result, TeacherLogprobs):
-        raise ResponseParseError(f"teacher_logprobs returned {type(result).__name__}, expected TeacherLogprobs", url=url)
+        raise ResponseParseError(
+            f"teacher_logprobs returned {type(result).__name__}, expected TeacherLogprobs", url=url
+        )
     lp = result.logprobs
     if lp.dtype != np.float32 or lp.shape != (len(request.token_ids),):
-        raise ResponseParseError(f"teacher logprobs must be float32 of shape ({len(request.token_ids)},), got {lp.dtype} {lp.shape}", url=url)
+        raise ResponseParseError(
+            f"teacher logprobs must be float32 of shape ({len(request.token_ids)},), got {lp.dtype} {lp.shape}", url=url
+        )
     if not np.isnan(lp[0]) or not np.isfinite(lp[1:]).all():
         raise ResponseParseError("teacher logprobs must be NaN at position 0 and finite elsewhere", url=url)

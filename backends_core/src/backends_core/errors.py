@@ -227,6 +227,4 @@ class AdminError(BackendError):
         self.results = list(results)
         failed = [r for r in self.results if r.error is not None]
         lines = [f"{r.server}: {type(r.error).__name__}: {r.error}" for r in failed]
-        super().__init__(
-            f"{operation} failed on {len(failed)} of {len(self.results)} server(s): " + " | ".join(lines)
-        )
+        super().__init__(f"{operation} failed on {len(failed)} of {len(self.results)} server(s): " + " | ".join(lines))

@@ -93,8 +93,12 @@ class Admin:
     async def init_weight_transfer(self, group: DistributedGroup) -> list[bool]:
         return await self._all("init_weight_transfer", group=group)
 
-    async def update_weights_distributed(self, group_name: str, tensors: Sequence[TensorSpec], *, version: str | None = None) -> list[bool]:
-        return await self._all("update_weights_distributed", group_name=group_name, tensors=list(tensors), version=version)
+    async def update_weights_distributed(
+        self, group_name: str, tensors: Sequence[TensorSpec], *, version: str | None = None
+    ) -> list[bool]:
+        return await self._all(
+            "update_weights_distributed", group_name=group_name, tensors=list(tensors), version=version
+        )
 
     async def load_lora(self, adapter: LoraAdapter) -> list[bool]:
         return await self._all("load_lora", adapter=adapter)

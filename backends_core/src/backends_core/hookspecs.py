@@ -168,7 +168,9 @@ async def post_generate(server: Server, request: GenerateRequest, config: Client
 
 
 @hookspec(firstresult=True)
-def parse_response(raw: Any, request: GenerateRequest, server_url: str, config: ClientConfig, options: Any) -> list[GenerateResult] | None:
+def parse_response(
+    raw: Any, request: GenerateRequest, server_url: str, config: ClientConfig, options: Any
+) -> list[GenerateResult] | None:
     """Turn a raw generate response into one :class:`~backends_core.types.GenerateResult` per sample.
 
     Mode: sync, pure (golden-file testable). Required: yes. The result must hold exactly one finite
@@ -192,7 +194,9 @@ def parse_response(raw: Any, request: GenerateRequest, server_url: str, config: 
 
 
 @hookspec(firstresult=True)
-async def teacher_logprobs(server: Server, request: TeacherRequest, config: ClientConfig, options: Any) -> TeacherLogprobs | None:
+async def teacher_logprobs(
+    server: Server, request: TeacherRequest, config: ClientConfig, options: Any
+) -> TeacherLogprobs | None:
     """Score a given token sequence: the logprob of each token given its prefix.
 
     Mode: async I/O. Required: no (capability ``teacher_logprobs``).
@@ -287,7 +291,9 @@ async def admin_flush_cache(server: Server, config: ClientConfig, options: Any) 
 
 
 @hookspec(firstresult=True)
-async def admin_update_weights(server: Server, path: str, version: str | None, config: ClientConfig, options: Any) -> bool | None:
+async def admin_update_weights(
+    server: Server, path: str, version: str | None, config: ClientConfig, options: Any
+) -> bool | None:
     """Load new weights from a directory the server can read.
 
     :param server: the server to update.
@@ -303,7 +309,9 @@ async def admin_update_weights(server: Server, path: str, version: str | None, c
 
 
 @hookspec(firstresult=True)
-async def admin_init_weight_transfer(server: Server, group: DistributedGroup, config: ClientConfig, options: Any) -> bool | None:
+async def admin_init_weight_transfer(
+    server: Server, group: DistributedGroup, config: ClientConfig, options: Any
+) -> bool | None:
     """Join a trainer-to-server weight-transfer group (NCCL or similar).
 
     :param server: the server that joins.
@@ -319,7 +327,12 @@ async def admin_init_weight_transfer(server: Server, group: DistributedGroup, co
 
 @hookspec(firstresult=True)
 async def admin_update_weights_distributed(
-    server: Server, group_name: str, tensors: Sequence[TensorSpec], version: str | None, config: ClientConfig, options: Any
+    server: Server,
+    group_name: str,
+    tensors: Sequence[TensorSpec],
+    version: str | None,
+    config: ClientConfig,
+    options: Any,
 ) -> bool | None:
     """Receive named tensors through a group set up by :func:`admin_init_weight_transfer`.
 
@@ -410,7 +423,9 @@ async def admin_wake(server: Server, config: ClientConfig, options: Any) -> bool
 
 
 @hookspec(firstresult=True)
-async def admin_abort(server: Server, request_ids: Sequence[str] | None, config: ClientConfig, options: Any) -> int | None:
+async def admin_abort(
+    server: Server, request_ids: Sequence[str] | None, config: ClientConfig, options: Any
+) -> int | None:
     """Abort requests by the ids callers gave them, or all of them.
 
     :param server: the server to abort on.

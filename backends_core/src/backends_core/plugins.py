@@ -67,7 +67,9 @@ def available_backends() -> list[BackendInfo]:
     return sorted(found.values(), key=lambda b: b.name)
 
 
-def make_plugin_manager(backend: str, *, plugin: object | None = None, extra_plugins: Iterable[object] = ()) -> pluggy.PluginManager:
+def make_plugin_manager(
+    backend: str, *, plugin: object | None = None, extra_plugins: Iterable[object] = ()
+) -> pluggy.PluginManager:
     """Build a plugin manager holding the core defaults, exactly one backend, and ``extra_plugins``.
 
     :param backend: the backend's name.
@@ -96,7 +98,9 @@ def make_plugin_manager(backend: str, *, plugin: object | None = None, extra_plu
     implemented = implemented_hooks(pm, plugin)
     missing = sorted(hookspecs.REQUIRED_HOOKS - implemented)
     if missing:
-        raise BackendValidationError(backend, f"required hook(s) not implemented: {', '.join(missing)}", missing=missing)
+        raise BackendValidationError(
+            backend, f"required hook(s) not implemented: {', '.join(missing)}", missing=missing
+        )
     if os.environ.get(TRACE_ENV) == "1":
         pm.trace.root.setwriter(lambda msg: print(msg, end="", file=sys.stderr))
         pm.enable_tracing()

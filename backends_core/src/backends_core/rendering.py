@@ -28,7 +28,9 @@ def load_tokenizer(name_or_path: str) -> Any:
     try:
         tok = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
     except Exception as exc:
-        where = "directory" if Path(name_or_path).is_dir() else "name (not a local directory; the hub is never contacted)"
+        where = (
+            "directory" if Path(name_or_path).is_dir() else "name (not a local directory; the hub is never contacted)"
+        )
         raise ConfigError([f"cannot load tokenizer from {where} {name_or_path!r}: {exc} @ $.tokenizer"]) from exc
     if not getattr(tok, "chat_template", None):
         raise ConfigError([f"tokenizer {name_or_path!r} has no chat_template @ $.tokenizer"])
@@ -85,9 +87,15 @@ class CoreDefaults:
         tokenizer: Any,
     ) -> list[int]:
         if tokenizer is None:
-            raise ConfigError(["rendering messages needs a tokenizer: set tokenizer (or model) to a local path @ $.tokenizer"])
+            raise ConfigError(
+                ["rendering messages needs a tokenizer: set tokenizer (or model) to a local path @ $.tokenizer"]
+            )
         text = render_text(
-            tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt, chat_template_kwargs=chat_template_kwargs
+            tokenizer,
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
         )
         return encode(tokenizer, text)
 

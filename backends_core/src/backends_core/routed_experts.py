@@ -74,15 +74,20 @@ def decode_routed_experts(
     return array
 
 
-def _from_raw(raw: bytes, dtype: np.dtype[Any], num_layers: int | None, top_k: int | None, field: str) -> npt.NDArray[Any]:
+def _from_raw(
+    raw: bytes, dtype: np.dtype[Any], num_layers: int | None, top_k: int | None, field: str
+) -> npt.NDArray[Any]:
     if dtype not in ALLOWED_DTYPES:
-        raise ResponseParseError(f"{field}: unsupported dtype {dtype}; expected one of {sorted(map(str, ALLOWED_DTYPES))}")
+        raise ResponseParseError(
+            f"{field}: unsupported dtype {dtype}; expected one of {sorted(map(str, ALLOWED_DTYPES))}"
+        )
     if num_layers is None or top_k is None:
         raise ResponseParseError(f"{field} is raw bytes: num_layers and top_k are needed to know its shape")
     row = dtype.itemsize * num_layers * top_k
     if len(raw) % row:
         raise ResponseParseError(
-            f"{field} has {len(raw)} bytes, not a multiple of {row} (= {dtype.itemsize} B × {num_layers} layers × top_k {top_k})"
+            f"{field} has {len(raw)} bytes, not a multiple of {row} "
+            f"(= {dtype.itemsize} B × {num_layers} layers × top_k {top_k})"
         )
     return np.frombuffer(raw, dtype=dtype.newbyteorder("<")).reshape(len(raw) // row, num_layers, top_k)
 
@@ -103,11 +108,15 @@ def _from_npy(raw: bytes, field: str) -> npt.NDArray[Any]:
     except (ValueError, KeyError, TypeError, SyntaxError, IndexError) as exc:
         raise ResponseParseError(f"{field} is not a readable .npy payload: {exc}") from exc
     if dtype not in ALLOWED_DTYPES and dtype.newbyteorder("=") not in ALLOWED_DTYPES:
-        raise ResponseParseError(f"{field}: unsupported dtype {dtype}; expected one of {sorted(map(str, ALLOWED_DTYPES))}")
+        raise ResponseParseError(
+            f"{field}: unsupported dtype {dtype}; expected one of {sorted(map(str, ALLOWED_DTYPES))}"
+        )
     offset = start + header_len
     expected = math.prod(shape) * dtype.itemsize
     if len(raw) - offset != expected:
-        raise ResponseParseError(f"{field}: .npy shape {shape} × {dtype.itemsize} B needs {expected} bytes, payload has {len(raw) - offset}")
+        raise ResponseParseError(
+            f"{field}: .npy shape {shape} × {dtype.itemsize} B needs {expected} bytes, payload has {len(raw) - offset}"
+        )
     flat = np.frombuffer(raw, dtype=dtype, count=math.prod(shape), offset=offset)
     return flat.reshape(shape, order="F" if fortran else "C")
 

@@ -44,7 +44,9 @@ FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
 
-_array_eq = attrs.cmp_using(eq=lambda a, b: a is b or (a is not None and b is not None and np.array_equal(a, b, equal_nan=True)))
+_array_eq = attrs.cmp_using(
+    eq=lambda a, b: a is b or (a is not None and b is not None and np.array_equal(a, b, equal_nan=True))
+)
 
 
 def _check(cond: bool, message: str) -> None:
@@ -93,13 +95,21 @@ class SamplingParams:
     frequency_penalty: float = 0.0
 
     def __attrs_post_init__(self) -> None:
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        _check(math.isfinite(self.temperature) and self.temperature >= 0, f"temperature must be finite and >= 0, got {self.temperature!r}")
+        _check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            f"max_tokens must be an int >= 1, got {self.max_tokens!r}",
+        )
+        _check(
+            math.isfinite(self.temperature) and self.temperature >= 0,
+            f"temperature must be finite and >= 0, got {self.temperature!r}",
+        )
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (off) or >= 1, got {self.top_k!r}")
         _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
         _check(self.n >= 1, f"n must be >= 1, got {self.n!r}")
-        _check(0 <= self.min_tokens <= self.max_tokens, f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        _check(
+            0 <= self.min_tokens <= self.max_tokens, f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}"
+        )
         _check(0 <= self.top_logprobs <= 20, f"top_logprobs must be in [0, 20], got {self.top_logprobs!r}")
         _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         _check(all(t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
@@ -139,8 +149,10 @@ class GenerateRequest:
     def __attrs_post_init__(self) -> None:
         _check(len(self.prompt_ids) > 0, "prompt_ids is empty: a prompt needs at least one token")
         _check(all(t >= 0 for t in self.prompt_ids), "prompt_ids contains a negative token id")
-        _check(0 <= self.routed_experts_start < len(self.prompt_ids) + self.sampling.max_tokens,
-               f"routed_experts_start must be in [0, prompt+max_tokens), got {self.routed_experts_start}")
+        _check(
+            0 <= self.routed_experts_start < len(self.prompt_ids) + self.sampling.max_tokens,
+            f"routed_experts_start must be in [0, prompt+max_tokens), got {self.routed_experts_start}",
+        )
 
 
 @attrs.frozen(kw_only=True)

@@ -93,8 +93,13 @@ async def admin_unload_lora(server: Server, name: str) -> bool:
 async def admin_state(server: Server) -> ServerState:
     raw = await _admin(server, "/state", method="GET")
     state = structure_response(wire.converter, raw, wire.WireState, url=server.admin_url)
-    return ServerState(paused=state.paused, sleeping=state.sleeping, weight_version=state.weight_version,
-                       in_flight=state.in_flight, loras=tuple(state.loras))
+    return ServerState(
+        paused=state.paused,
+        sleeping=state.sleeping,
+        weight_version=state.weight_version,
+        in_flight=state.in_flight,
+        loras=tuple(state.loras),
+    )
 
 
 @hookimpl

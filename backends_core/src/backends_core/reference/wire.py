@@ -84,10 +84,19 @@ def generate_payload(request: GenerateRequest, model: str | None) -> dict[str, A
         "model": request.model or model,
         "input_ids": list(request.prompt_ids),
         "sampling": {
-            "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-            "min_p": s.min_p, "seed": s.seed, "n": s.n, "stop_token_ids": list(s.stop_token_ids),
-            "ignore_eos": s.ignore_eos, "min_tokens": s.min_tokens, "top_logprobs": s.top_logprobs,
-            "repetition_penalty": s.repetition_penalty, "presence_penalty": s.presence_penalty,
+            "max_tokens": s.max_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,
+            "min_p": s.min_p,
+            "seed": s.seed,
+            "n": s.n,
+            "stop_token_ids": list(s.stop_token_ids),
+            "ignore_eos": s.ignore_eos,
+            "min_tokens": s.min_tokens,
+            "top_logprobs": s.top_logprobs,
+            "repetition_penalty": s.repetition_penalty,
+            "presence_penalty": s.presence_penalty,
             "frequency_penalty": s.frequency_penalty,
         },
         "request_id": request.request_id,
@@ -103,16 +112,20 @@ def parse_generate(raw: Any, request: GenerateRequest, server_url: str) -> list[
     body = structure_response(converter, raw, WireGenerateResponse, url=server_url)
     if body.prompt_tokens != len(request.prompt_ids):
         raise ResponseParseError(
-            f"$.prompt_tokens is {body.prompt_tokens} but {len(request.prompt_ids)} prompt ids were sent", url=server_url
+            f"$.prompt_tokens is {body.prompt_tokens} but {len(request.prompt_ids)} prompt ids were sent",
+            url=server_url,
         )
     results = []
     for i, sample in enumerate(body.samples):
         where = f"$.samples[{i}]"
         if sample.finish_reason not in _FINISH:
-            raise ResponseParseError(f"{where}.finish_reason is {sample.finish_reason!r}, expected one of {sorted(_FINISH)}", url=server_url)
+            raise ResponseParseError(
+                f"{where}.finish_reason is {sample.finish_reason!r}, expected one of {sorted(_FINISH)}", url=server_url
+            )
         if len(sample.output_logprobs) != len(sample.output_ids):
             raise ResponseParseError(
-                f"{where}: {len(sample.output_logprobs)} output_logprobs for {len(sample.output_ids)} output_ids", url=server_url
+                f"{where}: {len(sample.output_logprobs)} output_logprobs for {len(sample.output_ids)} output_ids",
+                url=server_url,
             )
         routed = None
         if request.return_routed_experts:
@@ -120,14 +133,18 @@ def parse_generate(raw: Any, request: GenerateRequest, server_url: str) -> list[
                 raise ResponseParseError(f"{where}.routed_experts is missing although it was requested", url=server_url)
             experts = decode_routed_experts(sample.routed_experts, field=f"{where}.routed_experts")
             routed = align_routed_experts(
-                experts, total_tokens=len(request.prompt_ids) + len(sample.output_ids),
-                server_start=sample.routed_experts_start, wanted_start=request.routed_experts_start,
+                experts,
+                total_tokens=len(request.prompt_ids) + len(sample.output_ids),
+                server_start=sample.routed_experts_start,
+                wanted_start=request.routed_experts_start,
                 field=f"{where}.routed_experts",
             )
         top = None
         if sample.top_logprobs is not None:
-            top = tuple(tuple(TopLogprob(token_id=t, logprob=lp, rank=r + 1) for r, (t, lp) in enumerate(row))
-                        for row in sample.top_logprobs)
+            top = tuple(
+                tuple(TopLogprob(token_id=t, logprob=lp, rank=r + 1) for r, (t, lp) in enumerate(row))
+                for row in sample.top_logprobs
+            )
         results.append(
             GenerateResult(
                 prompt_ids=request.prompt_ids,
@@ -138,8 +155,14 @@ def parse_generate(raw: Any, request: GenerateRequest, server_url: str) -> list[
                 top_logprobs=top,
                 routed_experts=routed,
                 weight_version=body.weight_version,
-                weight_versions=tuple(WeightVersionSpan(version=s.version, start=s.start, end=s.end) for s in sample.weight_versions),
-                usage=Usage(prompt_tokens=body.prompt_tokens, completion_tokens=len(sample.output_ids), cached_tokens=body.cached_tokens),
+                weight_versions=tuple(
+                    WeightVersionSpan(version=s.version, start=s.start, end=s.end) for s in sample.weight_versions
+                ),
+                usage=Usage(
+                    prompt_tokens=body.prompt_tokens,
+                    completion_tokens=len(sample.output_ids),
+                    cached_tokens=body.cached_tokens,
+                ),
                 request_id=body.request_id,
                 server=server_url,
             )
@@ -148,8 +171,12 @@ def parse_generate(raw: Any, request: GenerateRequest, server_url: str) -> list[
 
 
 def score_payload(request: TeacherRequest, model: str | None) -> dict[str, Any]:
-    return {"model": request.model or model, "input_ids": list(request.token_ids),
-            "top_logprobs": request.top_logprobs, "lora": request.lora}
+    return {
+        "model": request.model or model,
+        "input_ids": list(request.token_ids),
+        "top_logprobs": request.top_logprobs,
+        "lora": request.lora,
+    }
 
 
 def parse_score(raw: Any, request: TeacherRequest, server_url: str) -> TeacherLogprobs:
@@ -162,16 +189,20 @@ def parse_score(raw: Any, request: TeacherRequest, server_url: str) -> TeacherLo
     missing = [i for i, v in enumerate(body.logprobs[1:], 1) if v is None]
     if missing:
         raise ResponseParseError(f"$.logprobs[{missing[0]}] is null", url=server_url)
-    logprobs = np.array([np.nan] + body.logprobs[1:], dtype=np.float32)
+    logprobs = np.array([np.nan, *body.logprobs[1:]], dtype=np.float32)
     top = None
     if body.top_logprobs is not None:
         if len(body.top_logprobs) != n:
-            raise ResponseParseError(f"$.top_logprobs has {len(body.top_logprobs)} rows for {n} token ids", url=server_url)
+            raise ResponseParseError(
+                f"$.top_logprobs has {len(body.top_logprobs)} rows for {n} token ids", url=server_url
+            )
         top = tuple(
             tuple(TopLogprob(token_id=t, logprob=lp, rank=r + 1) for r, (t, lp) in enumerate(row or ()))
             for row in body.top_logprobs
         )
-    return TeacherLogprobs(token_ids=request.token_ids, logprobs=logprobs, top_logprobs=top, weight_version=body.weight_version)
+    return TeacherLogprobs(
+        token_ids=request.token_ids, logprobs=logprobs, top_logprobs=top, weight_version=body.weight_version
+    )
 
 
 @attrs.frozen

@@ -27,6 +27,12 @@ IntArray = npt.NDArray[np.int32]
 
 _ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+_FUSED_GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
+
+
+def _module_path(module: str) -> str:
+    """``"q_proj"`` → ``"self_attn.q_proj"``, ``"gate_proj"`` → ``"mlp.gate_proj"``."""
+    return f"self_attn.{module}" if module in _ATTN_MODULES else f"mlp.{module}"
 
 
 @attrs.frozen(kw_only=True)
@@ -246,6 +252,14 @@ class Qwen3Model:
         self._tensors = {name: np.ascontiguousarray(t, dtype=dtype) for name, t in tensors.items()}
         self._check_shapes()
         self._rope_cache: tuple[FloatArray, FloatArray] = self._rope_tables(256)
+        # fused, pre-transposed projections: one matmul for q/k/v and one for gate/up
+        self._fused: dict[tuple[int, str], FloatArray] = {}
+        for layer in range(config.num_layers):
+            for group, modules in _FUSED_GROUPS.items():
+                if group == "gate_up" and config.layer_is_moe(layer):
+                    continue
+                weights = [self._tensors[f"model.layers.{layer}.{_module_path(m)}.weight"] for m in modules]
+                self._fused[(layer, group)] = np.ascontiguousarray(np.concatenate(weights).T)
 
     @classmethod
     def load(cls, model_dir: Path | str, *, dtype: type[np.floating[Any]] = np.float64) -> Qwen3Model:
@@ -310,16 +324,30 @@ class Qwen3Model:
         logits = hidden @ self._tensors["lm_head.weight"].T
         return ForwardResult(logits=logits, routed_experts=routed if cfg.is_moe else None)
 
-    def _linear(self, x: FloatArray, layer: int, name: str, lora: LoraAdapter | None) -> FloatArray:
-        y: FloatArray = x @ self._tensors[f"model.layers.{layer}.{name}.weight"].T
-        if lora is not None:
-            pair = lora.weights.get((layer, name.rsplit(".", 1)[-1]))
+    def _linear(self, x: FloatArray, layer: int, module: str, lora: LoraAdapter | None) -> FloatArray:
+        y: FloatArray = x @ self._tensors[f"model.layers.{layer}.{_module_path(module)}.weight"].T
+        return self._add_lora(x, y, layer, (module,), lora)
+
+    def _fused_linear(self, x: FloatArray, layer: int, group: str, lora: LoraAdapter | None) -> FloatArray:
+        y: FloatArray = x @ self._fused[(layer, group)]
+        return self._add_lora(x, y, layer, _FUSED_GROUPS[group], lora)
+
+    def _add_lora(
+        self, x: FloatArray, y: FloatArray, layer: int, modules: tuple[str, ...], lora: LoraAdapter | None
+    ) -> FloatArray:
+        if lora is None:
+            return y
+        offset = 0
+        for module in modules:
+            width = _linear_shape(self.config, module)[0]
+            pair = lora.weights.get((layer, module))
             if pair is not None:
-                y = y + ((x @ pair[0].T) @ pair[1].T) * lora.scaling
+                y[:, offset : offset + width] += ((x @ pair[0].T) @ pair[1].T) * lora.scaling
+            offset += width
         return y
 
     def _rms_norm(self, x: FloatArray, weight: str) -> FloatArray:
-        variance = np.mean(np.square(x), axis=-1, keepdims=True)
+        variance = np.square(x).sum(axis=-1, keepdims=True) / x.shape[-1]
         normed: FloatArray = x / np.sqrt(variance + self.config.rms_norm_eps) * self._tensors[weight]
         return normed
 
@@ -336,9 +364,10 @@ class Qwen3Model:
         cfg = self.config
         n, d, heads, kv_heads = x.shape[0], cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         prefix = f"model.layers.{layer}.self_attn."
-        q = self._linear(x, layer, "self_attn.q_proj", lora).reshape(n, heads, d)
-        k = self._linear(x, layer, "self_attn.k_proj", lora).reshape(n, kv_heads, d)
-        v = self._linear(x, layer, "self_attn.v_proj", lora).reshape(n, kv_heads, d)
+        qkv = self._fused_linear(x, layer, "qkv", lora)
+        q = qkv[:, : heads * d].reshape(n, heads, d)
+        k = qkv[:, heads * d : (heads + kv_heads) * d].reshape(n, kv_heads, d)
+        v = qkv[:, (heads + kv_heads) * d :].reshape(n, kv_heads, d)
         q = _rotate(self._rms_norm(q, prefix + "q_norm.weight"), cos, sin)
         k = _rotate(self._rms_norm(k, prefix + "k_norm.weight"), cos, sin)
         end = start + n
@@ -355,12 +384,12 @@ class Qwen3Model:
         scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
         probs = scores / scores.sum(axis=-1, keepdims=True)
         out = (probs @ values[:, :end]).reshape(heads, n, d).transpose(1, 0, 2).reshape(n, heads * d)
-        return self._linear(out, layer, "self_attn.o_proj", lora)
+        return self._linear(out, layer, "o_proj", lora)
 
     def _mlp(self, layer: int, x: FloatArray, lora: LoraAdapter | None) -> FloatArray:
-        gate = self._linear(x, layer, "mlp.gate_proj", lora)
-        up = self._linear(x, layer, "mlp.up_proj", lora)
-        return self._linear(_silu(gate) * up, layer, "mlp.down_proj", lora)
+        gate_up = self._fused_linear(x, layer, "gate_up", lora)
+        half = gate_up.shape[-1] // 2
+        return self._linear(_silu(gate_up[:, :half]) * gate_up[:, half:], layer, "down_proj", lora)
 
     def _moe(self, layer: int, x: FloatArray) -> tuple[FloatArray, IntArray]:
         cfg = self.config

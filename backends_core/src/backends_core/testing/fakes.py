@@ -60,8 +60,9 @@ class FakeServer:
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content) if request.content else None
-        self.requests.append(RecordedRequest(method=request.method, path=request.url.path,
-                                             params=dict(request.url.params), json=body))
+        self.requests.append(
+            RecordedRequest(method=request.method, path=request.url.path, params=dict(request.url.params), json=body)
+        )
         route = self.routes.get((request.method, request.url.path))
         if route is None:
             return httpx.Response(404, json={"detail": "Not Found"})

