@@ -147,7 +147,10 @@ def hf_tokenizer(models: TinyModels) -> Any:
 _TOOLS = [
     {
         "type": "function",
-        "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
     }
 ]
 _TOOLS_BLOCK = (

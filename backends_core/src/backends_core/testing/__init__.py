@@ -5,7 +5,8 @@ scriptable fakes (:mod:`.fakes`) and the conformance suite every backend subclas
 
 Options: ``--backend-url URL`` runs conformance suites against a real server instead of their emulator;
 ``--backend NAME`` limits that to the suite of one backend (the others are skipped);
-``--backend-model NAME`` is the served model name on that server.
+``--backend-model NAME`` is the served model name on that server; ``--backend-moe`` says it serves a MoE
+model with routed experts enabled.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--backend-url", default=None, help="run conformance suites against this real server")
     group.addoption("--backend", default=None, help="with --backend-url: the backend whose suite runs live")
     group.addoption("--backend-model", default=None, help="with --backend-url: the served model name")
+    group.addoption(
+        "--backend-moe", action="store_true", help="with --backend-url: the server runs a MoE model with routing"
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -98,9 +98,7 @@ class Qwen3Config:
     def layer_is_moe(self, layer: int) -> bool:
         """Whether ``layer`` uses the MoE block (HF's ``decoder_sparse_step`` / ``mlp_only_layers`` rule)."""
         return (
-            self.num_experts > 0
-            and layer not in self.mlp_only_layers
-            and (layer + 1) % self.decoder_sparse_step == 0
+            self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
         )
 
 
@@ -406,8 +404,8 @@ class Qwen3Model:
             rows, slot = np.nonzero(top == expert)
             name = f"{prefix}experts.{expert}."
             xe = x[rows]
-            act = _silu(xe @ self._tensors[name + "gate_proj.weight"].T) * (xe @ self._tensors[name + "up_proj.weight"].T)
-            out[rows] += (act @ self._tensors[name + "down_proj.weight"].T) * weights[rows, slot][:, None]
+            gate, up = xe @ self._tensors[name + "gate_proj.weight"].T, xe @ self._tensors[name + "up_proj.weight"].T
+            out[rows] += (_silu(gate) * up @ self._tensors[name + "down_proj.weight"].T) * weights[rows, slot][:, None]
         return out, top.astype(np.int32)
 
     # -- rotary tables -------------------------------------------------------------------------

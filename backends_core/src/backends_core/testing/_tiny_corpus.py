@@ -11,7 +11,12 @@ __all__ = ["corpus_lines"]
 _CORPUS_SEED = 20251121
 _LINES_PER_KIND = 600
 
-_NOUNS = (
+
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(text.split())
+
+
+_NOUNS = _words(
     "model server client request response token batch engine weight adapter layer expert router cache "
     "prompt reply message system user assistant tool function argument value result error status queue "
     "worker thread process memory kernel device tensor matrix vector scalar shape index offset length "
@@ -22,30 +27,30 @@ _NOUNS = (
     "picture country government company program language computer network science history music "
     "animal weather holiday journey picture harvest lantern blanket pocket ribbon saddle thunder "
     "whisper compass harbor meadow orchard pebble quarry canyon glacier volcano desert prairie"
-).split()
-_VERBS = (
+)
+_VERBS = _words(
     "runs sends returns reads writes loads stores builds checks starts stops waits pauses resumes "
     "computes samples decodes encodes renders parses streams answers explains follows carries opens "
     "closes finds keeps moves turns grows learns teaches travels visits watches paints counts measures "
     "remembers imagines discovers describes collects protects prepares delivers improves organizes "
     "celebrates compares considers develops"
-).split()
-_ADJECTIVES = (
+)
+_ADJECTIVES = _words(
     "small large quick slow bright dark early late simple careful random stable tiny useful green blue "
     "red quiet loud warm cold new old empty full happy busy lazy honest clever strange modern ancient "
     "beautiful dangerous important wonderful curious gentle narrow shallow famous generous nervous"
-).split()
-_ADVERBS = "quickly slowly carefully quietly often rarely always never gently suddenly again".split()
-_NAMES = "Alice Bob Carol Dave Erin Frank Grace Heidi Ivan Judy Mallory Niaj Olivia Peggy Rupert Sybil".split()
-_PLACES = "Paris London Tokyo Berlin Madrid Rome Oslo Cairo Lima Delhi Seoul Sydney Toronto Vienna".split()
-_IDENTS = (
+)
+_ADVERBS = _words("quickly slowly carefully quietly often rarely always never gently suddenly again")
+_NAMES = _words("Alice Bob Carol Dave Erin Frank Grace Heidi Ivan Judy Mallory Niaj Olivia Peggy Rupert Sybil")
+_PLACES = _words("Paris London Tokyo Berlin Madrid Rome Oslo Cairo Lima Delhi Seoul Sydney Toronto Vienna")
+_IDENTS = _words(
     "count total items values result config request response tokens logits weights index offset "
     "length name path data text prompt batch state cache size limit seed step epoch loss score"
-).split()
-_TOOLS = (
+)
+_TOOLS = _words(
     "get_weather search_web read_file write_file run_python lookup_user send_email add_numbers "
     "list_files get_time translate_text"
-).split()
+)
 
 
 def _sentence(rng: random.Random) -> str:
@@ -75,8 +80,8 @@ def _code(rng: random.Random) -> str:
         (
             f"    {var} = len({args.split(', ')[0]})\n    return {var} * {rng.randint(2, 99)}",
             f"    for i in range({rng.randint(1, 64)}):\n        {var} += i\n    return {var}",
-            f"    if {var} is None:\n        raise ValueError(\"missing {var}\")\n    return {var}",
-            f"    return {{\"{var}\": {args.split(', ')[0]}, \"ok\": True}}",
+            f'    if {var} is None:\n        raise ValueError("missing {var}")\n    return {var}',
+            f'    return {{"{var}": {args.split(", ")[0]}, "ok": True}}',
         )
     )
     if rng.random() < 0.3:

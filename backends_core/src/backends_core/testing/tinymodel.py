@@ -4,6 +4,13 @@ Everything is made locally from numpy, ``safetensors`` and ``tokenizers`` (no to
 byte-level BPE tokenizer trained on a built-in corpus, a Qwen3 chat template, HF-layout configs and
 random float32 weights with the exact HF Qwen3 / Qwen3-MoE tensor names, and a PEFT LoRA adapter.
 The same seed always gives byte-identical files.
+
+Tokenizer notes: ``tokenizer_config.json`` names ``PreTrainedTokenizerFast`` on purpose. transformers 5's
+``Qwen2Tokenizer`` rebuilds the pipeline in code (NFC normaliser, its own split regex) and ignores the
+pre-tokenizer stored in ``tokenizer.json``, so it would tokenise differently from ``tokenizers`` itself;
+with ``PreTrainedTokenizerFast``, ``AutoTokenizer`` (hence vLLM / SGLang) and ``tokenizers.Tokenizer``
+agree exactly. In transformers 5, ``apply_chat_template(..., tokenize=True)`` returns a ``BatchEncoding``
+(``input_ids`` + ``attention_mask``), not a bare list; it needs ``jinja2``.
 """
 
 from __future__ import annotations
@@ -122,6 +129,8 @@ def build_tiny_models(root: Path | str, *, seed: int = 0) -> TinyModels:
         if _marker_matches(root, seed):
             return models_
         (root / _MARKER).unlink(missing_ok=True)
+        for stale in root.glob(".build-*"):  # left by a crashed build; we hold the lock
+            shutil.rmtree(stale, ignore_errors=True)
         with tempfile.TemporaryDirectory(prefix=".build-", dir=root) as tmp:
             staging = Path(tmp)
             _write_all(staging, seed)
@@ -153,10 +162,7 @@ def write_perturbed_weights(src: Path, dst: Path, *, seed: int, scale: float) ->
             shutil.copyfile(item, dst / item.name)
     rng = np.random.Generator(np.random.PCG64(seed))
     tensors = load_file(str(src / _WEIGHTS))
-    noisy = {
-        name: (t + scale * rng.standard_normal(t.shape)).astype(np.float32)
-        for name, t in sorted(tensors.items())
-    }
+    noisy = {name: (t + scale * rng.standard_normal(t.shape)).astype(np.float32) for name, t in sorted(tensors.items())}
     save_file(noisy, str(dst / _WEIGHTS), metadata=_SAFETENSORS_META)
     return dst
 
@@ -183,6 +189,8 @@ def _write_all(staging: Path, seed: int) -> None:
         str(lora / "adapter_model.safetensors"),
         metadata=_SAFETENSORS_META,
     )
+    for path in staging.rglob("*.safetensors"):  # safetensors creates files owner-only
+        path.chmod(0o644)
 
 
 def _rng(seed: np.random.SeedSequence) -> np.random.Generator:

@@ -1,0 +1,274 @@
+"""The reference server: the reference wire dialect served over a :class:`ReferenceEngine`.
+
+``ReferenceEmulator(engine).handle`` is an async ``httpx.Request -> httpx.Response`` function: wrap it in
+``httpx.MockTransport`` for in-process use (``emulator.transport()``), or put it on a port with
+:func:`backends_core.testing.http_server.serve`. Requests are validated strictly, as a real server would:
+unknown fields, wrong types and engine refusals are 400s with an ``{"error": ...}`` body; unknown routes
+404; wrong methods 405.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import numpy as np
+
+from backends_core.testing.engine import EngineError, EngineOutput, EngineRequest, ReferenceEngine
+
+__all__ = ["ReferenceEmulator"]
+
+_SAMPLING_FIELDS = {
+    "max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": (int, type(None)),
+    "n": int, "stop_token_ids": list, "ignore_eos": bool, "min_tokens": int, "top_logprobs": int,
+    "repetition_penalty": float, "presence_penalty": float, "frequency_penalty": float,
+}
+_GENERATE_FIELDS = {
+    "model", "input_ids", "sampling", "request_id", "cache_salt", "priority", "lora", "return_routed_experts",
+    "routed_experts_start",
+}
+
+
+class BadRequest(Exception):
+    """Becomes a 400 with the message as the error body."""
+
+
+def _json(status: int, body: Any) -> httpx.Response:
+    return httpx.Response(status, json=body)
+
+
+def _npy_b64(array: np.ndarray) -> str:
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(array))
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _check_type(name: str, value: Any, expected: Any) -> None:
+    kinds = expected if isinstance(expected, tuple) else (expected,)
+    if float in kinds:
+        kinds = (*kinds, int)
+    if isinstance(value, bool) and bool not in kinds:
+        raise BadRequest(f"{name}: expected {expected}, got {value!r}")
+    if not isinstance(value, kinds):
+        raise BadRequest(f"{name}: expected {getattr(expected, '__name__', expected)}, got {value!r}")
+
+
+class ReferenceEmulator:
+    """Serves the reference dialect for one engine.
+
+    :param engine: the engine to serve.
+    :param model_name: the served model name (default: the engine's).
+    """
+
+    def __init__(self, engine: ReferenceEngine, *, model_name: str | None = None) -> None:
+        self.engine = engine
+        self.model_name = model_name or engine.model_name
+        self.requests: list[tuple[str, str]] = []
+        self._routes: dict[tuple[str, str], Callable[[Any], Awaitable[httpx.Response]]] = {
+            ("POST", "/generate"): self._generate,
+            ("POST", "/score"): self._score,
+            ("GET", "/health"): self._health,
+            ("GET", "/ready"): self._ready,
+            ("GET", "/state"): self._state,
+            ("POST", "/pause"): self._pause,
+            ("POST", "/resume"): self._resume,
+            ("POST", "/flush_cache"): self._flush,
+            ("POST", "/update_weights"): self._update_weights,
+            ("POST", "/lora/load"): self._load_lora,
+            ("POST", "/lora/unload"): self._unload_lora,
+            ("POST", "/sleep"): self._sleep,
+            ("POST", "/wake"): self._wake,
+            ("POST", "/abort"): self._abort,
+        }
+
+    def transport(self) -> httpx.MockTransport:
+        """An httpx transport that answers in-process."""
+        return httpx.MockTransport(self.handle)
+
+    async def aclose(self) -> None:
+        await self.engine.aclose()
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        self.requests.append((request.method, path))
+        route = self._routes.get((request.method, path))
+        if route is None:
+            if any(p == path for _, p in self._routes):
+                return _json(405, {"error": f"method {request.method} not allowed on {path}"})
+            return _json(404, {"error": f"no route {path}"})
+        try:
+            body = json.loads(request.content) if request.content else {}
+        except json.JSONDecodeError as exc:
+            return _json(400, {"error": f"body is not JSON: {exc}"})
+        if not isinstance(body, dict):
+            return _json(400, {"error": "body must be a JSON object"})
+        try:
+            return await route(body)
+        except (BadRequest, EngineError) as exc:
+            return _json(400, {"error": str(exc)})
+
+    # -- data plane ------------------------------------------------------------------------------
+
+    def _check_model(self, body: dict[str, Any]) -> httpx.Response | None:
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            return _json(404, {"error": f"model {model!r} does not exist; serving {self.model_name!r}"})
+        return None
+
+    async def _generate(self, body: dict[str, Any]) -> httpx.Response:
+        unknown = set(body) - _GENERATE_FIELDS
+        if unknown:
+            raise BadRequest(f"unknown field(s) {sorted(unknown)}")
+        if (missing := self._check_model(body)) is not None:
+            return missing
+        ids = body.get("input_ids")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise BadRequest("input_ids: expected a list of integers")
+        sampling = body.get("sampling") or {}
+        if not isinstance(sampling, dict):
+            raise BadRequest("sampling: expected an object")
+        for key, value in sampling.items():
+            if key not in _SAMPLING_FIELDS:
+                raise BadRequest(f"sampling: unknown field {key!r}")
+            _check_type(f"sampling.{key}", value, _SAMPLING_FIELDS[key])
+        n = sampling.get("n", 1)
+        if n < 1:
+            raise BadRequest("sampling.n must be >= 1")
+        seed = sampling.get("seed")
+        top = sampling.get("top_logprobs", 0)
+        rid = body.get("request_id")
+        start = body.get("routed_experts_start", 0)
+        want_routing = bool(body.get("return_routed_experts", False))
+        if want_routing and not self.engine.is_moe:
+            raise BadRequest("return_routed_experts needs a MoE model")
+        requests = [
+            EngineRequest(
+                prompt_ids=ids,
+                max_tokens=sampling.get("max_tokens", 16),
+                temperature=sampling.get("temperature", 1.0),
+                top_p=sampling.get("top_p", 1.0),
+                top_k=sampling.get("top_k", -1),
+                min_p=sampling.get("min_p", 0.0),
+                seed=None if seed is None else seed + i,
+                stop_token_ids=sampling.get("stop_token_ids", []),
+                ignore_eos=sampling.get("ignore_eos", False),
+                min_tokens=sampling.get("min_tokens", 0),
+                logprobs=top,
+                return_routed_experts=want_routing,
+                routed_experts_start=start,
+                lora=body.get("lora"),
+                request_id=None if rid is None else (rid if n == 1 else f"{rid}-{i}"),
+            )
+            for i in range(n)
+        ]
+        outputs = await asyncio.gather(*(self.engine.generate(r) for r in requests))
+        first = outputs[0]
+        return _json(200, {
+            "request_id": rid if rid is not None else first.request_id,
+            "weight_version": first.weight_version,
+            "prompt_tokens": len(ids),
+            "cached_tokens": first.num_cached_tokens,
+            "samples": [self._sample(out, top, start) for out in outputs],
+        })
+
+    @staticmethod
+    def _sample(out: EngineOutput, top: int, start: int) -> dict[str, Any]:
+        assert out.logprobs is not None
+        return {
+            "output_ids": list(out.completion_ids),
+            "output_logprobs": [float(x) for x in out.logprobs],
+            "top_logprobs": [[[t, lp] for t, lp in row] for row in out.top_logprobs] if top and out.top_logprobs else None,
+            "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason,
+            "routed_experts": _npy_b64(out.routed_experts) if out.routed_experts is not None else None,
+            "routed_experts_start": start,
+            "weight_versions": [{"version": s.version, "start": s.start, "end": s.end} for s in out.weight_versions],
+        }
+
+    async def _score(self, body: dict[str, Any]) -> httpx.Response:
+        unknown = set(body) - {"model", "input_ids", "top_logprobs", "lora"}
+        if unknown:
+            raise BadRequest(f"unknown field(s) {sorted(unknown)}")
+        if (missing := self._check_model(body)) is not None:
+            return missing
+        ids = body.get("input_ids")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise BadRequest("input_ids: expected a list of integers")
+        top = body.get("top_logprobs", 0)
+        _check_type("top_logprobs", top, int)
+        out = await self.engine.score(ids, top_k=top, lora=body.get("lora"))
+        assert out.prompt_logprobs is not None
+        logprobs: list[float | None] = [None, *(float(x) for x in out.prompt_logprobs[1:])]
+        tops = None
+        if top and out.prompt_top_logprobs is not None:
+            tops = [None, *([[t, lp] for t, lp in row] for row in out.prompt_top_logprobs[1:])]
+        return _json(200, {"logprobs": logprobs, "top_logprobs": tops, "weight_version": out.weight_version})
+
+    # -- admin plane -----------------------------------------------------------------------------
+
+    async def _health(self, body: dict[str, Any]) -> httpx.Response:
+        return _json(200, {"status": "ok"})
+
+    async def _ready(self, body: dict[str, Any]) -> httpx.Response:
+        state = self.engine.state()
+        return _json(200, {"ready": not state.paused and not state.sleeping})
+
+    async def _state(self, body: dict[str, Any]) -> httpx.Response:
+        s = self.engine.state()
+        return _json(200, {"paused": s.paused, "sleeping": s.sleeping, "weight_version": s.weight_version,
+                           "in_flight": s.in_flight + s.queued, "loras": list(s.loras)})
+
+    async def _pause(self, body: dict[str, Any]) -> httpx.Response:
+        mode = body.get("mode", "abort")
+        await self.engine.pause(mode)
+        return _json(200, {"paused": True, "mode": mode})
+
+    async def _resume(self, body: dict[str, Any]) -> httpx.Response:
+        await self.engine.resume()
+        return _json(200, {"paused": False})
+
+    async def _flush(self, body: dict[str, Any]) -> httpx.Response:
+        if not self.engine.flush_cache():
+            return _json(409, {"error": "cannot flush the prefix cache while requests are in flight"})
+        return _json(200, {"flushed": True})
+
+    async def _update_weights(self, body: dict[str, Any]) -> httpx.Response:
+        path, version = body.get("path"), body.get("version")
+        _check_type("path", path, str)
+        _check_type("version", version, (str, type(None)))
+        self.engine.load_weights(path, weight_version=version)
+        return _json(200, {"weight_version": self.engine.weight_version})
+
+    async def _load_lora(self, body: dict[str, Any]) -> httpx.Response:
+        _check_type("name", body.get("name"), str)
+        _check_type("path", body.get("path"), str)
+        self.engine.load_lora(body["name"], body["path"], replace=bool(body.get("replace", False)))
+        return _json(200, {"loaded": body["name"]})
+
+    async def _unload_lora(self, body: dict[str, Any]) -> httpx.Response:
+        _check_type("name", body.get("name"), str)
+        self.engine.unload_lora(body["name"])
+        return _json(200, {"unloaded": body["name"]})
+
+    async def _sleep(self, body: dict[str, Any]) -> httpx.Response:
+        level = body.get("level", 1)
+        _check_type("level", level, int)
+        await self.engine.sleep(level)
+        return _json(200, {"sleeping": True})
+
+    async def _wake(self, body: dict[str, Any]) -> httpx.Response:
+        await self.engine.wake()
+        return _json(200, {"sleeping": False})
+
+    async def _abort(self, body: dict[str, Any]) -> httpx.Response:
+        ids = body.get("request_ids")
+        if ids is None:
+            return _json(200, {"aborted": self.engine.abort()})
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            raise BadRequest("request_ids: expected a list of strings or null")
+        return _json(200, {"aborted": sum(self.engine.abort(i) for i in ids)})

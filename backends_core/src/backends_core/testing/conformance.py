@@ -1,0 +1,458 @@
+"""The conformance suite every backend subclasses (fsspec style: abstract test classes).
+
+A backend's whole obligation::
+
+    class TestAcme(BackendConformance):
+        backend_name = "acme"
+        expected_capabilities = {"teacher_logprobs", "admin_health"}
+
+        def emulator_transport(self, engine):
+            return AcmeEmulator(engine).transport()   # acme's wire format over the reference engine
+
+By default every test runs in-process against the emulator, over the numpy reference engine on the tiny
+models. With ``pytest --backend-url http://host:port --backend acme [--backend-model NAME] [--backend-moe]``
+the same tests run against a real server (marked ``live``); tests that need to reach inside the engine or a
+MoE model skip with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import httpx
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from backends_core import (
+    Client,
+    ClientConfig,
+    GenerateResult,
+    LoraAdapter,
+    NetworkError,
+    RequestTimeout,
+    ResponseParseError,
+    RetryPolicy,
+    SamplingParams,
+    ServerStatusError,
+    UnsupportedOperationError,
+    available_backends,
+)
+from backends_core.driver import CAPABILITY_HOOKS
+from backends_core.hookspecs import REQUIRED_HOOKS
+from backends_core.plugins import implemented_hooks, make_plugin_manager
+from backends_core.testing.engine import ReferenceEngine
+from backends_core.testing.fakes import fault_transport
+from backends_core.testing.tinymodel import TinyModels, write_perturbed_weights
+
+__all__ = ["BackendConformance"]
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}]
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+class BackendConformance:
+    """Abstract suite. Subclasses set :attr:`backend_name`, :attr:`expected_capabilities` and implement
+    :meth:`emulator_transport`; the rest is optional."""
+
+    #: The backend's entry-point name.
+    backend_name: ClassVar[str]
+    #: Optional hooks the backend claims (``teacher_logprobs``, ``admin_pause``...).
+    expected_capabilities: ClassVar[set[str] | frozenset[str]] = frozenset()
+    #: The backend returns MoE routed experts (checked on the MoE model).
+    supports_routed_experts: ClassVar[bool] = False
+    #: Register this object as the backend instead of its entry point (in-process backends).
+    plugin: ClassVar[object | None] = None
+    #: ``ClientConfig.backend_options`` for every client of the suite.
+    backend_options: ClassVar[dict[str, Any]] = {}
+
+    def emulator_transport(self, engine: ReferenceEngine) -> httpx.AsyncBaseTransport:
+        """An httpx transport serving this backend's wire format over ``engine``."""
+        raise NotImplementedError("conformance subclasses must implement emulator_transport(engine)")
+
+    def served_model_name(self, engine: ReferenceEngine) -> str:
+        """The model name the emulator serves (sent as ``ClientConfig.model``)."""
+        return engine.model_name
+
+    # -- fixtures -------------------------------------------------------------------------------------
+
+    @pytest.fixture
+    def live_url(self, request: pytest.FixtureRequest) -> str | None:
+        url: str | None = request.config.getoption("--backend-url")
+        only: str | None = request.config.getoption("--backend")
+        if url and only and only != self.backend_name:
+            pytest.skip(f"--backend-url targets backend {only!r}, not {self.backend_name!r}")
+        return url
+
+    @pytest.fixture(params=["dense"])
+    def model_kind(self, request: pytest.FixtureRequest) -> str:
+        return str(request.param)
+
+    @pytest_asyncio.fixture
+    async def engine(
+        self, tiny_models: TinyModels, model_kind: str, live_url: str | None
+    ) -> AsyncIterator[ReferenceEngine]:
+        engine = ReferenceEngine(tiny_models.moe if model_kind == "moe" else tiny_models.dense, seed=0)
+        try:
+            yield engine
+        finally:
+            await engine.aclose()
+
+    def make_config(
+        self, engine: ReferenceEngine, live_url: str | None, request: pytest.FixtureRequest, **overrides: Any
+    ) -> ClientConfig:
+        model = request.config.getoption("--backend-model") if live_url else None
+        fields: dict[str, Any] = {
+            "backend": self.backend_name,
+            "base_url": live_url or "http://emulator.test",
+            "model": model or self.served_model_name(engine),
+            "tokenizer": str(engine.model_dir),
+            "backend_options": dict(self.backend_options),
+            "retry": RetryPolicy(attempts=1),
+        }
+        fields.update(overrides)
+        return ClientConfig(**fields)
+
+    @pytest_asyncio.fixture
+    async def client(
+        self, engine: ReferenceEngine, live_url: str | None, request: pytest.FixtureRequest
+    ) -> AsyncIterator[Client]:
+        config = self.make_config(engine, live_url, request)
+        transport = None if live_url else self.emulator_transport(engine)
+        async with Client(config, transport=transport, plugin=self.plugin) as client:
+            yield client
+
+    @pytest.fixture
+    def faulty_client(self, engine: ReferenceEngine, request: pytest.FixtureRequest) -> Any:
+        def make(kind: str) -> Client:
+            config = self.make_config(engine, None, request)
+            return Client(config, transport=fault_transport(kind), plugin=self.plugin)
+
+        return make
+
+    def needs(self, *capabilities: str) -> None:
+        missing = [c for c in capabilities if c not in self.expected_capabilities]
+        if missing:
+            pytest.skip(f"{self.backend_name} does not declare {', '.join(missing)}")
+
+    # -- loading and the contract ---------------------------------------------------------------------
+
+    def test_entry_point_is_installed_and_loads(self) -> None:
+        if self.plugin is not None:
+            pm = make_plugin_manager(self.backend_name, plugin=self.plugin)
+        else:
+            assert self.backend_name in {b.name for b in available_backends()}
+            pm = make_plugin_manager(self.backend_name)
+        hooks = implemented_hooks(pm, pm.get_plugin(self.backend_name))
+        assert hooks >= REQUIRED_HOOKS
+
+    def test_capabilities_are_as_declared(self) -> None:
+        pm = make_plugin_manager(self.backend_name, plugin=self.plugin)
+        assert implemented_hooks(pm, pm.get_plugin(self.backend_name)) & CAPABILITY_HOOKS == set(
+            self.expected_capabilities
+        )
+
+    @pytest.mark.asyncio
+    async def test_missing_optional_operations_raise_unsupported(self, client: Client) -> None:
+        calls = {
+            "teacher_logprobs": lambda: client.teacher_logprobs(PROMPT),
+            "admin_health": client.admin.health,
+            "admin_ready": client.admin.ready,
+            "admin_pause": lambda: client.admin.pause("abort"),
+            "admin_resume": client.admin.resume,
+            "admin_flush_cache": client.admin.flush_cache,
+            "admin_update_weights": lambda: client.admin.update_weights("/nonexistent"),
+            "admin_init_weight_transfer": lambda: client.admin.init_weight_transfer(None),  # type: ignore[arg-type]
+            "admin_update_weights_distributed": lambda: client.admin.update_weights_distributed("g", []),
+            "admin_load_lora": lambda: client.admin.load_lora(LoraAdapter(name="x", path="/x")),
+            "admin_unload_lora": lambda: client.admin.unload_lora("x"),
+            "admin_state": client.admin.state,
+            "admin_sleep": client.admin.sleep,
+            "admin_wake": client.admin.wake,
+            "admin_abort": client.admin.abort,
+        }
+        assert set(calls) == CAPABILITY_HOOKS
+        for name in sorted(CAPABILITY_HOOKS - set(self.expected_capabilities)):
+            with pytest.raises(UnsupportedOperationError) as info:
+                await calls[name]()
+            assert info.value.operation == name and info.value.backend == self.backend_name
+
+    # -- generation -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def check_sample(result: GenerateResult, prompt: list[int] | tuple[int, ...], max_tokens: int) -> None:
+        assert list(result.prompt_ids) == list(prompt)
+        assert 1 <= len(result.completion_ids) <= max_tokens
+        assert result.logprobs.dtype == np.float32
+        assert result.logprobs.shape == (len(result.completion_ids),)
+        assert np.isfinite(result.logprobs).all() and (result.logprobs <= 0).all()
+        assert result.finish_reason in ("stop", "length")
+        if result.usage is not None:
+            assert result.usage.prompt_tokens == len(prompt)
+            assert result.usage.completion_tokens == len(result.completion_ids)
+
+    @pytest.mark.asyncio
+    async def test_generate_round_trip_from_ids(self, client: Client) -> None:
+        result = await client.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=8, seed=3))
+        self.check_sample(result, PROMPT, 8)
+
+    @pytest.mark.asyncio
+    async def test_generate_round_trip_from_messages(self, client: Client) -> None:
+        result = await client.generate(messages=MESSAGES, sampling=SamplingParams(max_tokens=6, seed=1))
+        self.check_sample(result, client.render(MESSAGES), 6)
+
+    @pytest.mark.asyncio
+    async def test_same_seed_same_tokens(self, client: Client) -> None:
+        sampling = SamplingParams(max_tokens=8, seed=11, temperature=1.0)
+        a = await client.generate(prompt_ids=PROMPT, sampling=sampling)
+        b = await client.generate(prompt_ids=PROMPT, sampling=sampling)
+        assert a.completion_ids == b.completion_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+    @pytest.mark.asyncio
+    async def test_max_tokens_and_ignore_eos_give_length(self, client: Client) -> None:
+        result = await client.generate(
+            prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=5, ignore_eos=True, seed=0)
+        )
+        assert len(result.completion_ids) == 5 and result.finish_reason == "length"
+
+    @pytest.mark.asyncio
+    async def test_greedy_is_the_argmax_of_top_logprobs(self, client: Client) -> None:
+        result = await client.generate(
+            prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=4, temperature=0.0, top_logprobs=3)
+        )
+        assert result.top_logprobs is not None and len(result.top_logprobs) == len(result.completion_ids)
+        for token, lp, row in zip(result.completion_ids, result.logprobs, result.top_logprobs, strict=True):
+            assert len(row) == 3
+            assert [a.logprob for a in row] == sorted((a.logprob for a in row), reverse=True)
+            assert row[0].token_id == token
+            assert abs(row[0].logprob - float(lp)) < 1e-4
+
+    @pytest.mark.asyncio
+    async def test_n_samples_come_back_one_result_each(self, client: Client) -> None:
+        results = await client.generate_samples(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=4, n=3, seed=5))
+        assert len(results) == 3
+        for r in results:
+            self.check_sample(r, PROMPT, 4)
+
+    # -- teacher --------------------------------------------------------------------------------------
+
+    @pytest.mark.asyncio
+    async def test_teacher_logprobs_equal_generation_logprobs(self, client: Client) -> None:
+        self.needs("teacher_logprobs")
+        sampled = await client.generate(
+            prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=8, temperature=1.0, top_p=1.0, top_k=-1, seed=2)
+        )
+        teacher = await client.teacher_logprobs(sampled.token_ids)
+        assert teacher.logprobs.dtype == np.float32 and teacher.logprobs.shape == (len(sampled.token_ids),)
+        assert np.isnan(teacher.logprobs[0]) and np.isfinite(teacher.logprobs[1:]).all()
+        np.testing.assert_allclose(teacher.logprobs[len(PROMPT) :], sampled.logprobs, atol=1e-4)
+
+    @pytest.mark.asyncio
+    async def test_teacher_top_logprobs(self, client: Client) -> None:
+        self.needs("teacher_logprobs")
+        teacher = await client.teacher_logprobs(PROMPT, top_logprobs=2)
+        assert teacher.top_logprobs is not None and len(teacher.top_logprobs) == len(PROMPT)
+        assert teacher.top_logprobs[0] == ()
+        for row, lp in zip(teacher.top_logprobs[1:], teacher.logprobs[1:], strict=True):
+            assert len(row) == 2
+            assert row[0].logprob >= row[1].logprob
+            assert float(lp) <= row[0].logprob + 1e-4  # the most likely token bounds the actual one
+
+    # -- routed experts -------------------------------------------------------------------------------
+
+    @pytest.mark.asyncio
+    @pytest.mark.parametrize("model_kind", ["moe"], indirect=True)
+    async def test_routed_experts_cover_every_routed_token(
+        self, client: Client, engine: ReferenceEngine, request: pytest.FixtureRequest, live_url: str | None
+    ) -> None:
+        if not self.supports_routed_experts:
+            pytest.skip(f"{self.backend_name} does not return routed experts")
+        if live_url and not request.config.getoption("--backend-moe", default=False):
+            pytest.skip("live server: pass --backend-moe when it serves a MoE model with routing enabled")
+        sampling = SamplingParams(max_tokens=6, ignore_eos=True, seed=4)
+        full = await client.generate(prompt_ids=PROMPT, sampling=sampling, return_routed_experts=True)
+        assert full.routed_experts is not None
+        experts = full.routed_experts.experts
+        assert experts.shape == (len(full.token_ids) - 1, engine.num_layers, engine.top_k)
+        assert full.routed_experts.start == 0
+        assert (experts >= 0).all()
+        start = len(PROMPT) - 2
+        delta = await client.generate(
+            prompt_ids=PROMPT, sampling=sampling, return_routed_experts=True, routed_experts_start=start
+        )
+        assert delta.routed_experts is not None and delta.routed_experts.start == start
+        assert delta.routed_experts.experts.shape[0] == len(delta.token_ids) - 1 - start
+        np.testing.assert_array_equal(delta.routed_experts.experts[:2], experts[start : start + 2])
+
+    # -- failures -------------------------------------------------------------------------------------
+
+    @pytest.mark.asyncio
+    @pytest.mark.parametrize(
+        ("fault", "error"),
+        [
+            ("malformed", ResponseParseError),
+            ("not_json", ResponseParseError),
+            ("status_500", ServerStatusError),
+            ("timeout", RequestTimeout),
+            ("refused", NetworkError),
+        ],
+    )
+    async def test_failures_map_to_typed_errors(self, faulty_client: Any, fault: str, error: type[Exception]) -> None:
+        async with faulty_client(fault) as client:
+            with pytest.raises(error) as info:
+                await client.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=2))
+            if fault == "status_500":
+                assert "engine exploded" in str(info.value)
+            if "teacher_logprobs" in self.expected_capabilities:
+                with pytest.raises(error):
+                    await client.teacher_logprobs(PROMPT)
+            if "admin_health" in self.expected_capabilities and fault in ("status_500", "timeout", "refused"):
+                with pytest.raises(Exception) as admin_info:
+                    await client.admin.health()
+                assert isinstance(admin_info.value.results[0].error, error)  # type: ignore[attr-defined]
+
+    # -- admin ----------------------------------------------------------------------------------------
+
+    @pytest.mark.asyncio
+    async def test_health_ready_and_state(self, client: Client) -> None:
+        self.needs("admin_health")
+        assert await client.admin.health() == [True]
+        if "admin_ready" in self.expected_capabilities:
+            assert await client.admin.ready() == [True]
+        if "admin_state" in self.expected_capabilities:
+            (state,) = await client.admin.state()
+            assert state.paused in (False, None)
+
+    async def _long_generation(self, client: Client) -> asyncio.Task[GenerateResult]:
+        task = asyncio.create_task(
+            client.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=400, ignore_eos=True, seed=9))
+        )
+        for _ in range(200):  # until the request is visibly in flight
+            await asyncio.sleep(0.005)
+            if "admin_state" not in self.expected_capabilities:
+                await asyncio.sleep(0.05)
+                break
+            (state,) = await client.admin.state()
+            if state.in_flight:
+                break
+        return task
+
+    @pytest.mark.asyncio
+    async def test_pause_abort_ends_in_flight_requests(self, client: Client) -> None:
+        self.needs("admin_pause", "admin_resume")
+        task = await self._long_generation(client)
+        try:
+            await client.admin.pause("abort")
+            result = await asyncio.wait_for(task, 30)
+            assert result.finish_reason == "abort"
+            assert len(result.completion_ids) < 400
+            assert len(result.logprobs) == len(result.completion_ids)
+        finally:
+            await client.admin.resume()
+
+    @pytest.mark.asyncio
+    async def test_pause_wait_lets_in_flight_requests_finish(self, client: Client) -> None:
+        self.needs("admin_pause", "admin_resume")
+        task = await self._long_generation(client)
+        try:
+            await client.admin.pause("wait")
+            assert task.done()
+            assert (await task).finish_reason == "length"
+        finally:
+            await client.admin.resume()
+
+    @pytest.mark.asyncio
+    async def test_pause_keep_freezes_and_resume_continues(self, client: Client) -> None:
+        self.needs("admin_pause", "admin_resume")
+        task = await self._long_generation(client)
+        try:
+            await client.admin.pause("keep")
+            await asyncio.sleep(0.05)
+            assert not task.done()
+            if "admin_state" in self.expected_capabilities:
+                (state,) = await client.admin.state()
+                assert state.paused is True
+        finally:
+            await client.admin.resume()
+        result = await asyncio.wait_for(task, 60)
+        assert result.finish_reason == "length" and len(result.completion_ids) == 400
+
+    @pytest.mark.asyncio
+    async def test_update_weights_changes_logprobs_and_version(
+        self, client: Client, engine: ReferenceEngine, tmp_path: Path, live_url: str | None
+    ) -> None:
+        self.needs("admin_update_weights")
+        sampling = SamplingParams(max_tokens=4, temperature=0.0)
+        before = await client.generate(prompt_ids=PROMPT, sampling=sampling)
+        new_weights = write_perturbed_weights(engine.model_dir, tmp_path / "step-1", seed=1, scale=0.5)
+        await client.admin.update_weights(str(new_weights), version="step-1")
+        if "admin_flush_cache" in self.expected_capabilities:
+            await client.admin.flush_cache()
+        after = (
+            await client.teacher_logprobs(before.token_ids)
+            if "teacher_logprobs" in self.expected_capabilities
+            else None
+        )
+        again = await client.generate(prompt_ids=PROMPT, sampling=sampling)
+        assert again.weight_version in ("step-1", None)
+        if after is not None:
+            assert not np.allclose(after.logprobs[len(PROMPT) :], before.logprobs, atol=1e-3)
+        if "admin_state" in self.expected_capabilities:
+            (state,) = await client.admin.state()
+            assert state.weight_version == "step-1"
+
+    @pytest.mark.asyncio
+    async def test_flush_cache_is_confirmed(self, client: Client) -> None:
+        self.needs("admin_flush_cache")
+        await client.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=2))
+        assert await client.admin.flush_cache() == [True]
+
+    @pytest.mark.asyncio
+    async def test_lora_load_use_hot_swap_and_unload(self, client: Client, tiny_models: TinyModels) -> None:
+        self.needs("admin_load_lora", "admin_unload_lora")
+        sampling = SamplingParams(max_tokens=4, temperature=0.0, top_logprobs=1)
+        base = await client.generate(prompt_ids=PROMPT, sampling=sampling)
+        await client.admin.load_lora(LoraAdapter(name="tiny", path=str(tiny_models.lora)))
+        tuned = await client.generate(prompt_ids=PROMPT, sampling=sampling, lora="tiny")
+        assert tuned.completion_ids != base.completion_ids or not np.allclose(tuned.logprobs, base.logprobs, atol=1e-4)
+        with pytest.raises(Exception):  # a duplicate name without replace is refused
+            await client.admin.load_lora(LoraAdapter(name="tiny", path=str(tiny_models.lora)))
+        await client.admin.load_lora(LoraAdapter(name="tiny", path=str(tiny_models.lora), replace=True))
+        if "admin_state" in self.expected_capabilities:
+            (state,) = await client.admin.state()
+            assert state.loras is None or "tiny" in state.loras
+        await client.admin.unload_lora("tiny")
+        with pytest.raises(ServerStatusError):
+            await client.generate(prompt_ids=PROMPT, sampling=sampling, lora="tiny")
+
+    @pytest.mark.asyncio
+    async def test_sleep_and_wake(self, client: Client) -> None:
+        self.needs("admin_sleep", "admin_wake")
+        await client.admin.sleep(1)
+        try:
+            if "admin_state" in self.expected_capabilities:
+                (state,) = await client.admin.state()
+                assert state.sleeping in (True, None)
+        finally:
+            await client.admin.wake()
+        result = await client.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=2))
+        assert len(result.completion_ids) >= 1
+
+    @pytest.mark.asyncio
+    async def test_abort_by_request_id(self, client: Client) -> None:
+        self.needs("admin_abort")
+        task = asyncio.create_task(
+            client.generate(
+                prompt_ids=PROMPT,
+                sampling=SamplingParams(max_tokens=400, ignore_eos=True),
+                request_id="conformance-abort-1",
+            )
+        )
+        await asyncio.sleep(0.05)
+        counts = await client.admin.abort(["conformance-abort-1"])
+        result = await asyncio.wait_for(task, 30)
+        assert result.finish_reason == "abort" and counts[0] in (1, -1)
