@@ -28,9 +28,19 @@ _FINISH = {"eos": "stop", "max": "length", "cut": "abort"}
 @hookimpl
 async def post_generate(server, request, config):
     s = request.sampling
-    params = {"max": s.max_tokens, "temp": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "seed": s.seed,
-              "n": s.n, "stop": list(s.stop_token_ids), "ignore_eos": s.ignore_eos, "top": s.top_logprobs,
-              "min_p": s.min_p, "min_tokens": s.min_tokens}
+    params = {
+        "max": s.max_tokens,
+        "temp": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "seed": s.seed,
+        "n": s.n,
+        "stop": list(s.stop_token_ids),
+        "ignore_eos": s.ignore_eos,
+        "top": s.top_logprobs,
+        "min_p": s.min_p,
+        "min_tokens": s.min_tokens,
+    }
     return await server.request("POST", "/v1/tokens", json_body={"prompt": list(request.prompt_ids), "params": params})
 
 
@@ -47,14 +57,16 @@ def parse_response(raw, request, server_url):
         results = []
         for c in choices:
             pairs = c["tokens"]
-            results.append(GenerateResult(
-                prompt_ids=request.prompt_ids,
-                completion_ids=tuple(int(t) for t, _ in pairs),
-                logprobs=np.array([lp for _, lp in pairs], dtype=np.float32),
-                finish_reason=_FINISH[c["stop"]],
-                top_logprobs=_top(c.get("top")),
-                server=server_url,
-            ))
+            results.append(
+                GenerateResult(
+                    prompt_ids=request.prompt_ids,
+                    completion_ids=tuple(int(t) for t, _ in pairs),
+                    logprobs=np.array([lp for _, lp in pairs], dtype=np.float32),
+                    finish_reason=_FINISH[c["stop"]],
+                    top_logprobs=_top(c.get("top")),
+                    server=server_url,
+                )
+            )
         return results
     except (KeyError, TypeError, ValueError) as exc:
         raise ResponseParseError(f"fake: bad body: {type(exc).__name__}: {exc}", url=server_url) from exc
@@ -62,7 +74,9 @@ def parse_response(raw, request, server_url):
 
 @hookimpl
 async def teacher_logprobs(server, request):
-    raw = await server.request("POST", "/v1/score", json_body={"tokens": list(request.token_ids), "top": request.top_logprobs})
+    raw = await server.request(
+        "POST", "/v1/score", json_body={"tokens": list(request.token_ids), "top": request.top_logprobs}
+    )
     try:
         scores = raw["scores"]
         if len(scores) != len(request.token_ids) or scores[0] is not None:
@@ -97,7 +111,11 @@ class FakeEmulator:
                 return await self._tokens(body)
             if request.url.path == "/v1/score":
                 out = await self.engine.score(body["tokens"], top_k=body["top"])
-                top = [None, *([[t, lp] for t, lp in row] for row in out.prompt_top_logprobs[1:])] if body["top"] else None
+                top = (
+                    [None, *([[t, lp] for t, lp in row] for row in out.prompt_top_logprobs[1:])]
+                    if body["top"]
+                    else None
+                )
                 return httpx.Response(200, json={"scores": [None, *map(float, out.prompt_logprobs[1:])], "top": top})
         except EngineRequestError as exc:
             return httpx.Response(400, json={"error": str(exc)})
@@ -107,13 +125,28 @@ class FakeEmulator:
         p = body["params"]
         choices = []
         for i in range(p["n"]):
-            out = await self.engine.generate(EngineRequest(
-                prompt_ids=body["prompt"], max_tokens=p["max"], temperature=p["temp"], top_p=p["top_p"], top_k=p["top_k"],
-                min_p=p["min_p"], seed=None if p["seed"] is None else p["seed"] + i, stop_token_ids=p["stop"],
-                ignore_eos=p["ignore_eos"], min_tokens=p["min_tokens"], logprobs=p["top"],
-            ))
+            out = await self.engine.generate(
+                EngineRequest(
+                    prompt_ids=body["prompt"],
+                    max_tokens=p["max"],
+                    temperature=p["temp"],
+                    top_p=p["top_p"],
+                    top_k=p["top_k"],
+                    min_p=p["min_p"],
+                    seed=None if p["seed"] is None else p["seed"] + i,
+                    stop_token_ids=p["stop"],
+                    ignore_eos=p["ignore_eos"],
+                    min_tokens=p["min_tokens"],
+                    logprobs=p["top"],
+                )
+            )
             stop = {"stop": "eos", "length": "max", "abort": "cut"}[out.finish_reason]
             top = [[[t, lp] for t, lp in row] for row in out.top_logprobs] if p["top"] else None
-            choices.append({"tokens": [[t, float(lp)] for t, lp in zip(out.completion_ids, out.logprobs, strict=True)],
-                            "stop": stop, "top": top})
+            choices.append(
+                {
+                    "tokens": [[t, float(lp)] for t, lp in zip(out.completion_ids, out.logprobs, strict=True)],
+                    "stop": stop,
+                    "top": top,
+                }
+            )
         return httpx.Response(200, json={"choices": choices})

@@ -8,8 +8,12 @@ import pytest
 from backends_core import BridgeError, GenerateResult, extend_prompt
 from backends_core.rendering import encode, load_tokenizer, render_text
 
-TOOLS = [{"type": "function", "function": {"name": "ls", "description": "list files",
-                                           "parameters": {"type": "object", "properties": {}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "ls", "description": "list files", "parameters": {"type": "object", "properties": {}}},
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +24,12 @@ def tok(tiny_models):
 def turn(tok, messages, completion_text, *, finish="stop", tools=None, kwargs=None) -> tuple[list, GenerateResult]:
     prompt = encode(tok, render_text(tok, messages, tools=tools, chat_template_kwargs=kwargs))
     completion = encode(tok, completion_text)
-    result = GenerateResult(prompt_ids=tuple(prompt), completion_ids=tuple(completion),
-                            logprobs=np.zeros(len(completion), np.float32), finish_reason=finish)
+    result = GenerateResult(
+        prompt_ids=tuple(prompt),
+        completion_ids=tuple(completion),
+        logprobs=np.zeros(len(completion), np.float32),
+        finish_reason=finish,
+    )
     return list(messages), result
 
 
@@ -34,7 +42,10 @@ def test_a_plain_turn_extends_exactly_like_a_full_render(tok) -> None:
     new = [{"role": "user", "content": "Tell me a joke."}]
     ids = extend_prompt(tok, history=history, previous=prev, new_messages=new)
     assert ids[: len(prev.token_ids)] == list(prev.token_ids)
-    assert tok.decode(ids[len(prev.token_ids):]) == "\n<|im_start|>user\nTell me a joke.<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        tok.decode(ids[len(prev.token_ids) :])
+        == "\n<|im_start|>user\nTell me a joke.<|im_end|>\n<|im_start|>assistant\n"
+    )
     # with nothing for a re-render to lose, the bridge agrees with rendering everything from scratch
     assert ids == full_render(tok, [*history, {"role": "assistant", "content": "Hi! How can I help?"}, *new])
 
@@ -50,26 +61,38 @@ def test_reasoning_is_kept_verbatim_where_a_re_render_would_drop_it(tok) -> None
 
 def test_tool_results_are_grouped_by_the_template(tok) -> None:
     calls = [{"type": "function", "function": {"name": "ls", "arguments": {}}}]
-    history, prev = turn(tok, [{"role": "user", "content": "files?"}],
-                         '<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call><|im_end|>', tools=TOOLS)
+    history, prev = turn(
+        tok,
+        [{"role": "user", "content": "files?"}],
+        '<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call><|im_end|>',
+        tools=TOOLS,
+    )
     new = [{"role": "tool", "content": "a.py"}, {"role": "tool", "content": "b.py"}]
-    ids = extend_prompt(tok, history=history, previous=prev, new_messages=new, tools=TOOLS,
-                        assistant_message={"role": "assistant", "content": "", "tool_calls": calls})
-    delta = tok.decode(ids[len(prev.token_ids):])
-    assert delta == ("\n<|im_start|>user\n<tool_response>\na.py\n</tool_response>\n<tool_response>\nb.py\n"
-                     "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    ids = extend_prompt(
+        tok,
+        history=history,
+        previous=prev,
+        new_messages=new,
+        tools=TOOLS,
+        assistant_message={"role": "assistant", "content": "", "tool_calls": calls},
+    )
+    delta = tok.decode(ids[len(prev.token_ids) :])
+    assert delta == (
+        "\n<|im_start|>user\n<tool_response>\na.py\n</tool_response>\n<tool_response>\nb.py\n"
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_a_truncated_turn_is_closed_with_the_templates_end_of_turn(tok) -> None:
     history, prev = turn(tok, [{"role": "user", "content": "essay"}], "Once upon a", finish="length")
     ids = extend_prompt(tok, history=history, previous=prev, new_messages=[{"role": "user", "content": "go on"}])
-    assert tok.decode(ids[len(prev.token_ids):]).startswith("<|im_end|>\n<|im_start|>user\ngo on")
+    assert tok.decode(ids[len(prev.token_ids) :]).startswith("<|im_end|>\n<|im_start|>user\ngo on")
 
 
 def test_a_turn_truncated_inside_think_closes_the_think_block_first(tok) -> None:
     history, prev = turn(tok, [{"role": "user", "content": "hard"}], "<think>\nlet me see", finish="length")
     ids = extend_prompt(tok, history=history, previous=prev, new_messages=[{"role": "user", "content": "answer?"}])
-    assert tok.decode(ids[len(prev.token_ids):]).startswith("\n</think>\n\n<|im_end|>\n<|im_start|>user\n")
+    assert tok.decode(ids[len(prev.token_ids) :]).startswith("\n</think>\n\n<|im_end|>\n<|im_start|>user\n")
 
 
 def test_a_foreign_stop_token_is_refused_not_papered_over(tok) -> None:

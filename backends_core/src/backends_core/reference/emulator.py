@@ -24,12 +24,30 @@ from backends_core.testing.engine import EngineError, EngineOutput, EngineReques
 __all__ = ["ReferenceEmulator"]
 
 _SAMPLING_FIELDS = {
-    "max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float, "seed": (int, type(None)),
-    "n": int, "stop_token_ids": list, "ignore_eos": bool, "min_tokens": int, "top_logprobs": int,
-    "repetition_penalty": float, "presence_penalty": float, "frequency_penalty": float,
+    "max_tokens": int,
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "min_p": float,
+    "seed": (int, type(None)),
+    "n": int,
+    "stop_token_ids": list,
+    "ignore_eos": bool,
+    "min_tokens": int,
+    "top_logprobs": int,
+    "repetition_penalty": float,
+    "presence_penalty": float,
+    "frequency_penalty": float,
 }
 _GENERATE_FIELDS = {
-    "model", "input_ids", "sampling", "request_id", "cache_salt", "priority", "lora", "return_routed_experts",
+    "model",
+    "input_ids",
+    "sampling",
+    "request_id",
+    "cache_salt",
+    "priority",
+    "lora",
+    "return_routed_experts",
     "routed_experts_start",
 }
 
@@ -168,13 +186,16 @@ class ReferenceEmulator:
         ]
         outputs = await asyncio.gather(*(self.engine.generate(r) for r in requests))
         first = outputs[0]
-        return _json(200, {
-            "request_id": rid if rid is not None else first.request_id,
-            "weight_version": first.weight_version,
-            "prompt_tokens": len(ids),
-            "cached_tokens": first.num_cached_tokens,
-            "samples": [self._sample(out, top, start) for out in outputs],
-        })
+        return _json(
+            200,
+            {
+                "request_id": rid if rid is not None else first.request_id,
+                "weight_version": first.weight_version,
+                "prompt_tokens": len(ids),
+                "cached_tokens": first.num_cached_tokens,
+                "samples": [self._sample(out, top, start) for out in outputs],
+            },
+        )
 
     @staticmethod
     def _sample(out: EngineOutput, top: int, start: int) -> dict[str, Any]:
@@ -182,7 +203,9 @@ class ReferenceEmulator:
         return {
             "output_ids": list(out.completion_ids),
             "output_logprobs": [float(x) for x in out.logprobs],
-            "top_logprobs": [[[t, lp] for t, lp in row] for row in out.top_logprobs] if top and out.top_logprobs else None,
+            "top_logprobs": [[[t, lp] for t, lp in row] for row in out.top_logprobs]
+            if top and out.top_logprobs
+            else None,
             "finish_reason": out.finish_reason,
             "stop_reason": out.stop_reason,
             "routed_experts": _npy_b64(out.routed_experts) if out.routed_experts is not None else None,
@@ -220,8 +243,16 @@ class ReferenceEmulator:
 
     async def _state(self, body: dict[str, Any]) -> httpx.Response:
         s = self.engine.state()
-        return _json(200, {"paused": s.paused, "sleeping": s.sleeping, "weight_version": s.weight_version,
-                           "in_flight": s.in_flight + s.queued, "loras": list(s.loras)})
+        return _json(
+            200,
+            {
+                "paused": s.paused,
+                "sleeping": s.sleeping,
+                "weight_version": s.weight_version,
+                "in_flight": s.in_flight + s.queued,
+                "loras": list(s.loras),
+            },
+        )
 
     async def _pause(self, body: dict[str, Any]) -> httpx.Response:
         mode = body.get("mode", "abort")
@@ -241,7 +272,7 @@ class ReferenceEmulator:
         path, version = body.get("path"), body.get("version")
         _check_type("path", path, str)
         _check_type("version", version, (str, type(None)))
-        self.engine.load_weights(path, weight_version=version)
+        self.engine.load_weights(str(path), weight_version=version)
         return _json(200, {"weight_version": self.engine.weight_version})
 
     async def _load_lora(self, body: dict[str, Any]) -> httpx.Response:

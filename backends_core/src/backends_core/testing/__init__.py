@@ -11,36 +11,11 @@ model with routed experts enabled.
 
 from __future__ import annotations
 
-from typing import Any
+try:  # the kit's models and engine work without pytest (the demo uses them); the plugin needs it
+    import pytest  # noqa: F401
+except ImportError:  # pragma: no cover - exercised only where pytest is absent
+    pass
+else:
+    from backends_core.testing.plugin import fake_server, pytest_addoption, pytest_configure, tiny_models
 
-import pytest
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("backends", "backends conformance")
-    group.addoption("--backend-url", default=None, help="run conformance suites against this real server")
-    group.addoption("--backend", default=None, help="with --backend-url: the backend whose suite runs live")
-    group.addoption("--backend-model", default=None, help="with --backend-url: the served model name")
-    group.addoption(
-        "--backend-moe", action="store_true", help="with --backend-url: the server runs a MoE model with routing"
-    )
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "live: talks to a real server given by --backend-url")
-
-
-@pytest.fixture(scope="session")
-def tiny_models() -> Any:
-    """The tiny dense / MoE / LoRA models, built once per machine (cached; see ``default_models_dir``)."""
-    from backends_core.testing.tinymodel import build_tiny_models, default_models_dir
-
-    return build_tiny_models(default_models_dir())
-
-
-@pytest.fixture
-def fake_server() -> Any:
-    """A fresh :class:`~backends_core.testing.fakes.FakeServer`."""
-    from backends_core.testing.fakes import FakeServer
-
-    return FakeServer()
+    __all__ = ["fake_server", "pytest_addoption", "pytest_configure", "tiny_models"]

@@ -28,6 +28,7 @@ import pytest
 import pytest_asyncio
 
 from backends_core import (
+    AdminError,
     Client,
     ClientConfig,
     GenerateResult,
@@ -311,9 +312,9 @@ class BackendConformance:
                 with pytest.raises(error):
                     await client.teacher_logprobs(PROMPT)
             if "admin_health" in self.expected_capabilities and fault in ("status_500", "timeout", "refused"):
-                with pytest.raises(Exception) as admin_info:
+                with pytest.raises(AdminError) as admin_info:
                     await client.admin.health()
-                assert isinstance(admin_info.value.results[0].error, error)  # type: ignore[attr-defined]
+                assert isinstance(admin_info.value.results[0].error, error)
 
     # -- admin ----------------------------------------------------------------------------------------
 
@@ -360,8 +361,11 @@ class BackendConformance:
         task = await self._long_generation(client)
         try:
             await client.admin.pause("wait")
-            assert task.done()
-            assert (await task).finish_reason == "length"
+            if "admin_state" in self.expected_capabilities:
+                (state,) = await client.admin.state()  # the server finished it before confirming the pause
+                assert state.paused is True and state.in_flight == 0
+            result = await asyncio.wait_for(task, 30)
+            assert result.finish_reason == "length" and len(result.completion_ids) == 400
         finally:
             await client.admin.resume()
 
@@ -419,8 +423,9 @@ class BackendConformance:
         await client.admin.load_lora(LoraAdapter(name="tiny", path=str(tiny_models.lora)))
         tuned = await client.generate(prompt_ids=PROMPT, sampling=sampling, lora="tiny")
         assert tuned.completion_ids != base.completion_ids or not np.allclose(tuned.logprobs, base.logprobs, atol=1e-4)
-        with pytest.raises(Exception):  # a duplicate name without replace is refused
+        with pytest.raises(AdminError) as duplicate:  # a duplicate name without replace is refused
             await client.admin.load_lora(LoraAdapter(name="tiny", path=str(tiny_models.lora)))
+        assert isinstance(duplicate.value.results[0].error, ServerStatusError)
         await client.admin.load_lora(LoraAdapter(name="tiny", path=str(tiny_models.lora), replace=True))
         if "admin_state" in self.expected_capabilities:
             (state,) = await client.admin.state()
