@@ -20,6 +20,7 @@ import attrs
 import cattrs
 from cattrs.gen import make_dict_structure_fn, override
 
+from backends_core.converters import make_converter
 from backends_core.errors import ConfigError
 
 __all__ = ["ClientConfig", "Limits", "RetryPolicy", "Timeouts"]
@@ -252,29 +253,8 @@ def _structure_any_map(value: Any, _type: Any) -> dict[str, Any]:
     return dict(value)
 
 
-def _strict_number(value: Any, _type: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"expected a number, got {value!r}")
-    return float(value)
-
-
-def _strict_int(value: Any, _type: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"expected an integer, got {value!r}")
-    return value
-
-
-def _strict_str(value: Any, _type: Any) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"expected a string, got {value!r}")
-    return value
-
-
 def _make_converter() -> cattrs.Converter:
-    conv = cattrs.Converter(forbid_extra_keys=True)
-    conv.register_structure_hook(float, _strict_number)
-    conv.register_structure_hook(int, _strict_int)
-    conv.register_structure_hook(str, _strict_str)
+    conv = make_converter(forbid_extra_keys=True)
 
     def timeouts_hook(value: Any, type_: Any) -> Timeouts:
         if isinstance(value, int | float) and not isinstance(value, bool):

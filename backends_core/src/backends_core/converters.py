@@ -44,9 +44,9 @@ def _bool(value: Any, _t: Any) -> bool:
     return value
 
 
-def make_converter() -> cattrs.Converter:
-    """A fresh strict converter for one backend's wire types."""
-    conv = cattrs.Converter(omit_if_default=True)
+def make_converter(*, forbid_extra_keys: bool = False) -> cattrs.Converter:
+    """A fresh strict converter for one backend's wire types (or, with ``forbid_extra_keys``, for config)."""
+    conv = cattrs.Converter(omit_if_default=True, forbid_extra_keys=forbid_extra_keys)
     conv.register_structure_hook(int, _int)
     conv.register_structure_hook(float, _float)
     conv.register_structure_hook(str, _str)

@@ -76,6 +76,13 @@ def _check_type(name: str, value: Any, expected: Any) -> None:
         raise BadRequest(f"{name}: expected {getattr(expected, '__name__', expected)}, got {value!r}")
 
 
+def _token_ids(body: dict[str, Any]) -> list[int]:
+    ids = body.get("input_ids")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise BadRequest("input_ids: expected a list of integers")
+    return ids
+
+
 class ReferenceEmulator:
     """Serves the reference dialect for one engine.
 
@@ -144,9 +151,7 @@ class ReferenceEmulator:
             raise BadRequest(f"unknown field(s) {sorted(unknown)}")
         if (missing := self._check_model(body)) is not None:
             return missing
-        ids = body.get("input_ids")
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise BadRequest("input_ids: expected a list of integers")
+        ids = _token_ids(body)
         sampling = body.get("sampling") or {}
         if not isinstance(sampling, dict):
             raise BadRequest("sampling: expected an object")
@@ -219,9 +224,7 @@ class ReferenceEmulator:
             raise BadRequest(f"unknown field(s) {sorted(unknown)}")
         if (missing := self._check_model(body)) is not None:
             return missing
-        ids = body.get("input_ids")
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise BadRequest("input_ids: expected a list of integers")
+        ids = _token_ids(body)
         top = body.get("top_logprobs", 0)
         _check_type("top_logprobs", top, int)
         out = await self.engine.score(ids, top_k=top, lora=body.get("lora"))

@@ -328,10 +328,10 @@ class BackendConformance:
             (state,) = await client.admin.state()
             assert state.paused in (False, None)
 
-    async def _long_generation(self, client: Client) -> asyncio.Task[GenerateResult]:
-        task = asyncio.create_task(
-            client.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=400, ignore_eos=True, seed=9))
-        )
+    async def _long_generation(self, client: Client, request_id: str | None = None) -> asyncio.Task[GenerateResult]:
+        """Start a 400-token generation and return once the server shows it in flight."""
+        sampling = SamplingParams(max_tokens=400, ignore_eos=True, seed=9)
+        task = asyncio.create_task(client.generate(prompt_ids=PROMPT, sampling=sampling, request_id=request_id))
         for _ in range(200):  # until the request is visibly in flight
             await asyncio.sleep(0.005)
             if "admin_state" not in self.expected_capabilities:
@@ -450,14 +450,7 @@ class BackendConformance:
     @pytest.mark.asyncio
     async def test_abort_by_request_id(self, client: Client) -> None:
         self.needs("admin_abort")
-        task = asyncio.create_task(
-            client.generate(
-                prompt_ids=PROMPT,
-                sampling=SamplingParams(max_tokens=400, ignore_eos=True),
-                request_id="conformance-abort-1",
-            )
-        )
-        await asyncio.sleep(0.05)
+        task = await self._long_generation(client, request_id="conformance-abort-1")
         counts = await client.admin.abort(["conformance-abort-1"])
         result = await asyncio.wait_for(task, 30)
         assert result.finish_reason == "abort" and counts[0] in (1, -1)
