@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import attrs
 import numpy as np
 import pytest
@@ -39,7 +41,7 @@ async def test_three_turns_each_extend_the_previous_exact_ids(client: Client) ->
     turns = [await conv.send([{"role": "user", "content": "hi"}], sampling=sampling)]
     for text in ("more", "and more"):
         turns.append(await conv.send([{"role": "user", "content": text}], sampling=sampling))
-    for before, after in zip(turns, turns[1:], strict=False):
+    for before, after in itertools.pairwise(turns):
         assert after.prompt_ids[: len(before.token_ids)] == before.token_ids
     assert conv.token_ids == turns[-1].token_ids
     assert [m["role"] for m in conv.messages] == ["user", "assistant", "user", "assistant", "user"]
