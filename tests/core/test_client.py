@@ -53,7 +53,7 @@ class Tiny:
         ]
 
     @hookimpl
-    async def admin_pause(self, server, mode: str) -> bool:
+    async def admin_pause(self, server, mode: str) -> bool:  # a subset of the spec's arguments is fine
         await server.request("POST", "/pause", params={"mode": mode}, plane="admin", retry=False)
         return True
 

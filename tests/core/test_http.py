@@ -115,3 +115,22 @@ async def test_retry_false_sends_once() -> None:
     with pytest.raises(ServerStatusError):
         await make_server(handler).request("POST", "/pause", plane="admin", retry=False)
     assert len(calls) == 1
+
+
+async def test_after_a_5xx_a_reset_connection_is_retried_once_on_a_fresh_one() -> None:
+    """vLLM's admin routes answer 500 and then reset the keep-alive connection."""
+    answers = iter([httpx.Response(500, json={"error": "boom"}), httpx.ReadError("connection reset"),
+                    httpx.Response(200, json={"ok": 1}), httpx.ReadError("connection reset")])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    server = make_server(handler)
+    with pytest.raises(ServerStatusError):
+        await server.request("POST", "/collective_rpc", plane="admin", retry=False)
+    assert await server.request("POST", "/resume", plane="admin", retry=False) == {"ok": 1}
+    with pytest.raises(NetworkError):  # without a preceding 5xx a reset is a real failure
+        await server.request("POST", "/resume", plane="admin", retry=False)

@@ -6,6 +6,10 @@ chained: timeouts as :class:`RequestTimeout`, connection trouble as :class:`Netw
 :class:`ServerStatusError` carrying the server's own error body, a non-JSON 2xx body as
 :class:`ResponseParseError`. Retries follow the client's :class:`RetryPolicy` and only cover failures where
 the server certainly did not act (connect errors) or said "not now" (the policy's statuses).
+
+Some servers (uvicorn behind vLLM's admin routes) answer a 5xx and then reset that keep-alive connection, so the
+*next* request on the pooled connection dies with a connection error although the server never saw it. After a
+5xx the next request's connection-level failure is therefore retried once, immediately, on a fresh connection.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ class Server:
     _admin_timeout: float | None = attrs.field(alias="admin_timeout", default=None, repr=False)
     #: Per-server memo for backends (e.g. ``max_model_len`` read once from ``/v1/models``).
     cache: dict[str, Any] = attrs.field(factory=dict, repr=False)
+    #: Planes whose last answer was a 5xx: their pooled connection may have been reset by the server.
+    _reset_suspected: set[str] = attrs.field(factory=set, init=False, repr=False)
 
     def url(self, path: str, *, plane: Plane = "data") -> str:
         root = self.admin_url if plane == "admin" else self.base_url
@@ -85,7 +91,9 @@ class Server:
             extra["timeout"] = httpx.Timeout(self._admin_timeout)
         content = None if json_body is None else json.dumps(json_body, separators=(",", ":")).encode()
         headers = {"content-type": "application/json"} if content is not None else None
-        for attempt in range(1, attempts + 1):
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 response = await client.request(method, url, content=content, params=params, headers=headers, **extra)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
@@ -93,8 +101,18 @@ class Server:
                     await asyncio.sleep(self._retry.delay(attempt))
                     continue
                 raise _map_transport(exc, method, url) from exc
+            except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as exc:
+                if plane in self._reset_suspected:  # the server reset the connection after its last 5xx
+                    self._reset_suspected.discard(plane)
+                    attempt -= 1
+                    continue
+                raise _map_transport(exc, method, url) from exc
             except httpx.TransportError as exc:
                 raise _map_transport(exc, method, url) from exc
+            if response.status_code >= 500:
+                self._reset_suspected.add(plane)
+            else:
+                self._reset_suspected.discard(plane)
             if response.is_success:
                 return _decode(response, expect, url)
             if response.status_code in self._retry.retry_statuses and attempt < attempts:
@@ -103,7 +121,6 @@ class Server:
             body = _error_body(response)
             hint = status_hint(response.status_code, body) if status_hint else None
             raise ServerStatusError(method=method, url=url, status_code=response.status_code, body=body, hint=hint)
-        raise AssertionError("unreachable: the retry loop always returns or raises")
 
 
 def _map_transport(exc: httpx.TransportError, method: str, url: str) -> RequestTimeout | NetworkError:

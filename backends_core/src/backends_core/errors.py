@@ -19,13 +19,14 @@
     │   ├── TransportError
     │   │   ├── RequestTimeout                    connect/read/write/pool timeout
     │   │   └── NetworkError                      connection refused/reset, protocol error
-    │   └── ServerStatusError                     non-2xx answer; ``.status_code``, ``.body`` (server's words)
+    │   ├── ServerStatusError                     non-2xx answer; ``.status_code``, ``.body`` (server's words)
+    │   └── ServerRefusedError                    2xx answer that reports failure (``{"success": false}``); ``.body``
     ├── ResponseParseError (ValueError)           a 2xx body does not match the wire shape; ``.url``, ``.detail``
     └── AdminError                                an admin operation failed on one or more servers;
                                                   ``.results`` holds every server's outcome
 
-Backends raise :class:`RenderError`, :class:`ResponseParseError`, :class:`InvalidRequestError` and
-:class:`ConfigError` themselves; HTTP failures are mapped to :class:`RequestError` subclasses at one
+Backends raise :class:`RenderError`, :class:`ResponseParseError`, :class:`InvalidRequestError`,
+:class:`ServerRefusedError` and :class:`ConfigError` themselves; HTTP failures are mapped to :class:`RequestError` subclasses at one
 choke point (:mod:`backends_core._http`), so a backend never constructs them.
 """
 
@@ -53,6 +54,7 @@ __all__ = [
     "RequestError",
     "RequestTimeout",
     "ResponseParseError",
+    "ServerRefusedError",
     "ServerStatusError",
     "TransportError",
     "UnsupportedOperationError",
@@ -200,6 +202,17 @@ class ServerStatusError(RequestError):
         if hint:
             message += f"; hint: {hint}"
         super().__init__(message, method=method, url=url)
+
+
+class ServerRefusedError(RequestError):
+    """The server answered 2xx but its body says the operation did not happen (e.g. ``{"success": false}``).
+
+    :ivar body: the server's answer.
+    """
+
+    def __init__(self, what: str, *, method: str, url: str, body: Any) -> None:
+        self.body = body
+        super().__init__(f"server refused {what}: {body!r}", method=method, url=url)
 
 
 class ResponseParseError(BackendError, ValueError):

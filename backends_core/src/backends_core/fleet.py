@@ -76,10 +76,10 @@ class Admin:
     async def ready(self) -> list[bool]:
         return await self._all("ready")
 
-    async def pause(self, mode: PauseMode = "abort") -> list[bool]:
+    async def pause(self, mode: PauseMode = "abort", *, clear_cache: bool = False) -> list[bool]:
         if mode not in PAUSE_MODES:
             raise InvalidRequestError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
-        return await self._all("pause", mode=mode)
+        return await self._all("pause", mode=mode, clear_cache=clear_cache)
 
     async def resume(self) -> list[bool]:
         return await self._all("resume")

@@ -246,12 +246,16 @@ async def admin_ready(server: Server, config: ClientConfig, options: Any) -> boo
 
 
 @hookspec(firstresult=True)
-async def admin_pause(server: Server, mode: PauseMode, config: ClientConfig, options: Any) -> bool | None:
+async def admin_pause(
+    server: Server, mode: PauseMode, clear_cache: bool, config: ClientConfig, options: Any
+) -> bool | None:
     """Stop scheduling generation.
 
     :param server: the server to pause.
     :param mode: ``"abort"`` ends in-flight requests now (finish reason ``abort``); ``"wait"`` returns once
         they complete; ``"keep"`` freezes them to continue after resume.
+    :param clear_cache: also drop the prefix cache once paused (ignored with ``"keep"``, whose frozen requests
+        still need their cache).
     :param config: the client's configuration.
     :param options: the validated backend options.
     :returns: ``True`` once the server confirmed the pause.

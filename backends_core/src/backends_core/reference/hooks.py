@@ -54,8 +54,10 @@ async def admin_ready(server: Server) -> bool:
 
 
 @hookimpl
-async def admin_pause(server: Server, mode: PauseMode) -> bool:
+async def admin_pause(server: Server, mode: PauseMode, clear_cache: bool) -> bool:
     await _admin(server, "/pause", {"mode": mode})
+    if clear_cache and mode != "keep":
+        await _admin(server, "/flush_cache")
     return True
 
 
