@@ -26,8 +26,9 @@
                                                   ``.results`` holds every server's outcome
 
 Backends raise :class:`RenderError`, :class:`ResponseParseError`, :class:`InvalidRequestError`,
-:class:`ServerRefusedError` and :class:`ConfigError` themselves; HTTP failures are mapped to :class:`RequestError` subclasses at one
-choke point (:mod:`backends_core._http`), so a backend never constructs them.
+:class:`ServerRefusedError` and :class:`ConfigError` themselves; HTTP failures are mapped to
+:class:`RequestError` subclasses at one choke point (:mod:`backends_core._http`), so a backend never constructs
+them.
 """
 
 from __future__ import annotations
