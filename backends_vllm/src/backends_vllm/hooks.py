@@ -1,0 +1,277 @@
+"""Hook implementations of the ``vllm`` backend: each hook is a few lines; wire mapping is in ``wire.py``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from backends_core import Server, hookimpl
+from backends_core._http import StatusHint
+from backends_core.config import ClientConfig
+from backends_core.errors import InvalidRequestError, ServerRefusedError
+from backends_core.types import (
+    DistributedGroup,
+    GenerateRequest,
+    GenerateResult,
+    LoraAdapter,
+    PauseMode,
+    ServerState,
+    TeacherLogprobs,
+    TeacherRequest,
+    TensorSpec,
+)
+from backends_vllm import wire
+from backends_vllm.options import VllmOptions, parse_options
+
+_MODELS = "vllm.models"  # Server.cache key: the last /v1/models answer
+
+
+@hookimpl
+def validate_backend_options(options: Mapping[str, Any]) -> VllmOptions:
+    return parse_options(options)
+
+
+def _route_hint(path: str) -> StatusHint:
+    def hint(status: int, body: Any) -> str | None:
+        if status == 403 or (status == 404 and body == {"detail": "Not Found"}):
+            if path == "/inference/v1/generate":
+                return (
+                    "this server has no /inference/v1/generate: start vLLM with --enable-scale-out, "
+                    "or set backend_options.transport = 'completions'"
+                )
+            return f"this server has no {path}: is it a vLLM OpenAI server?"
+        if status == 404:
+            return "the model (or LoRA adapter) is not served here: GET /v1/models lists what is"
+        return None
+
+    return hint
+
+
+async def _models(server: Server, *, refresh: bool = False) -> Any:
+    if refresh or _MODELS not in server.cache:
+        server.cache[_MODELS] = await server.request("GET", "/v1/models")
+    return server.cache[_MODELS]
+
+
+async def _check_length(server: Server, request: GenerateRequest, model: str | None) -> None:
+    if model is None:
+        return
+    limit, names = wire.max_model_len(await _models(server), model, server.base_url)
+    if limit < 0:  # maybe an adapter loaded since we last looked
+        limit, names = wire.max_model_len(await _models(server, refresh=True), model, server.base_url)
+    if limit < 0:
+        raise InvalidRequestError(f"model {model!r} is not served by {server.base_url} (it serves {names})")
+    needed = len(request.prompt_ids) + request.sampling.max_tokens
+    if needed > limit:
+        raise InvalidRequestError(
+            f"prompt of {len(request.prompt_ids)} tokens + max_tokens {request.sampling.max_tokens} = {needed} exceeds "
+            f"max_model_len {limit} of {model!r} on {server.base_url}"
+        )
+
+
+@hookimpl
+async def post_generate(server: Server, request: GenerateRequest, config: ClientConfig, options: VllmOptions) -> Any:
+    model = request.lora or request.model or config.model
+    if options.check_prompt_length:
+        await _check_length(server, request, model)
+    if options.transport == "generate":
+        if request.sampling.top_logprobs >= wire.MAX_LOGPROBS:
+            raise InvalidRequestError(
+                f"top_logprobs {request.sampling.top_logprobs}: vLLM's generate route returns at most "
+                f"{wire.MAX_LOGPROBS - 1} alternatives besides the sampled token"
+            )
+        path, body = "/inference/v1/generate", wire.generate_payload(request, config.model)
+    else:
+        path, body = "/v1/completions", wire.completions_payload(request, config.model)
+    return await server.request("POST", path, json_body=body, status_hint=_route_hint(path))
+
+
+@hookimpl
+def parse_response(raw: Any, request: GenerateRequest, server_url: str, options: VllmOptions) -> list[GenerateResult]:
+    if options.transport == "generate":
+        return wire.parse_generate(raw, request, server_url)
+    return wire.parse_completions(raw, request, server_url)
+
+
+@hookimpl
+async def teacher_logprobs(
+    server: Server, request: TeacherRequest, config: ClientConfig, options: VllmOptions
+) -> TeacherLogprobs:
+    path, body = wire.teacher_payload(request, config.model, transport=options.transport)
+    raw = await server.request("POST", path, json_body=body, status_hint=_route_hint(path))
+    return wire.parse_prompt_logprobs(raw, request, server.base_url, transport=options.transport)
+
+
+# -- admin ------------------------------------------------------------------------------------------------
+
+
+async def _admin(
+    server: Server,
+    method: str,
+    path: str,
+    *,
+    body: Any = None,
+    params: Mapping[str, Any] | None = None,
+    expect: str = "json",
+) -> Any:
+    return await server.request(
+        method,
+        path,
+        json_body=body,
+        params=params,
+        plane="admin",
+        retry=method == "GET",
+        expect=expect,
+        status_hint=_route_hint(path),
+    )  # type: ignore[arg-type]
+
+
+@hookimpl
+async def admin_health(server: Server) -> bool:
+    await _admin(server, "GET", "/health", expect="none")
+    return True
+
+
+@hookimpl
+async def admin_ready(server: Server, config: ClientConfig) -> bool:
+    models = await server.request("GET", "/v1/models", plane="admin")
+    _, names = wire.max_model_len(models, config.model or "", server.admin_url)
+    return bool(names) and (config.model is None or config.model in names)
+
+
+@hookimpl
+async def admin_pause(server: Server, mode: PauseMode, clear_cache: bool) -> bool:
+    raw = await _admin(server, "POST", "/pause", params={"mode": mode, "clear_cache": str(clear_cache).lower()})
+    if wire.text(raw, "status", server.admin_url) != "paused":
+        raise ServerRefusedError("pause", method="POST", url=server.url("/pause", plane="admin"), body=raw)
+    return True
+
+
+@hookimpl
+async def admin_resume(server: Server) -> bool:
+    raw = await _admin(server, "POST", "/resume")
+    if wire.text(raw, "status", server.admin_url) != "resumed":
+        raise ServerRefusedError("resume", method="POST", url=server.url("/resume", plane="admin"), body=raw)
+    return True
+
+
+@hookimpl
+async def admin_flush_cache(server: Server) -> bool:
+    raw = await _admin(server, "POST", "/reset_prefix_cache")
+    if not wire.flag(raw, "success", server.admin_url):
+        raise ServerRefusedError(
+            "reset_prefix_cache", method="POST", url=server.url("/reset_prefix_cache", plane="admin"), body=raw
+        )
+    return True
+
+
+@hookimpl
+async def admin_abort(server: Server, request_ids: Sequence[str] | None, options: VllmOptions) -> int:
+    body = {} if request_ids is None else {"request_ids": [wire.abort_id(r, options.transport) for r in request_ids]}
+    await _admin(server, "POST", "/abort_requests", body=body)
+    return -1  # vLLM echoes how many ids it was sent, not how many requests it aborted
+
+
+@hookimpl
+async def admin_sleep(server: Server, level: int) -> bool:
+    await _admin(server, "POST", "/sleep", params={"level": level, "mode": "abort"})
+    return True
+
+
+@hookimpl
+async def admin_wake(server: Server) -> bool:
+    await _admin(server, "POST", "/wake_up")
+    return True
+
+
+@hookimpl
+async def admin_state(server: Server) -> ServerState:
+    paused, sleeping, info, load, models = await asyncio.gather(
+        _admin(server, "GET", "/is_paused"),
+        _admin(server, "GET", "/is_sleeping"),
+        _admin(server, "GET", "/weight_info"),
+        _admin(server, "GET", "/load"),
+        _admin(server, "GET", "/v1/models"),
+    )
+    url = server.admin_url
+    return ServerState(
+        paused=wire.flag(paused, "is_paused", url),
+        sleeping=wire.flag(sleeping, "is_sleeping", url),
+        weight_version=wire.text(info, "weight_version", url),
+        in_flight=wire.integer(load, "server_load", url),
+        loras=wire.lora_names(models, url),
+    )
+
+
+async def _set_version(server: Server, version: str) -> None:
+    raw = await _admin(server, "POST", "/update_weight_version", body={"new_version": version})
+    if not wire.flag(raw, "success", server.admin_url):
+        raise ServerRefusedError(
+            "update_weight_version", method="POST", url=server.url("/update_weight_version", plane="admin"), body=raw
+        )
+
+
+@hookimpl
+async def admin_update_weights(server: Server, path: str, version: str | None) -> bool:
+    await _admin(server, "POST", "/collective_rpc", body={"method": "reload_weights", "kwargs": {"weights_path": path}})
+    if version is not None:
+        await _set_version(server, version)
+    return True
+
+
+@hookimpl
+async def admin_init_weight_transfer(server: Server, group: DistributedGroup) -> bool:
+    await _admin(
+        server,
+        "POST",
+        "/init_weight_transfer_engine",
+        body={
+            "init_info": {
+                "master_address": group.master_address,
+                "master_port": group.master_port,
+                "rank_offset": group.rank_offset,
+                "world_size": group.world_size,
+            }
+        },
+    )
+    return True
+
+
+@hookimpl
+async def admin_update_weights_distributed(server: Server, tensors: Sequence[TensorSpec], version: str | None) -> bool:
+    await _admin(server, "POST", "/start_weight_update", body={})
+    await _admin(
+        server,
+        "POST",
+        "/update_weights",
+        body={
+            "update_info": {
+                "names": [t.name for t in tensors],
+                "dtype_names": [t.dtype for t in tensors],
+                "shapes": [list(t.shape) for t in tensors],
+            }
+        },
+    )
+    await _admin(server, "POST", "/finish_weight_update", body={} if version is None else {"weight_version": version})
+    return True
+
+
+@hookimpl
+async def admin_load_lora(server: Server, adapter: LoraAdapter) -> bool:
+    await _admin(
+        server,
+        "POST",
+        "/v1/load_lora_adapter",
+        expect="text",
+        body={"lora_name": adapter.name, "lora_path": adapter.path, "load_inplace": adapter.replace},
+    )
+    server.cache.pop(_MODELS, None)
+    return True
+
+
+@hookimpl
+async def admin_unload_lora(server: Server, name: str) -> bool:
+    await _admin(server, "POST", "/v1/unload_lora_adapter", expect="text", body={"lora_name": name})
+    server.cache.pop(_MODELS, None)
+    return True

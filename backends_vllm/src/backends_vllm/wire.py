@@ -1,0 +1,470 @@
+"""vLLM's wire format (vllm 0.32 OpenAI server) and its mapping to the core types.
+
+Two generation transports:
+
+* ``POST /inference/v1/generate``: ``{"token_ids", "sampling_params": {...}, "request_id", "cache_salt",
+  "priority", "model"}`` -> ``choices[].token_ids``, ``choices[].logprobs.content[] = {token_id, logprob, rank,
+  top_logprobs}``, ``choices[].weight_versions``, ``choices[].routed_experts``, top-level ``prompt_logprobs``.
+* ``POST /v1/completions`` with a token-id ``prompt``: ``return_token_ids`` gives ``choices[].token_ids``;
+  ``return_tokens_as_token_ids`` makes the legacy logprob tokens ``"token_id:<id>"``; ``prompt_logprobs`` is
+  per choice.
+
+Every sampling field is sent explicitly: vLLM's OpenAI routes fill omitted fields from the model's
+``generation_config.json`` (temperature 0.6, top_k 20, top_p 0.95 on Qwen3-style models).
+Logprobs are checked against the ids they claim to belong to; NaN, infinities and vLLM's ``-9999``
+placeholder are refused.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from backends_core.errors import ResponseParseError
+from backends_core.routed_experts import align_routed_experts, decode_routed_experts
+from backends_core.types import (
+    GenerateRequest,
+    GenerateResult,
+    RoutedExperts,
+    TeacherLogprobs,
+    TeacherRequest,
+    TopLogprob,
+    Usage,
+    WeightVersionSpan,
+)
+
+__all__ = [
+    "abort_id",
+    "completions_payload",
+    "flag",
+    "generate_payload",
+    "integer",
+    "lora_names",
+    "max_model_len",
+    "parse_completions",
+    "parse_generate",
+    "parse_prompt_logprobs",
+    "teacher_payload",
+    "text",
+]
+
+#: vLLM writes this where it has no logprob; it must never pass for a real value.
+PLACEHOLDER_LOGPROB = -9999.0
+_FINISH = ("stop", "length", "abort")
+#: vLLM's default ``--max-logprobs``.
+MAX_LOGPROBS = 20
+
+
+class _Body:
+    """Typed access to a decoded JSON object; every miss names its JSON path."""
+
+    def __init__(self, value: Any, path: str, url: str | None) -> None:
+        self.value, self.path, self.url = value, path, url
+
+    def fail(self, message: str) -> ResponseParseError:
+        return ResponseParseError(f"{message} @ {self.path}", url=self.url)
+
+    def obj(self) -> Mapping[str, Any]:
+        if not isinstance(self.value, Mapping):
+            raise self.fail(f"expected an object, got {type(self.value).__name__}")
+        return self.value
+
+    def get(self, key: str, *, required: bool = True) -> _Body:
+        obj = self.obj()
+        if key not in obj and required:
+            raise ResponseParseError(f"required field missing @ {self.path}.{key}", url=self.url)
+        return _Body(obj.get(key), f"{self.path}.{key}", self.url)
+
+    def array(self, *, nullable: bool = False) -> list[_Body] | None:
+        if self.value is None and nullable:
+            return None
+        if not isinstance(self.value, list):
+            raise self.fail(f"expected a list, got {type(self.value).__name__}")
+        return [_Body(v, f"{self.path}[{i}]", self.url) for i, v in enumerate(self.value)]
+
+    def items(self) -> list[_Body]:
+        items = self.array()
+        assert items is not None
+        return items
+
+    def integer(self, *, nullable: bool = False) -> int | None:
+        if self.value is None and nullable:
+            return None
+        if isinstance(self.value, bool) or not isinstance(self.value, int):
+            raise self.fail(f"expected an integer, got {self.value!r}")
+        return self.value
+
+    def integer_(self) -> int:
+        value = self.integer()
+        assert value is not None
+        return value
+
+    def string(self, *, nullable: bool = False) -> str | None:
+        if self.value is None and nullable:
+            return None
+        if not isinstance(self.value, str):
+            raise self.fail(f"expected a string, got {self.value!r}")
+        return self.value
+
+    def logprob(self) -> float:
+        v = self.value
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise self.fail(f"expected a logprob, got {v!r}")
+        if not math.isfinite(v) or v <= PLACEHOLDER_LOGPROB or v > 1e-3:
+            raise self.fail(
+                f"logprob {v!r} is not a finite log-probability (vLLM's placeholder is {PLACEHOLDER_LOGPROB})"
+            )
+        return float(v)
+
+
+def _ids(body: _Body) -> tuple[int, ...]:
+    return tuple(b.integer_() for b in body.items())
+
+
+# -- requests -------------------------------------------------------------------------------------------
+
+
+def _sampling_fields(request: GenerateRequest) -> dict[str, Any]:
+    s = request.sampling
+    return {
+        "n": s.n,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "min_p": s.min_p,
+        "seed": s.seed,
+        "max_tokens": s.max_tokens,
+        "min_tokens": s.min_tokens,
+        "stop_token_ids": list(s.stop_token_ids),
+        "ignore_eos": s.ignore_eos,
+        "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty,
+        "repetition_penalty": s.repetition_penalty,
+    }
+
+
+def generate_payload(request: GenerateRequest, model: str | None) -> dict[str, Any]:
+    """Body of ``POST /inference/v1/generate``."""
+    sampling = _sampling_fields(request)
+    # the generate route returns the sampled token first and truncates to ``logprobs`` entries, so one more
+    # than the wanted alternatives guarantees the true top-k is among them
+    sampling["logprobs"] = min(request.sampling.top_logprobs + 1, MAX_LOGPROBS) if request.sampling.top_logprobs else 0
+    sampling["detokenize"] = False
+    if request.return_routed_experts:
+        sampling["routed_experts_prompt_start"] = request.routed_experts_start
+    body: dict[str, Any] = {
+        "model": request.lora or request.model or model,
+        "token_ids": list(request.prompt_ids),
+        "sampling_params": sampling,
+    }
+    for key in ("request_id", "cache_salt", "priority"):
+        if getattr(request, key) is not None:
+            body[key] = getattr(request, key)
+    return body
+
+
+def completions_payload(request: GenerateRequest, model: str | None) -> dict[str, Any]:
+    """Body of ``POST /v1/completions`` with a token-id prompt."""
+    body: dict[str, Any] = {
+        "model": request.lora or request.model or model,
+        "prompt": list(request.prompt_ids),
+        **_sampling_fields(request),
+        "logprobs": request.sampling.top_logprobs,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "skip_special_tokens": False,
+    }
+    if request.return_routed_experts:
+        body["routed_experts_prompt_start"] = request.routed_experts_start
+    for key in ("request_id", "cache_salt", "priority"):
+        if getattr(request, key) is not None:
+            body[key] = getattr(request, key)
+    return body
+
+
+def teacher_payload(request: TeacherRequest, model: str | None, *, transport: str) -> tuple[str, dict[str, Any]]:
+    """Path and body scoring ``request.token_ids`` with ``prompt_logprobs``; ``max_tokens`` is 1 because vLLM
+    rejects 0 (the one generated token is ignored)."""
+    name = request.lora or request.model or model
+    fields = {"max_tokens": 1, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "prompt_logprobs": request.top_logprobs}
+    if transport == "generate":
+        body: dict[str, Any] = {
+            "model": name,
+            "token_ids": list(request.token_ids),
+            "sampling_params": {**fields, "detokenize": False},
+        }
+        path = "/inference/v1/generate"
+    else:
+        body = {"model": name, "prompt": list(request.token_ids), **fields}
+        path = "/v1/completions"
+    if request.request_id is not None:
+        body["request_id"] = request.request_id
+    return path, body
+
+
+# -- responses ------------------------------------------------------------------------------------------
+
+
+def _finish(choice: _Body) -> Any:
+    reason = choice.get("finish_reason").string(nullable=True)
+    if reason not in _FINISH:
+        raise choice.get("finish_reason").fail(f"finish_reason {reason!r} is not one of {list(_FINISH)}")
+    return reason
+
+
+def _stop_reason(choice: _Body) -> int | str | None:
+    value = choice.get("stop_reason", required=False).value
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | str)):
+        raise choice.get("stop_reason").fail(f"expected a token id, a string or null, got {value!r}")
+    return value
+
+
+def _top_k(candidates: list[TopLogprob], k: int, where: _Body) -> tuple[TopLogprob, ...]:
+    """The k most likely of ``candidates`` (deduplicated), checked to really be ranks 1..k when ranks are known."""
+    unique = {c.token_id: c for c in candidates}
+    ordered = sorted(unique.values(), key=lambda c: (c.rank if c.rank is not None else 0, -c.logprob))
+    if any(c.rank is None for c in ordered):
+        ordered = sorted(unique.values(), key=lambda c: -c.logprob)
+    top = tuple(ordered[:k])
+    if len(top) < k or (top and top[0].rank is not None and [c.rank for c in top] != list(range(1, k + 1))):
+        raise where.fail(f"expected the top {k} alternatives, got ranks {[c.rank for c in ordered]}")
+    return top
+
+
+def _routed(choice: _Body, request: GenerateRequest, completion: tuple[int, ...]) -> RoutedExperts | None:
+    if not request.return_routed_experts:
+        return None
+    field = choice.get("routed_experts", required=False)
+    if field.value is None:
+        raise field.fail(
+            "routed experts were requested but the server sent none; start vLLM with "
+            "--enable-return-routed-experts (MoE models only)"
+        )
+    experts = decode_routed_experts(field.value, field=field.path)
+    return align_routed_experts(
+        experts,
+        total_tokens=len(request.prompt_ids) + len(completion),
+        server_start=request.routed_experts_start,
+        wanted_start=request.routed_experts_start,
+        field=field.path,
+    )
+
+
+def _usage(body: _Body, completion_tokens: int, prompt_tokens: int) -> Usage:
+    usage = body.get("usage", required=False)
+    cached = None
+    if isinstance(usage.value, Mapping):
+        reported = usage.get("prompt_tokens").integer_()
+        if reported != prompt_tokens:
+            raise usage.fail(f"prompt_tokens is {reported} but {prompt_tokens} prompt ids were sent")
+        details = usage.get("prompt_tokens_details", required=False)
+        if isinstance(details.value, Mapping):
+            cached = details.get("cached_tokens", required=False).integer(nullable=True)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached)
+
+
+def _choices(body: _Body, n: int) -> list[_Body]:
+    choices = body.get("choices").items()
+    if len(choices) != n:
+        raise body.get("choices").fail(f"expected {n} choice(s), got {len(choices)}")
+    return sorted(choices, key=lambda c: c.get("index").integer_())
+
+
+def parse_generate(raw: Any, request: GenerateRequest, server_url: str) -> list[GenerateResult]:
+    """Results of ``/inference/v1/generate``."""
+    body = _Body(raw, "$", server_url)
+    request_id = body.get("request_id").string()
+    results = []
+    for choice in _choices(body, request.sampling.n):
+        completion = _ids(choice.get("token_ids"))
+        entries = choice.get("logprobs").get("content").items() if choice.get("logprobs").value is not None else None
+        if entries is None:
+            raise choice.get("logprobs").fail("no logprobs in the answer (sampling_params.logprobs was sent)")
+        if len(entries) != len(completion):
+            raise (
+                choice.get("logprobs")
+                .get("content")
+                .fail(f"{len(entries)} logprob entries for {len(completion)} token ids")
+            )
+        logprobs = np.empty(len(completion), dtype=np.float32)
+        top: list[tuple[TopLogprob, ...]] = []
+        k = request.sampling.top_logprobs
+        for i, (token, entry) in enumerate(zip(completion, entries, strict=True)):
+            claimed = entry.get("token_id").integer_()
+            if claimed != token:
+                raise entry.get("token_id").fail(
+                    f"logprob entry is for token {claimed} but completion id {i} is {token}"
+                )
+            logprobs[i] = entry.get("logprob").logprob()
+            if k:
+                alts = [
+                    TopLogprob(
+                        token_id=a.get("token_id").integer_(),
+                        logprob=a.get("logprob").logprob(),
+                        rank=a.get("rank", required=False).integer(nullable=True),
+                    )
+                    for a in entry.get("top_logprobs").items()
+                ]
+                top.append(_top_k(alts, k, entry.get("top_logprobs")))
+        spans = tuple(
+            WeightVersionSpan(
+                version=s.get("version").string() or "", start=s.get("start").integer_(), end=s.get("end").integer_()
+            )
+            for s in choice.get("weight_versions", required=False).array(nullable=True) or ()
+        )
+        results.append(
+            GenerateResult(
+                prompt_ids=request.prompt_ids,
+                completion_ids=completion,
+                logprobs=logprobs,
+                finish_reason=_finish(choice),
+                stop_reason=_stop_reason(choice),
+                top_logprobs=tuple(top) if k else None,
+                routed_experts=_routed(choice, request, completion),
+                weight_version=spans[-1].version if spans else None,
+                weight_versions=spans,
+                usage=_usage(body, len(completion), len(request.prompt_ids)),
+                request_id=request_id,
+                server=server_url,
+            )
+        )
+    return results
+
+
+def _token_id_string(body: _Body) -> int:
+    text = body.string() or ""
+    if not text.startswith("token_id:") or not text[9:].isdigit():
+        raise body.fail(f"expected 'token_id:<id>' (send return_tokens_as_token_ids), got {text!r}")
+    return int(text[9:])
+
+
+def parse_completions(raw: Any, request: GenerateRequest, server_url: str) -> list[GenerateResult]:
+    """Results of ``/v1/completions`` with ``return_token_ids`` and ``return_tokens_as_token_ids``."""
+    body = _Body(raw, "$", server_url)
+    request_id = body.get("id").string()
+    results = []
+    k = request.sampling.top_logprobs
+    for choice in _choices(body, request.sampling.n):
+        ids_field = choice.get("token_ids")
+        if ids_field.value is None:
+            raise ids_field.fail("token_ids is null: the server ignored return_token_ids (vLLM >= 0.10.2 needed)")
+        completion = _ids(ids_field)
+        legacy = choice.get("logprobs")
+        if legacy.value is None:
+            raise legacy.fail("no logprobs in the answer (logprobs was sent)")
+        tokens = legacy.get("tokens").items()
+        values = legacy.get("token_logprobs").items()
+        if not len(tokens) == len(values) == len(completion):
+            raise legacy.fail(f"{len(tokens)} tokens and {len(values)} logprobs for {len(completion)} token ids")
+        logprobs = np.empty(len(completion), dtype=np.float32)
+        top: list[tuple[TopLogprob, ...]] = []
+        rows = legacy.get("top_logprobs", required=False).array(nullable=True) if k else None
+        for i, token in enumerate(completion):
+            claimed = _token_id_string(tokens[i])
+            if claimed != token:
+                raise tokens[i].fail(f"logprob entry is for token {claimed} but completion id {i} is {token}")
+            logprobs[i] = values[i].logprob()
+            if rows is not None:
+                row = rows[i]
+                alts = [
+                    TopLogprob(
+                        token_id=_token_id_string(_Body(key, f"{row.path} key", server_url)),
+                        logprob=_Body(value, f"{row.path}[{key!r}]", server_url).logprob(),
+                    )
+                    for key, value in row.obj().items()
+                ]
+                top.append(_top_k(alts, k, row))
+        if k and rows is None:
+            raise legacy.get("top_logprobs").fail("top_logprobs missing although alternatives were requested")
+        results.append(
+            GenerateResult(
+                prompt_ids=request.prompt_ids,
+                completion_ids=completion,
+                logprobs=logprobs,
+                finish_reason=_finish(choice),
+                stop_reason=_stop_reason(choice),
+                top_logprobs=tuple(top) if k else None,
+                routed_experts=_routed(choice, request, completion),
+                usage=_usage(body, len(completion), len(request.prompt_ids)),
+                request_id=request_id,
+                server=server_url,
+            )
+        )
+    return results
+
+
+def parse_prompt_logprobs(raw: Any, request: TeacherRequest, server_url: str, *, transport: str) -> TeacherLogprobs:
+    """Teacher logprobs from vLLM's ``prompt_logprobs``: ``[null, {"<id>": {logprob, rank, decoded_token}}, ...]``."""
+    body = _Body(raw, "$", server_url)
+    holder = body if transport == "generate" else body.get("choices").items()[0]
+    field = holder.get("prompt_logprobs")
+    rows = field.array(nullable=True)
+    if rows is None:
+        raise field.fail("prompt_logprobs is null (the server ignored prompt_logprobs)")
+    ids = request.token_ids
+    if len(rows) != len(ids):
+        raise field.fail(f"{len(rows)} entries for {len(ids)} token ids")
+    if rows[0].value is not None:
+        raise rows[0].fail("the first entry must be null (the first token has no prefix)")
+    logprobs = np.full(len(ids), np.nan, dtype=np.float32)
+    top: list[tuple[TopLogprob, ...]] = [()]
+    k = request.top_logprobs
+    for i in range(1, len(ids)):
+        entries = rows[i].obj()
+        key = str(ids[i])
+        if key not in entries:
+            raise rows[i].fail(f"no entry for token {ids[i]} (has {sorted(entries)})")
+        logprobs[i] = rows[i].get(key).get("logprob").logprob()
+        if k:
+            alts = [
+                TopLogprob(
+                    token_id=int(t),
+                    logprob=rows[i].get(t).get("logprob").logprob(),
+                    rank=rows[i].get(t).get("rank").integer(nullable=True),
+                )
+                for t in entries
+            ]
+            top.append(_top_k(alts, k, rows[i]))
+    return TeacherLogprobs(token_ids=ids, logprobs=logprobs, top_logprobs=tuple(top) if k else None)
+
+
+def max_model_len(raw: Any, model: str, server_url: str) -> tuple[int, list[str]]:
+    """``max_model_len`` of ``model`` in a ``/v1/models`` answer, and every served name (adapters included)."""
+    entries = _Body(raw, "$", server_url).get("data").items()
+    names = [e.get("id").string() or "" for e in entries]
+    for entry, name in zip(entries, names, strict=True):
+        if name == model:
+            return entry.get("max_model_len").integer_(), names
+    return -1, names
+
+
+def lora_names(raw: Any, server_url: str) -> tuple[str, ...]:
+    """Adapters in a ``/v1/models`` answer: entries whose ``parent`` is a base model."""
+    entries = _Body(raw, "$", server_url).get("data").items()
+    return tuple(e.get("id").string() or "" for e in entries if e.get("parent", required=False).value is not None)
+
+
+def abort_id(request_id: str, transport: str) -> str:
+    """The id vLLM tracks for a caller's ``request_id`` (a raw id is silently ignored by ``/abort_requests``)."""
+    return f"generate-tokens-{request_id}" if transport == "generate" else f"cmpl-{request_id}-0"
+
+
+def flag(raw: Any, key: str, server_url: str) -> bool:
+    """A boolean field of an admin answer (``{"is_paused": true}``); anything but a boolean is a parse error."""
+    field = _Body(raw, "$", server_url).get(key)
+    if not isinstance(field.value, bool):
+        raise field.fail(f"expected a boolean, got {field.value!r}")
+    return field.value
+
+
+def text(raw: Any, key: str, server_url: str) -> str:
+    """A string field of an admin answer (``{"weight_version": "step-3"}``)."""
+    return _Body(raw, "$", server_url).get(key).string() or ""
+
+
+def integer(raw: Any, key: str, server_url: str) -> int:
+    """An integer field of an admin answer (``{"server_load": 3}``)."""
+    return _Body(raw, "$", server_url).get(key).integer_()

