@@ -5,11 +5,11 @@ from __future__ import annotations
 from backends_core.cli import main
 
 
-def test_demo_runs_and_every_check_holds(tiny_models, capsys) -> None:
-    assert main(["demo", "--models-dir", str(tiny_models.root)]) == 0
+def test_demo_on_the_reference_backend_runs_and_every_check_holds(tiny_models, capsys) -> None:
+    assert main(["demo", "--backend", "reference", "--models-dir", str(tiny_models.root)]) == 0
     out = capsys.readouterr().out
     assert "FAILED" not in out
-    assert out.count("  ok  ") == 12
+    assert out.count("  ok  ") == 13
     assert "demo finished" in out
 
 

@@ -119,8 +119,14 @@ async def test_retry_false_sends_once() -> None:
 
 async def test_after_a_5xx_a_reset_connection_is_retried_once_on_a_fresh_one() -> None:
     """vLLM's admin routes answer 500 and then reset the keep-alive connection."""
-    answers = iter([httpx.Response(500, json={"error": "boom"}), httpx.ReadError("connection reset"),
-                    httpx.Response(200, json={"ok": 1}), httpx.ReadError("connection reset")])
+    answers = iter(
+        [
+            httpx.Response(500, json={"error": "boom"}),
+            httpx.ReadError("connection reset"),
+            httpx.Response(200, json={"ok": 1}),
+            httpx.ReadError("connection reset"),
+        ]
+    )
 
     def handler(request: httpx.Request) -> httpx.Response:
         answer = next(answers)

@@ -51,7 +51,14 @@ def _list(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from backends_core.demo import run_demo
 
-    return run_demo(models_dir=args.models_dir, seed=args.seed)
+    return run_demo(
+        backend=args.backend,
+        urls=args.url or (),
+        moe_url=args.moe_url,
+        model=args.model,
+        models_dir=args.models_dir,
+        seed=args.seed,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -62,7 +69,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_list = sub.add_parser("list", help="installed backends with version and capabilities")
     p_list.add_argument("--json", action="store_true", help="machine-readable output")
     p_list.set_defaults(func=_list)
-    p_demo = sub.add_parser("demo", help="run the demo on the embedded reference engine")
+    from backends_core.demo import DEFAULT_BACKEND
+
+    p_demo = sub.add_parser("demo", help="run the demo on the embedded default engine, or on real servers with --url")
+    p_demo.add_argument("--backend", default=DEFAULT_BACKEND, help=f"backend to demo (default: {DEFAULT_BACKEND})")
+    p_demo.add_argument(
+        "--url", action="append", help="a real server serving the tiny dense model (repeat for a fleet)"
+    )
+    p_demo.add_argument("--moe-url", default=None, help="a real server serving the tiny MoE model with routed experts")
+    p_demo.add_argument("--model", default="tiny-qwen3", help="served model name on --url servers")
     p_demo.add_argument("--models-dir", default=None, help="where to build the tiny models (default: a user cache dir)")
     p_demo.add_argument("--seed", type=int, default=0)
     p_demo.set_defaults(func=_demo)

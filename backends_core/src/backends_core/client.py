@@ -107,6 +107,11 @@ class Client:
         await self._admin_http.aclose()
 
     @property
+    def base_urls(self) -> list[str]:
+        """The servers' base URLs, in config order."""
+        return [s.base_url for s in self.servers]
+
+    @property
     def backend(self) -> str:
         return self.driver.backend
 

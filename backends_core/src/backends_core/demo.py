@@ -1,9 +1,11 @@
-"""The main job: a tour of the whole API on the embedded reference engine, over real HTTP.
+"""The main job: a tour of the whole API on the embedded default engine (or real servers), over real HTTP.
 
-It builds the tiny models (cached), serves a dense fleet of two reference servers and one MoE server on
-local ports, and drives them through the public API exactly as a trainer would: multi-turn token-in/
-token-out with a tool call, teacher logprobs, routed experts, LoRA, and a weight sync under pause. Every
-step checks what it shows; a broken invariant ends the demo with a non-zero exit status.
+By default it builds the tiny models (cached), asks the backend for its emulator (``make_emulator`` hook) over
+the numpy reference engine, serves a two-server dense fleet and one MoE server on local ports, and drives them
+through the public API as a trainer would: multi-turn token-in/token-out with a tool call, teacher logprobs,
+LoRA, a weight sync with a request kept in flight, and routed experts. With ``urls`` it does the same against
+real servers serving the tiny models. Every step checks what it shows; a broken invariant ends the demo with a
+non-zero exit status.
 """
 
 from __future__ import annotations
@@ -12,19 +14,22 @@ import asyncio
 import contextlib
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from backends_core import AdminError, Client, ClientConfig, LoraAdapter, SamplingParams
-from backends_core.reference.emulator import ReferenceEmulator
+from backends_core import Client, ClientConfig, GenerateResult, LoraAdapter, SamplingParams
+from backends_core.errors import BackendError
+from backends_core.plugins import make_plugin_manager
 from backends_core.testing.engine import ReferenceEngine
 from backends_core.testing.http_server import serve
-from backends_core.testing.tinymodel import build_tiny_models, default_models_dir, write_perturbed_weights
+from backends_core.testing.tinymodel import TinyModels, build_tiny_models, default_models_dir, write_perturbed_weights
 
-__all__ = ["run_demo"]
+__all__ = ["DEFAULT_BACKEND", "run_demo"]
 
+#: The backend whose emulator is the embedded default engine.
+DEFAULT_BACKEND = "vllm"
 TOOLS = [
     {
         "type": "function",
@@ -48,131 +53,196 @@ def check(condition: bool, what: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def reference_fleet(model_dir: Path, count: int, seed: int) -> AsyncIterator[list[str]]:
-    """``count`` reference servers on free local ports; yields their URLs."""
+async def embedded_servers(
+    backend: str, model_dir: Path, count: int, seed: int, *, routed_experts: bool = False
+) -> AsyncIterator[list[str]]:
+    """``count`` emulated servers of ``backend`` on free local ports; yields their URLs."""
+    pm = make_plugin_manager(backend)
     async with contextlib.AsyncExitStack() as stack:
         urls = []
         for i in range(count):
             engine = ReferenceEngine(model_dir, seed=seed + i)
+            emulator = pm.hook.make_emulator(engine=engine, routed_experts=routed_experts)
+            if emulator is None:
+                raise DemoFailure(f"backend {backend!r} has no embedded emulator: run the demo with --url")
             stack.push_async_callback(engine.aclose)
-            urls.append(await stack.enter_async_context(serve(ReferenceEmulator(engine).handle)))
+            urls.append(await stack.enter_async_context(serve(emulator.handle)))
         yield urls
 
 
-async def _demo(models_dir: Path, seed: int) -> None:
+async def _multi_turn(client: Client, seed: int) -> GenerateResult:
+    print("\n1. multi-turn token-in/token-out with a tool call")
+    conv = client.conversation(tools=TOOLS, server=0)
+    sampling = SamplingParams(max_tokens=24, temperature=0.8, seed=seed)
+    first = await conv.send([{"role": "user", "content": "Which files are in src?"}], sampling=sampling)
+    print(f"  turn 1: {len(first.prompt_ids)} prompt ids -> {len(first.completion_ids)} completion ids")
+    call = {"type": "function", "function": {"name": "list_files", "arguments": {"path": "src"}}}
+    second = await conv.send(
+        [{"role": "tool", "content": "main.py util.py"}],
+        sampling=sampling,
+        assistant_message={"role": "assistant", "content": "", "tool_calls": [call]},
+    )
+    third = await conv.send([{"role": "user", "content": "Open main.py."}], sampling=sampling)
+    for n, (before, after) in enumerate(((first, second), (second, third)), start=2):
+        new = len(after.prompt_ids) - len(before.token_ids)
+        print(f"  turn {n}: reused {len(before.token_ids)} exact ids, rendered {new} new ones")
+    check(
+        second.prompt_ids[: len(first.token_ids)] == first.token_ids
+        and third.prompt_ids[: len(second.token_ids)] == second.token_ids,
+        "every turn starts with the previous turn's exact ids",
+    )
+    check(
+        client.bridge_stats.as_dict() == {"attempts": 2, "successes": 2, "failures": {}},
+        "bridge attempts counted, no failures",
+    )
+    check(
+        len(third.logprobs) == len(third.completion_ids) and bool(np.isfinite(third.logprobs).all()),
+        "one finite float32 logprob per completion id",
+    )
+    return third
+
+
+async def _teacher(client: Client, sample: GenerateResult) -> None:
+    print("\n2. teacher logprobs of the sampled sequence")
+    teacher = await client.teacher_logprobs(sample.token_ids, server=0)
+    gap = float(np.abs(teacher.logprobs[len(sample.prompt_ids) :] - sample.logprobs).max())
+    print(f"  max |teacher - generation| = {gap:.2e} over {len(sample.completion_ids)} tokens")
+    check(gap < 1e-3 and bool(np.isnan(teacher.logprobs[0])), "teacher scores equal the sampling logprobs")
+
+
+async def _lora(client: Client, models: TinyModels, prompt: list[int]) -> None:
+    print("\n3. LoRA load, generate, hot-swap, unload on every server")
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    base = await client.generate(prompt_ids=prompt, sampling=greedy, server=0)
+    await client.admin.load_lora(LoraAdapter(name="tiny-lora", path=str(models.lora)))
+    tuned = await client.generate(prompt_ids=prompt, sampling=greedy, lora="tiny-lora", server=0)
+    shift = abs(float(tuned.logprobs[0]) - float(base.logprobs[0]))
+    check(shift > 1e-4, f"the adapter changes the first logprob by {shift:.3f}")
+    await client.admin.load_lora(LoraAdapter(name="tiny-lora", path=str(models.lora), replace=True))
+    await client.admin.unload_lora("tiny-lora")
+    again = await client.generate(prompt_ids=prompt, sampling=greedy, server=0)
+    check(bool(np.allclose(again.logprobs, base.logprobs, atol=1e-4)), "unloading restores the base model")
+
+
+async def _weight_sync(client: Client, models: TinyModels, prompt: list[int], seed: int) -> None:
+    print("\n4. weight sync with a request kept in flight: pause(keep) -> update -> resume")
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    base = await client.generate(prompt_ids=prompt, sampling=greedy, server=0)
+    last = len(client.servers) - 1
+    kept_task = asyncio.create_task(
+        client.generate(
+            prompt_ids=prompt, sampling=SamplingParams(max_tokens=400, ignore_eos=True, seed=seed), server=last
+        )
+    )
+    try:
+        while not (await client.admin.state())[last].in_flight:  # noqa: ASYNC110 - polling a remote server
+            await asyncio.sleep(0.005)
+        new_weights = write_perturbed_weights(models.dense, Path(tempfile.mkdtemp()) / "step-1", seed=1, scale=0.3)
+        started = time.perf_counter()
+        await client.admin.pause("keep")
+        try:
+            await client.admin.update_weights(str(new_weights), version="step-1")
+            states = await client.admin.state()
+            check(all(s.paused and s.weight_version == "step-1" for s in states), "every server paused on step-1")
+        finally:
+            await client.admin.resume()
+        print(f"  fleet sync took {1000 * (time.perf_counter() - started):.0f} ms over {len(client.servers)} servers")
+    finally:
+        kept = await kept_task
+    check(kept.finish_reason == "length" and len(kept.completion_ids) == 400, "the kept request survived the update")
+    if kept.weight_versions:
+        print(f"  its weight spans: {[(s.version, s.start, s.end) for s in kept.weight_versions]}")
+    if "admin_flush_cache" in client.capabilities:
+        await client.admin.flush_cache()
+    after = await client.generate(prompt_ids=prompt, sampling=greedy, server=0)
+    check(not np.allclose(after.logprobs, base.logprobs, atol=1e-4), "new weights serve new logprobs")
+    await client.admin.update_weights(str(models.dense), version="step-2")
+    restored = await client.generate(prompt_ids=prompt, sampling=greedy, server=0)
+    check(
+        restored.completion_ids == base.completion_ids
+        and bool(np.allclose(restored.logprobs, base.logprobs, atol=1e-5)),
+        "reloading the original weights restores the logprobs exactly",
+    )
+
+
+async def _routed_experts(config: ClientConfig, seed: int) -> None:
+    print("\n5. MoE routed experts (router replay) with delta replay")
+    async with Client(config) as moe:
+        result = await moe.generate(
+            messages=[{"role": "user", "content": "route me"}],
+            sampling=SamplingParams(max_tokens=6, seed=seed),
+            return_routed_experts=True,
+        )
+        assert result.routed_experts is not None
+        experts = result.routed_experts.experts
+        print(f"  routed_experts {experts.dtype} {experts.shape} = [tokens, layers, top_k] from position 0")
+        check(experts.shape[0] == len(result.token_ids) - 1, "one routing row per routed token")
+        nxt = await moe.generate(
+            prompt_ids=list(result.token_ids),
+            sampling=SamplingParams(max_tokens=4, seed=seed),
+            return_routed_experts=True,
+            routed_experts_start=len(result.token_ids) - 1,
+        )
+        assert nxt.routed_experts is not None
+        check(nxt.routed_experts.start == len(result.token_ids) - 1, "delta replay starts at the new tokens")
+
+
+async def _demo(
+    backend: str, urls: Sequence[str], moe_url: str | None, model: str, models_dir: Path, seed: int
+) -> None:
     started = time.perf_counter()
     models = build_tiny_models(models_dir, seed=seed)
     print(f"tiny models in {models.root}")
-    async with reference_fleet(models.dense, 2, seed) as dense_urls, reference_fleet(models.moe, 1, seed) as moe_urls:
-        config = ClientConfig(backend="reference", base_url=dense_urls, model="tiny-qwen3", tokenizer=str(models.dense))
+    async with contextlib.AsyncExitStack() as stack:
+        if not urls:
+            urls = await stack.enter_async_context(embedded_servers(backend, models.dense, 2, seed))
+            moe_url = (
+                await stack.enter_async_context(embedded_servers(backend, models.moe, 1, seed, routed_experts=True))
+            )[0]
+            where = "embedded emulators"
+        else:
+            where = "real servers"
+        config = ClientConfig(backend=backend, base_url=list(urls), model=model, tokenizer=str(models.dense))
         async with Client(config) as client:
-            print(f"\nbackend {client.backend!r} over {len(client.servers)} servers: {', '.join(dense_urls)}")
-            print("capabilities: " + ", ".join(sorted(client.capabilities)))
-            check(await client.admin.health() == [True, True], "every server is healthy")
-
-            print("\n1. multi-turn token-in/token-out with a tool call")
-            conv = client.conversation(tools=TOOLS, server=0)
-            sampling = SamplingParams(max_tokens=24, temperature=0.8, seed=seed)
-            first = await conv.send([{"role": "user", "content": "Which files are in src?"}], sampling=sampling)
-            print(
-                f"  turn 1: {len(first.prompt_ids)} prompt ids -> {len(first.completion_ids)} completion ids "
-                f"({first.finish_reason})"
-            )
-            call = {"type": "function", "function": {"name": "list_files", "arguments": {"path": "src"}}}
-            second = await conv.send(
-                [{"role": "tool", "content": "main.py util.py"}],
-                sampling=sampling,
-                assistant_message={"role": "assistant", "content": "", "tool_calls": [call]},
-            )
-            delta = len(second.prompt_ids) - len(first.token_ids)
-            print(f"  turn 2: reused {len(first.token_ids)} exact ids, rendered {delta} new ones")
-            check(second.prompt_ids[: len(first.token_ids)] == first.token_ids, "turn 2 starts with turn 1's exact ids")
-            check(client.bridge_stats.as_dict() == {"attempts": 1, "successes": 1, "failures": {}}, "bridge counted")
-            check(
-                len(second.logprobs) == len(second.completion_ids) and bool(np.isfinite(second.logprobs).all()),
-                "one finite float32 logprob per completion id",
-            )
-
-            print("\n2. teacher logprobs of the sampled sequence")
-            teacher = await client.teacher_logprobs(second.token_ids, server=0)
-            gap = float(np.abs(teacher.logprobs[len(second.prompt_ids) :] - second.logprobs).max())
-            print(f"  max |teacher - generation| = {gap:.2e} over {len(second.completion_ids)} tokens")
-            check(gap < 1e-4 and bool(np.isnan(teacher.logprobs[0])), "teacher scores equal the sampling logprobs")
-
-            print("\n3. LoRA load, generate, unload on every server")
-            greedy = SamplingParams(max_tokens=8, temperature=0.0)
-            prompt = list(first.prompt_ids)
-            base = await client.generate(prompt_ids=prompt, sampling=greedy, server=0)
-            await client.admin.load_lora(LoraAdapter(name="tiny-lora", path=str(models.lora)))
-            tuned = await client.generate(prompt_ids=prompt, sampling=greedy, lora="tiny-lora", server=0)
-            shift = float(np.abs(tuned.logprobs[:1] - base.logprobs[:1]).max())
-            check(shift > 1e-4, f"the adapter changes the first logprob by {shift:.3f}")
-            await client.admin.unload_lora("tiny-lora")
-
-            print("\n4. weight sync: pause(keep) with a request in flight, update, resume")
-            in_flight = asyncio.create_task(
-                client.generate(
-                    prompt_ids=prompt, sampling=SamplingParams(max_tokens=400, ignore_eos=True, seed=seed), server=1
-                )
-            )
-            while not (await client.admin.state())[1].in_flight:  # noqa: ASYNC110 - polling a remote server
-                await asyncio.sleep(0.005)
-            new_weights = write_perturbed_weights(models.dense, Path(tempfile.mkdtemp()) / "step-1", seed=1, scale=0.3)
-            await client.admin.pause("keep")
-            try:
-                await client.admin.update_weights(str(new_weights), version="step-1")
-                try:
-                    await client.admin.flush_cache()
-                    raise DemoFailure("flush_cache reported success with a request kept in flight")
-                except AdminError as exc:
-                    refused = [o.server for o in exc.results if not o.ok]
-                    check(refused == [dense_urls[1]], "flush is refused (not faked) where a request is kept in flight")
-                states = await client.admin.state()
-                check(all(s.paused and s.weight_version == "step-1" for s in states), "both servers paused on step-1")
-            finally:
-                await client.admin.resume()
-            kept = await in_flight
-            spans = [(s.version, s.start, s.end) for s in kept.weight_versions]
-            print(f"  the kept request finished with {len(kept.completion_ids)} ids; weight spans {spans}")
-            check(
-                kept.finish_reason == "length" and kept.weight_version == "step-1", "kept request survived the update"
-            )
-            after = await client.generate(prompt_ids=prompt, sampling=greedy, server=0)
-            check(
-                after.weight_version == "step-1" and not np.allclose(after.logprobs, base.logprobs),
-                "new weights serve new logprobs",
-            )
-
-        print("\n5. MoE routed experts (router replay) with delta replay")
-        moe_config = ClientConfig(
-            backend="reference", base_url=moe_urls, model="tiny-qwen3-moe", tokenizer=str(models.moe)
-        )
-        async with Client(moe_config) as moe:
-            result = await moe.generate(
-                messages=[{"role": "user", "content": "route me"}],
-                sampling=SamplingParams(max_tokens=6, seed=seed),
-                return_routed_experts=True,
-            )
-            assert result.routed_experts is not None
-            experts = result.routed_experts.experts
-            print(f"  routed_experts {experts.dtype} {experts.shape} = [tokens, layers, top_k] from position 0")
-            check(experts.shape[0] == len(result.token_ids) - 1, "one routing row per routed token")
-            nxt = await moe.generate(
-                prompt_ids=list(result.token_ids),
-                sampling=SamplingParams(max_tokens=4, seed=seed),
-                return_routed_experts=True,
-                routed_experts_start=len(result.token_ids) - 1,
-            )
-            assert nxt.routed_experts is not None
-            check(nxt.routed_experts.start == len(result.token_ids) - 1, "delta replay starts at the new tokens")
+            caps = client.capabilities
+            print(f"\nbackend {backend!r} over {len(client.servers)} {where}: {', '.join(client.base_urls)}")
+            print("capabilities: " + ", ".join(sorted(caps)))
+            if "admin_health" in caps:
+                check(all(await client.admin.health()), "every server is healthy")
+            sample = await _multi_turn(client, seed)
+            if "teacher_logprobs" in caps:
+                await _teacher(client, sample)
+            prompt = list(sample.prompt_ids[:64])
+            if {"admin_load_lora", "admin_unload_lora"} <= caps:
+                await _lora(client, models, prompt)
+            if {"admin_pause", "admin_resume", "admin_update_weights", "admin_state"} <= caps:
+                await _weight_sync(client, models, prompt, seed)
+        if moe_url:
+            moe = ClientConfig(backend=backend, base_url=moe_url, model=f"{model}-moe", tokenizer=str(models.moe))
+            await _routed_experts(moe, seed)
     print(f"\ndemo finished in {time.perf_counter() - started:.1f} s")
 
 
-def run_demo(*, models_dir: str | None = None, seed: int = 0) -> int:
-    """Run the demo; returns the process exit status."""
+def run_demo(
+    *,
+    backend: str = DEFAULT_BACKEND,
+    urls: Sequence[str] = (),
+    moe_url: str | None = None,
+    model: str = "tiny-qwen3",
+    models_dir: str | None = None,
+    seed: int = 0,
+) -> int:
+    """Run the demo; returns the process exit status (0 when every check held)."""
     try:
-        asyncio.run(_demo(Path(models_dir) if models_dir else default_models_dir(seed=seed), seed))
+        asyncio.run(
+            _demo(
+                backend, urls, moe_url, model, Path(models_dir) if models_dir else default_models_dir(seed=seed), seed
+            )
+        )
     except DemoFailure as exc:
         print(f"  FAILED  {exc}")
+        return 1
+    except BackendError as exc:
+        print(f"  FAILED  {type(exc).__name__}: {exc}")
         return 1
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from backends_core import Server, hookimpl
 from backends_core._http import StatusHint
@@ -113,7 +113,7 @@ async def _admin(
     *,
     body: Any = None,
     params: Mapping[str, Any] | None = None,
-    expect: str = "json",
+    expect: Literal["json", "text", "none"] = "json",
 ) -> Any:
     return await server.request(
         method,
@@ -124,7 +124,7 @@ async def _admin(
         retry=method == "GET",
         expect=expect,
         status_hint=_route_hint(path),
-    )  # type: ignore[arg-type]
+    )
 
 
 @hookimpl

@@ -22,6 +22,13 @@ from backends_core.types import (
 
 
 @hookimpl
+def make_emulator(engine: Any) -> Any:
+    from backends_core.reference.emulator import ReferenceEmulator
+
+    return ReferenceEmulator(engine)
+
+
+@hookimpl
 async def post_generate(server: Server, request: GenerateRequest, config: ClientConfig) -> Any:
     return await server.request("POST", "/generate", json_body=wire.generate_payload(request, config.model))
 

@@ -71,8 +71,15 @@ class BackendConformance:
     backend_options: ClassVar[dict[str, Any]] = {}
 
     def emulator_transport(self, engine: ReferenceEngine) -> httpx.AsyncBaseTransport:
-        """An httpx transport serving this backend's wire format over ``engine``."""
-        raise NotImplementedError("conformance subclasses must implement emulator_transport(engine)")
+        """An httpx transport serving this backend's wire format over ``engine``: by default the backend's own
+        ``make_emulator`` hook (with routed experts on MoE engines)."""
+        pm = make_plugin_manager(self.backend_name, plugin=self.plugin)
+        emulator = pm.hook.make_emulator(engine=engine, routed_experts=engine.is_moe)
+        if emulator is None:
+            raise NotImplementedError(
+                f"backend {self.backend_name!r} has no make_emulator hook: override emulator_transport(engine)"
+            )
+        return httpx.MockTransport(emulator.handle)
 
     def served_model_name(self, engine: ReferenceEngine) -> str:
         """The model name the emulator serves (sent as ``ClientConfig.model``)."""
