@@ -140,3 +140,14 @@ async def test_after_a_5xx_a_reset_connection_is_retried_once_on_a_fresh_one() -
     assert await server.request("POST", "/resume", plane="admin", retry=False) == {"ok": 1}
     with pytest.raises(NetworkError):  # without a preceding 5xx a reset is a real failure
         await server.request("POST", "/resume", plane="admin", retry=False)
+
+
+async def test_per_request_headers_are_sent() -> None:
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("authorization"))
+        return httpx.Response(200, json={})
+
+    await make_server(handler).request("POST", "/flush_cache", plane="admin", headers={"authorization": "Bearer adm"})
+    assert seen == ["Bearer adm"]

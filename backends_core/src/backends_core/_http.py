@@ -67,6 +67,7 @@ class Server:
         expect: Literal["json", "text", "none"] = "json",
         retry: bool = True,
         status_hint: StatusHint | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> Any:
         """Send one request and return the decoded body.
 
@@ -78,6 +79,7 @@ class Server:
         :param expect: ``"json"`` decodes JSON, ``"text"`` returns text, ``"none"`` ignores the body.
         :param retry: allow the client's retry policy (turn off for non-idempotent admin calls).
         :param status_hint: turns a failing status into advice appended to the error.
+        :param headers: extra headers for this request (e.g. an admin key), on top of the client's.
         :raises RequestTimeout: a timeout expired.
         :raises NetworkError: the connection failed.
         :raises ServerStatusError: the server answered non-2xx.
@@ -90,12 +92,14 @@ class Server:
         if plane == "admin":
             extra["timeout"] = httpx.Timeout(self._admin_timeout)
         content = None if json_body is None else json.dumps(json_body, separators=(",", ":")).encode()
-        headers = {"content-type": "application/json"} if content is not None else None
+        sent_headers = dict(headers or {})
+        if content is not None:
+            sent_headers["content-type"] = "application/json"
         attempt = 0
         while True:
             attempt += 1
             try:
-                response = await client.request(method, url, content=content, params=params, headers=headers, **extra)
+                response = await client.request(method, url, content=content, params=params, headers=sent_headers, **extra)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 if attempt < attempts:
                     await asyncio.sleep(self._retry.delay(attempt))
