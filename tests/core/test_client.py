@@ -12,6 +12,7 @@ import pytest
 
 from backends_core import (
     AdminError,
+    AdminPolicy,
     Client,
     ClientConfig,
     ConfigError,
@@ -218,13 +219,18 @@ async def test_admin_fans_out_and_reports_every_server() -> None:
             return httpx.Response(500, json={"detail": "cannot pause"})
         return httpx.Response(200, json={})
 
-    cfg = config(base_url=["http://s1", "http://s2"], admin_base_url=["http://good-admin", "http://bad-admin"])
+    cfg = config(
+        base_url=["http://s1", "http://s2"],
+        admin_base_url=["http://good-admin", "http://bad-admin"],
+        admin=AdminPolicy(retries=2, backoff=0),
+    )
     async with Client(cfg, transport=httpx.MockTransport(handle), plugin=Tiny()) as client:
         with pytest.raises(AdminError) as info:
             await client.admin.pause("wait")
         with pytest.raises(InvalidRequestError, match="pause mode"):
             await client.admin.pause("later")  # type: ignore[arg-type]
-    assert sorted(seen) == [("bad-admin", "wait"), ("good-admin", "wait")]
+    # pause is idempotent: the failing server was tried 1 + 2 times, the healthy one once
+    assert sorted(seen) == [("bad-admin", "wait")] * 3 + [("good-admin", "wait")]
     outcomes = {o.server: o for o in info.value.results}
     assert outcomes["http://s1"].ok and outcomes["http://s1"].value is True
     assert isinstance(outcomes["http://s2"].error, ServerStatusError)

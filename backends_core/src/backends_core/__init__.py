@@ -10,7 +10,7 @@ from __future__ import annotations
 from backends_core._http import Server
 from backends_core.bridge import BridgeStats, Conversation, extend_prompt
 from backends_core.client import Client
-from backends_core.config import ClientConfig, Limits, RetryPolicy, Timeouts
+from backends_core.config import AdminPolicy, ClientConfig, FleetPolicy, Limits, RetryPolicy, Timeouts
 from backends_core.errors import (
     AdminError,
     BackendConflictError,
@@ -32,7 +32,7 @@ from backends_core.errors import (
     UnsupportedOperationError,
 )
 from backends_core.events import Event
-from backends_core.fleet import ServerOutcome
+from backends_core.fleet import ServerOutcome, ServerReport, SyncReport
 from backends_core.hookspecs import hookimpl
 from backends_core.plugins import ENTRY_POINT_GROUP, BackendInfo, available_backends
 from backends_core.routed_experts import align_routed_experts, decode_routed_experts
@@ -56,6 +56,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AdminError",
+    "AdminPolicy",
     "BackendConflictError",
     "BackendError",
     "BackendInfo",
@@ -71,6 +72,7 @@ __all__ = [
     "DistributedGroup",
     "ENTRY_POINT_GROUP",
     "Event",
+    "FleetPolicy",
     "GenerateRequest",
     "GenerateResult",
     "InvalidRequestError",
@@ -87,8 +89,10 @@ __all__ = [
     "Server",
     "ServerOutcome",
     "ServerRefusedError",
+    "ServerReport",
     "ServerState",
     "ServerStatusError",
+    "SyncReport",
     "TeacherLogprobs",
     "TeacherRequest",
     "TensorSpec",

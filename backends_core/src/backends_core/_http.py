@@ -47,6 +47,8 @@ class Server:
     _admin: httpx.AsyncClient = attrs.field(alias="admin_client", repr=False)
     _retry: RetryPolicy = attrs.field(alias="retry", repr=False, factory=RetryPolicy)
     _admin_timeout: float | None = attrs.field(alias="admin_timeout", default=None, repr=False)
+    #: Part of a fleet: data-plane connect failures are not retried here, the client fails over instead.
+    failover: bool = attrs.field(default=False, repr=False)
     #: Per-server memo for backends (e.g. ``max_model_len`` read once from ``/v1/models``).
     cache: dict[str, Any] = attrs.field(factory=dict, repr=False)
     #: Planes whose last answer was a 5xx: their pooled connection may have been reset by the server.
@@ -99,9 +101,11 @@ class Server:
         while True:
             attempt += 1
             try:
-                response = await client.request(method, url, content=content, params=params, headers=sent_headers, **extra)
+                response = await client.request(
+                    method, url, content=content, params=params, headers=sent_headers, **extra
+                )
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                if attempt < attempts:
+                if attempt < attempts and not (self.failover and plane == "data"):
                     await asyncio.sleep(self._retry.delay(attempt))
                     continue
                 raise _map_transport(exc, method, url) from exc
@@ -128,9 +132,14 @@ class Server:
 
 
 def _map_transport(exc: httpx.TransportError, method: str, url: str) -> RequestTimeout | NetworkError:
+    unsent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
     if isinstance(exc, httpx.TimeoutException):
-        return RequestTimeout(f"{type(exc).__name__}: {exc or 'timed out'}", method=method, url=url)
-    return NetworkError(f"{type(exc).__name__}: {exc or 'connection failed'}", method=method, url=url)
+        return RequestTimeout(
+            f"{type(exc).__name__}: {exc or 'timed out'}", method=method, url=url, maybe_processed=not unsent
+        )
+    return NetworkError(
+        f"{type(exc).__name__}: {exc or 'connection failed'}", method=method, url=url, maybe_processed=not unsent
+    )
 
 
 def _decode(response: httpx.Response, expect: str, url: str) -> Any:

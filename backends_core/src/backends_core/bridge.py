@@ -21,6 +21,7 @@ nothing falls back to re-rendering or text. Attempts, successes and failures (by
 from __future__ import annotations
 
 import time
+import uuid
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -173,6 +174,8 @@ class Conversation:
         self.tools = list(tools) if tools else None
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self._server = server
+        #: Session key: every turn sticks to one server (its prefix cache) unless ``server`` pins one.
+        self.session = uuid.uuid4().hex
         #: Every message so far; assistant turns appear as the caller described them (or their decoded text).
         self.messages: list[Message] = []
         #: Each turn's result, in order.
@@ -202,6 +205,7 @@ class Conversation:
         client = self._client
         if generate_kwargs.get("server") is None:
             generate_kwargs["server"] = self._server
+        generate_kwargs.setdefault("session", self.session)
         if not self.turns:
             result = await client.generate(
                 messages=list(new_messages),

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import itertools
+import contextvars
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
+import attrs
 import httpx
 
 from backends_core._http import Server
+from backends_core.balancer import Balancer
 from backends_core.bridge import BridgeStats, Conversation
 from backends_core.config import ClientConfig
 from backends_core.driver import BackendDriver
-from backends_core.errors import ConfigError, InvalidRequestError
+from backends_core.errors import ConfigError, InvalidRequestError, RequestError, TransportError
 from backends_core.fleet import Admin
 from backends_core.rendering import load_tokenizer
 from backends_core.types import (
@@ -26,6 +28,9 @@ from backends_core.types import (
 )
 
 __all__ = ["Client"]
+
+#: The session key of the request being sent, for the session header hook.
+_SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("backends_session", default=None)
 
 
 class Client:
@@ -57,9 +62,17 @@ class Client:
         if key is not None:
             headers["authorization"] = f"Bearer {key}"
         t, lim = config.timeouts, config.limits
+        session_header = config.fleet.session_header
+
+        async def add_session_header(request: httpx.Request) -> None:
+            session = _SESSION.get()
+            if session is not None and session_header:
+                request.headers[session_header] = session
+
         self._data = httpx.AsyncClient(
             transport=transport,
             headers=headers,
+            event_hooks={"request": [add_session_header]},
             timeout=httpx.Timeout(connect=t.connect, read=t.read, write=t.write, pool=t.pool),
             limits=httpx.Limits(
                 max_connections=lim.max_connections,
@@ -67,31 +80,39 @@ class Client:
                 keepalive_expiry=lim.keepalive_expiry,
             ),
         )
-        self._admin_http = httpx.AsyncClient(
-            transport=transport,
-            headers=headers,
-            timeout=httpx.Timeout(t.admin, connect=t.connect),
-            limits=httpx.Limits(max_connections=lim.admin_max_connections, keepalive_expiry=lim.keepalive_expiry),
-        )
+        # every server gets its own small admin pool: control calls never queue behind generation streams
+        self._admin_clients = [
+            httpx.AsyncClient(
+                transport=transport,
+                headers=headers,
+                timeout=httpx.Timeout(t.admin, connect=t.connect),
+                limits=httpx.Limits(max_connections=lim.admin_max_connections, keepalive_expiry=lim.keepalive_expiry),
+            )
+            for _ in config.servers
+        ]
         #: One handle per configured server, in config order.
         self.servers: list[Server] = [
             Server(
                 base_url=base,
                 admin_url=admin,
                 data_client=self._data,
-                admin_client=self._admin_http,
+                admin_client=admin_client,
                 retry=config.retry,
                 admin_timeout=t.admin,
+                failover=len(config.servers) > 1,
             )
-            for base, admin in config.servers
+            for (base, admin), admin_client in zip(config.servers, self._admin_clients, strict=True)
         ]
-        self._in_flight = {id(s): 0 for s in self.servers}
-        self._rotation = itertools.count()
+        fleet = config.fleet
+        #: Sticky-least-loaded server choice with health tracking (see :mod:`backends_core.balancer`).
+        self.balancer: Balancer[Server] = Balancer(self.servers, slack=fleet.sticky_slack, cooldown=fleet.cooldown)
+        #: The weight version this client last set on its servers; requests are salted with it.
+        self.weight_version: str | None = None
         self._tokenizer = tokenizer
         #: Multi-turn bridge counters shared by every conversation of this client.
         self.bridge_stats = BridgeStats()
         #: Admin operations over every server.
-        self.admin = Admin(self.driver, self.servers)
+        self.admin = Admin(self.driver, self.servers, policy=config.admin, on_version=self._remember_version)
 
     async def __aenter__(self) -> Client:
         return self
@@ -102,9 +123,10 @@ class Client:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close both connection pools."""
+        """Close every connection pool."""
         await self._data.aclose()
-        await self._admin_http.aclose()
+        for admin_client in self._admin_clients:
+            await admin_client.aclose()
 
     @property
     def base_urls(self) -> list[str]:
@@ -132,21 +154,22 @@ class Client:
             self._tokenizer = load_tokenizer(source)
         return self._tokenizer
 
-    def server(self, which: int | str | None = None) -> Server:
-        """Pick a server: by index or base URL, or (``None``) the one with the fewest requests in flight."""
-        if which is None:
-            start = next(self._rotation)
-            n = len(self.servers)
-            order = [self.servers[(start + i) % n] for i in range(n)]
-            return min(order, key=lambda s: self._in_flight[id(s)])
+    def server_index(self, which: int | str) -> int:
+        """Index of a server given by index or base URL."""
         if isinstance(which, int):
             if not 0 <= which < len(self.servers):
                 raise InvalidRequestError(f"server index {which} out of range (have {len(self.servers)})")
-            return self.servers[which]
-        for s in self.servers:
+            return which
+        for i, s in enumerate(self.servers):
             if s.base_url == which.rstrip("/"):
-                return s
-        raise InvalidRequestError(f"no server {which!r} in this client (have {[s.base_url for s in self.servers]})")
+                return i
+        raise InvalidRequestError(f"no server {which!r} in this client (have {self.base_urls})")
+
+    def server(self, which: int | str | None = None, *, session: str | None = None) -> Server:
+        """A server by index or base URL, or (``None``) the balancer's pick for ``session``."""
+        if which is None:
+            return self.servers[self.balancer.pick(session=session)]
+        return self.servers[self.server_index(which)]
 
     def render(
         self,
@@ -207,6 +230,7 @@ class Client:
         routed_experts_start: int = 0,
         model: str | None = None,
         server: int | str | None = None,
+        session: str | None = None,
     ) -> list[GenerateResult]:
         """Generate ``sampling.n`` samples for one prompt; see :meth:`generate` for the arguments."""
         request = self._build_request(
@@ -223,16 +247,42 @@ class Client:
             routed_experts_start=routed_experts_start,
             model=model,
         )
-        return await self.send(request, server=server)
+        return await self.send(request, server=server, session=session)
 
-    async def send(self, request: GenerateRequest, *, server: int | str | None = None) -> list[GenerateResult]:
-        """Send an already built request (the bridge and fleets use this)."""
-        target = self.server(server)
-        self._in_flight[id(target)] += 1
+    async def send(
+        self, request: GenerateRequest, *, server: int | str | None = None, session: str | None = None
+    ) -> list[GenerateResult]:
+        """Send an already built request to a pinned server, or to the balancer's pick for ``session``.
+
+        A request that certainly never reached its server (connection refused, connect timeout) fails over to
+        the next healthy server and that server is taken out for the cooldown; a request that may have reached
+        the engine is never re-sent: its error is raised.
+        """
+        if self.config.fleet.salt_with_weight_version and request.cache_salt is None and self.weight_version:
+            request = attrs.evolve(request, cache_salt=f"weights:{self.weight_version}")
+        pinned = None if server is None else self.server_index(server)
+        tried: set[int] = set()
+        token = _SESSION.set(session)
         try:
-            return await self.driver.generate(target, request)
+            while True:
+                index = pinned if pinned is not None else self.balancer.pick(session=session, exclude=frozenset(tried))
+                self.balancer.acquire(index)
+                try:
+                    results = await self.driver.generate(self.servers[index], request)
+                except RequestError as exc:
+                    down = isinstance(exc, TransportError)
+                    self.balancer.release(index, ok=False, reachable=not down)
+                    tried.add(index)
+                    if exc.maybe_processed or pinned is not None or len(tried) == len(self.servers):
+                        raise
+                    continue
+                except BaseException:
+                    self.balancer.release(index, ok=False)
+                    raise
+                self.balancer.release(index, ok=True)
+                return results
         finally:
-            self._in_flight[id(target)] -= 1
+            _SESSION.reset(token)
 
     async def generate(
         self,
@@ -250,6 +300,7 @@ class Client:
         routed_experts_start: int = 0,
         model: str | None = None,
         server: int | str | None = None,
+        session: str | None = None,
     ) -> GenerateResult:
         """Generate one sample, token in / token out.
 
@@ -265,7 +316,10 @@ class Client:
         :param return_routed_experts: ask for MoE routing (router replay).
         :param routed_experts_start: first absolute position whose routing is wanted.
         :param model: served model name (default ``config.model``).
-        :param server: pin to a server (index or base URL); default: least busy.
+        :param server: pin to a server (index or base URL); default: the balancer's pick.
+        :param session: a session key (conversation, trajectory): its requests stick to one healthy, not
+            overloaded server, and the key is sent as the ``X-Session-ID`` header (``config.fleet``) for
+            external routers.
         :raises InvalidRequestError: bad arguments (nothing is sent).
         :raises RenderError: the chat template rejected ``messages``.
         :raises RequestError: the server could not be reached or answered non-2xx.
@@ -289,6 +343,7 @@ class Client:
             routed_experts_start=routed_experts_start,
             model=model,
             server=server,
+            session=session,
         )
         return results[0]
 
@@ -308,6 +363,9 @@ class Client:
         self.driver.require("teacher_logprobs")
         request = TeacherRequest(token_ids=list(token_ids), top_logprobs=top_logprobs, lora=lora, model=model)
         return await self.driver.teacher_logprobs(self.server(server), request)
+
+    def _remember_version(self, version: str) -> None:
+        self.weight_version = version
 
     def conversation(
         self,

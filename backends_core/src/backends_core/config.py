@@ -23,7 +23,7 @@ from cattrs.gen import make_dict_structure_fn, override
 from backends_core.converters import make_converter
 from backends_core.errors import ConfigError
 
-__all__ = ["ClientConfig", "Limits", "RetryPolicy", "Timeouts"]
+__all__ = ["AdminPolicy", "ClientConfig", "FleetPolicy", "Limits", "RetryPolicy", "Timeouts"]
 
 _BACKEND_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -62,13 +62,13 @@ class Limits:
     :param max_connections: data-plane connections across all servers.
     :param max_keepalive_connections: idle data-plane connections kept open.
     :param keepalive_expiry: seconds an idle connection is kept; keep it below the server's own keep-alive.
-    :param admin_max_connections: admin-plane connections.
+    :param admin_max_connections: admin-plane connections per server (their own pool).
     """
 
     max_connections: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
     max_keepalive_connections: int = attrs.field(default=256, validator=attrs.validators.ge(0))
     keepalive_expiry: float = attrs.field(default=4.0, validator=attrs.validators.ge(0))
-    admin_max_connections: int = attrs.field(default=32, validator=attrs.validators.ge(1))
+    admin_max_connections: int = attrs.field(default=4, validator=attrs.validators.ge(1))
 
 
 @attrs.frozen(kw_only=True)
@@ -90,6 +90,50 @@ class RetryPolicy:
     def delay(self, attempt: int) -> float:
         """Seconds to wait before retry number ``attempt`` (1-based)."""
         return float(min(self.max_backoff, self.backoff * 2 ** (attempt - 1)))
+
+
+@attrs.frozen(kw_only=True)
+class FleetPolicy:
+    """How requests spread over servers (see :mod:`backends_core.balancer`).
+
+    :param sticky_slack: a session stays on its server while that server carries at most this many more
+        in-flight requests than the least-loaded one.
+    :param cooldown: seconds a server that refused a connection stays out before it is probed again.
+    :param session_header: header carrying the session key for external routers (empty: not sent).
+    :param salt_with_weight_version: give requests without a ``cache_salt`` one derived from the weight
+        version this client last set, so prefix-cache hits never cross a weight update.
+    """
+
+    sticky_slack: int = attrs.field(default=8, validator=attrs.validators.ge(0))
+    cooldown: float = attrs.field(default=5.0, validator=attrs.validators.ge(0))
+    session_header: str = "X-Session-ID"
+    salt_with_weight_version: bool = True
+
+
+def _deadlines(value: Mapping[str, float]) -> dict[str, float]:
+    out = {}
+    for op, seconds in dict(value).items():
+        if not isinstance(seconds, int | float) or isinstance(seconds, bool) or not seconds > 0:
+            raise ValueError(f"deadline of {op!r} must be a positive number of seconds, got {seconds!r}")
+        out[op] = float(seconds)
+    return out
+
+
+@attrs.frozen(kw_only=True)
+class AdminPolicy:
+    """Deadlines and retries of admin operations.
+
+    :param deadlines: seconds per operation name (``"update_weights"``, ``"pause"``...) for the whole
+        operation on one server, retries included; operations not listed use ``timeouts.admin``. A
+        72-minute weight apply is expressible: ``{"update_weights": 7200}``.
+    :param retries: extra attempts for idempotent operations (health, ready, state, pause, resume,
+        flush_cache, wake) after a transport failure or a 5xx; never for the others.
+    :param backoff: seconds before the first retry; doubles each time.
+    """
+
+    deadlines: Mapping[str, float] = attrs.field(factory=dict, converter=_deadlines)
+    retries: int = attrs.field(default=2, validator=attrs.validators.ge(0))
+    backoff: float = attrs.field(default=0.5, validator=attrs.validators.ge(0))
 
 
 def _urls(value: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -128,6 +172,8 @@ class ClientConfig:
     :param timeouts: see :class:`Timeouts`; a number sets ``read``.
     :param limits: see :class:`Limits`.
     :param retry: see :class:`RetryPolicy`.
+    :param fleet: see :class:`FleetPolicy`.
+    :param admin: see :class:`AdminPolicy`.
     :param backend_options: backend-specific options, validated by the backend when the client opens.
     """
 
@@ -141,6 +187,8 @@ class ClientConfig:
     timeouts: Timeouts = attrs.field(factory=Timeouts)
     limits: Limits = attrs.field(factory=Limits)
     retry: RetryPolicy = attrs.field(factory=RetryPolicy)
+    fleet: FleetPolicy = attrs.field(factory=FleetPolicy)
+    admin: AdminPolicy = attrs.field(factory=AdminPolicy)
     backend_options: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
 
     @base_url.validator

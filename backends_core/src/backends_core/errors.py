@@ -165,11 +165,14 @@ class RequestError(BackendError):
 
     :ivar method: HTTP method of the failed request.
     :ivar url: full URL of the failed request.
+    :ivar maybe_processed: ``False`` only when the request certainly never reached the server (connection
+        refused, connect or pool timeout), so sending it elsewhere cannot duplicate work.
     """
 
-    def __init__(self, message: str, *, method: str, url: str) -> None:
+    def __init__(self, message: str, *, method: str, url: str, maybe_processed: bool = True) -> None:
         self.method = method
         self.url = url
+        self.maybe_processed = maybe_processed
         super().__init__(f"{message} ({method} {url})")
 
 

@@ -1,27 +1,37 @@
-"""Admin operations over every server of a client, concurrently, with per-server outcomes.
+"""Admin operations over every server of a client: concurrent, per-server outcomes, deadlines, retries.
 
 An operation succeeds only if it succeeded on every server; otherwise :class:`~backends_core.errors.AdminError`
 carries every server's outcome, successes included, so the caller knows exactly where it stands.
+
+Each server's call runs under the operation's deadline (``AdminPolicy.deadlines``, else ``timeouts.admin``),
+so one silent server can never hang the fleet; idempotent operations get bounded retries with backoff after a
+transport failure or a 5xx. :meth:`Admin.weight_sync` is the whole update choreography with resume
+guaranteed on every server it paused.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import attrs
 
-from backends_core.errors import AdminError, InvalidRequestError
+from backends_core.config import AdminPolicy
+from backends_core.errors import AdminError, InvalidRequestError, RequestError, RequestTimeout, ServerStatusError
 from backends_core.types import PAUSE_MODES, DistributedGroup, LoraAdapter, PauseMode, ServerState, TensorSpec
 
 if TYPE_CHECKING:
     from backends_core._http import Server
     from backends_core.driver import BackendDriver
 
-__all__ = ["Admin", "ServerOutcome"]
+__all__ = ["IDEMPOTENT_OPERATIONS", "Admin", "ServerOutcome", "ServerReport", "SyncReport"]
 
 T = TypeVar("T")
+
+#: Operations safe to repeat: retried after a transport failure or a 5xx.
+IDEMPOTENT_OPERATIONS = frozenset({"health", "ready", "state", "pause", "resume", "flush_cache", "wake"})
 
 
 @attrs.frozen(kw_only=True)
@@ -31,10 +41,35 @@ class ServerOutcome(Generic[T]):
     server: str
     value: T | None = None
     error: BaseException | None = None
+    duration_s: float = 0.0
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+@attrs.frozen(kw_only=True)
+class ServerReport:
+    """One server in :meth:`Admin.fleet_state`: what could be learned, and the error of what could not."""
+
+    server: str
+    reachable: bool
+    ready: bool | None = None
+    state: ServerState | None = None
+    error: BaseException | None = None
+
+
+@attrs.frozen(kw_only=True)
+class SyncReport:
+    """What :meth:`Admin.weight_sync` did, phase by phase, per server."""
+
+    version: str
+    phases: dict[str, list[ServerOutcome[Any]]]
+    duration_s: float
+
+    @property
+    def ok(self) -> bool:
+        return all(o.ok for outcomes in self.phases.values() for o in outcomes)
 
 
 class Admin:
@@ -46,23 +81,58 @@ class Admin:
     the operation.
     """
 
-    def __init__(self, driver: BackendDriver, servers: Sequence[Server]) -> None:
+    def __init__(
+        self,
+        driver: BackendDriver,
+        servers: Sequence[Server],
+        *,
+        policy: AdminPolicy | None = None,
+        default_deadline: float | None = None,
+        on_version: Callable[[str], None] | None = None,
+    ) -> None:
         self._driver = driver
         self._servers = list(servers)
+        self._policy = policy or AdminPolicy()
+        self._default_deadline = default_deadline if default_deadline is not None else driver.config.timeouts.admin
+        self._on_version = on_version
 
-    async def run(self, operation: str, **kwargs: Any) -> list[ServerOutcome[Any]]:
-        """Run ``admin_<operation>`` on every server concurrently and collect every outcome (never raises
-        for a server's failure; see the typed methods for that)."""
+    def deadline(self, operation: str) -> float | None:
+        """Seconds one server gets for ``operation``, retries included (``None``: no limit)."""
+        return self._policy.deadlines.get(operation, self._default_deadline)
+
+    async def _one(self, operation: str, server: Server, kwargs: dict[str, Any]) -> ServerOutcome[Any]:
+        started = time.perf_counter()
+        attempts = 1 + (self._policy.retries if operation in IDEMPOTENT_OPERATIONS else 0)
+        deadline = self.deadline(operation)
+        try:
+            async with asyncio.timeout(deadline):
+                for attempt in range(1, attempts + 1):
+                    try:
+                        value = await self._driver.admin(operation, server, **kwargs)
+                        break
+                    except RequestError as exc:
+                        retryable = not isinstance(exc, ServerStatusError) or exc.status_code >= 500
+                        if attempt == attempts or not retryable:
+                            raise
+                        await asyncio.sleep(self._policy.backoff * 2 ** (attempt - 1))
+        except TimeoutError as exc:
+            error = RequestTimeout(
+                f"admin_{operation} exceeded its {deadline} s deadline", method="admin", url=server.admin_url
+            )
+            error.__cause__ = exc
+            return ServerOutcome(server=server.base_url, error=error, duration_s=time.perf_counter() - started)
+        except Exception as exc:
+            return ServerOutcome(server=server.base_url, error=exc, duration_s=time.perf_counter() - started)
+        return ServerOutcome(server=server.base_url, value=value, duration_s=time.perf_counter() - started)
+
+    async def run(
+        self, operation: str, *, servers: Sequence[Server] | None = None, **kwargs: Any
+    ) -> list[ServerOutcome[Any]]:
+        """Run ``admin_<operation>`` on every server (or ``servers``) concurrently and collect every outcome
+        (never raises for a server's failure; the typed methods do)."""
         self._driver.require(f"admin_{operation}")
-
-        async def one(server: Server) -> ServerOutcome[Any]:
-            try:
-                value = await self._driver.admin(operation, server, **kwargs)
-            except Exception as exc:
-                return ServerOutcome(server=server.base_url, error=exc)
-            return ServerOutcome(server=server.base_url, value=value)
-
-        return list(await asyncio.gather(*(one(s) for s in self._servers)))
+        targets = self._servers if servers is None else list(servers)
+        return list(await asyncio.gather(*(self._one(operation, s, kwargs) for s in targets)))
 
     async def _all(self, operation: str, **kwargs: Any) -> list[Any]:
         outcomes = await self.run(operation, **kwargs)
@@ -77,8 +147,7 @@ class Admin:
         return await self._all("ready")
 
     async def pause(self, mode: PauseMode = "abort", *, clear_cache: bool = False) -> list[bool]:
-        if mode not in PAUSE_MODES:
-            raise InvalidRequestError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        _check_mode(mode)
         return await self._all("pause", mode=mode, clear_cache=clear_cache)
 
     async def resume(self) -> list[bool]:
@@ -88,7 +157,9 @@ class Admin:
         return await self._all("flush_cache")
 
     async def update_weights(self, path: str, *, version: str | None = None) -> list[bool]:
-        return await self._all("update_weights", path=path, version=version)
+        values = await self._all("update_weights", path=path, version=version)
+        self._remember(version)
+        return values
 
     async def init_weight_transfer(self, group: DistributedGroup) -> list[bool]:
         return await self._all("init_weight_transfer", group=group)
@@ -96,9 +167,11 @@ class Admin:
     async def update_weights_distributed(
         self, group_name: str, tensors: Sequence[TensorSpec], *, version: str | None = None
     ) -> list[bool]:
-        return await self._all(
+        values = await self._all(
             "update_weights_distributed", group_name=group_name, tensors=list(tensors), version=version
         )
+        self._remember(version)
+        return values
 
     async def load_lora(self, adapter: LoraAdapter) -> list[bool]:
         return await self._all("load_lora", adapter=adapter)
@@ -119,3 +192,99 @@ class Admin:
 
     async def abort(self, request_ids: Sequence[str] | None = None) -> list[int]:
         return await self._all("abort", request_ids=None if request_ids is None else list(request_ids))
+
+    def _remember(self, version: str | None) -> None:
+        if version is not None and self._on_version is not None:
+            self._on_version(version)
+
+    async def fleet_state(self) -> list[ServerReport]:
+        """One view of the fleet: per server reachable, ready, and its state where the backend exposes them.
+        Never raises for a server's failure: the report says what failed."""
+        caps = self._driver.capabilities
+
+        async def report(server: Server) -> ServerReport:
+            try:
+                if "admin_health" in caps:
+                    (health,) = await self.run("health", servers=[server])
+                    if not health.ok:
+                        return ServerReport(server=server.base_url, reachable=False, error=health.error)
+                ready = state = None
+                if "admin_ready" in caps:
+                    (r,) = await self.run("ready", servers=[server])
+                    ready = r.value if r.ok else None
+                if "admin_state" in caps:
+                    (st,) = await self.run("state", servers=[server])
+                    if not st.ok:
+                        return ServerReport(server=server.base_url, reachable=True, ready=ready, error=st.error)
+                    state = st.value
+                return ServerReport(server=server.base_url, reachable=True, ready=ready, state=state)
+            except Exception as exc:  # a backend bug in one server's report must not hide the others
+                return ServerReport(server=server.base_url, reachable=False, error=exc)
+
+        return list(await asyncio.gather(*(report(s) for s in self._servers)))
+
+    async def weight_sync(
+        self,
+        *,
+        version: str,
+        path: str | None = None,
+        group_name: str | None = None,
+        tensors: Sequence[TensorSpec] = (),
+        mode: PauseMode = "wait",
+        flush_cache: bool = True,
+    ) -> SyncReport:
+        """Pause → update → set the version → flush (or rely on re-salting) → resume, on every server.
+
+        Resume runs in ``finally`` on every server that was paused, whatever failed. Afterwards the version
+        is checked in :meth:`state` where the backend exposes it, and requests of this client are salted
+        with it.
+
+        :param version: the new weight version.
+        :param path: checkpoint directory on the servers (exclusive with ``group_name``).
+        :param group_name: a transfer group set up with :meth:`init_weight_transfer`; ``tensors`` lists what
+            the trainer broadcasts.
+        :param mode: pause mode for in-flight requests.
+        :param flush_cache: flush the prefix cache while paused (with ``"keep"`` the cache is not flushed:
+            kept requests need it; re-salting isolates new requests instead).
+        :raises AdminError: any phase failed on any server (the report of every phase is attached).
+        """
+        _check_mode(mode)
+        if (path is None) == (group_name is None):
+            raise InvalidRequestError("weight_sync needs exactly one of path= or group_name=")
+        started = time.perf_counter()
+        phases: dict[str, list[ServerOutcome[Any]]] = {}
+        paused: list[Server] = []
+        try:
+            phases["pause"] = await self.run("pause", mode=mode, clear_cache=False)
+            paused = [s for s, o in zip(self._servers, phases["pause"], strict=True) if o.ok]
+            if len(paused) < len(self._servers):
+                raise AdminError("weight_sync: pause", phases["pause"])
+            if path is not None:
+                phases["update"] = await self.run("update_weights", path=path, version=version)
+            else:
+                phases["update"] = await self.run(
+                    "update_weights_distributed", group_name=group_name, tensors=list(tensors), version=version
+                )
+            if not all(o.ok for o in phases["update"]):
+                raise AdminError("weight_sync: update", phases["update"])
+            self._remember(version)
+            if flush_cache and mode != "keep" and "admin_flush_cache" in self._driver.capabilities:
+                phases["flush"] = await self.run("flush_cache")
+                if not all(o.ok for o in phases["flush"]):
+                    raise AdminError("weight_sync: flush_cache", phases["flush"])
+        finally:
+            if paused:
+                phases["resume"] = await self.run("resume", servers=paused)
+        if not all(o.ok for o in phases["resume"]):
+            raise AdminError("weight_sync: resume", phases["resume"])
+        if "admin_state" in self._driver.capabilities:
+            phases["verify"] = outcomes = await self.run("state")
+            wrong = [o for o in outcomes if o.value is not None and o.value.weight_version not in (version, None)]
+            if wrong or not all(o.ok for o in outcomes):
+                raise AdminError(f"weight_sync: version {version!r} not visible", outcomes)
+        return SyncReport(version=version, phases=phases, duration_s=time.perf_counter() - started)
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in PAUSE_MODES:
+        raise InvalidRequestError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")

@@ -1,0 +1,125 @@
+"""Which server gets the next request: sticky-least-loaded with health tracking.
+
+* Requests without a session go to the healthy server with the fewest requests in flight (ties rotate).
+* A session (a conversation, an agent trajectory) sticks to its server, so its prefix cache keeps hitting,
+  unless that server is down or carries more than ``slack`` requests above the least-loaded one: then the
+  session moves, once, to the least-loaded server (not plain hashing, which pins sessions to a thrashing
+  engine).
+* A server whose request could not even be sent is taken out for ``cooldown`` seconds; after that it gets
+  one probe request (half-open) and is back on its first success. In-flight counts are exact: every
+  :meth:`Balancer.acquire` has a matching :meth:`Balancer.release`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+import attrs
+
+__all__ = ["Balancer", "ServerLoad"]
+
+S = TypeVar("S")
+
+
+@attrs.define
+class ServerLoad:
+    """Live accounting of one server."""
+
+    in_flight: int = 0
+    completed: int = 0
+    failures: int = 0
+    down_until: float = 0.0
+
+    def up(self, now: float) -> bool:
+        return self.down_until <= now
+
+
+class Balancer(Generic[S]):
+    """Picks servers for requests.
+
+    :param servers: the candidates, in config order.
+    :param slack: how many more in-flight requests than the least-loaded server a sticky server may carry.
+    :param cooldown: seconds a server that failed to accept a request stays out.
+    :param max_sessions: sessions remembered (least recently used are forgotten).
+    :param clock: monotonic clock (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        servers: Sequence[S],
+        *,
+        slack: int = 8,
+        cooldown: float = 5.0,
+        max_sessions: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not servers:
+            raise ValueError("a balancer needs at least one server")
+        self.servers = list(servers)
+        self.load = [ServerLoad() for _ in self.servers]
+        self.slack = slack
+        self.cooldown = cooldown
+        self.max_sessions = max_sessions
+        self._clock = clock
+        self._rotation = itertools.count()
+        self._sessions: OrderedDict[str, int] = OrderedDict()
+
+    def _least_loaded(self, *, exclude: frozenset[int] = frozenset()) -> int:
+        now = self._clock()
+        n = len(self.servers)
+        start = next(self._rotation) % n
+        order = [(start + i) % n for i in range(n) if (start + i) % n not in exclude]
+        if not order:
+            raise LookupError("every server has been tried")
+        healthy = [i for i in order if self.load[i].up(now)]
+        if healthy:
+            return min(healthy, key=lambda i: self.load[i].in_flight)
+        return min(order, key=lambda i: self.load[i].down_until)  # all down: probe the one back soonest
+
+    def pick(self, *, session: str | None = None, exclude: frozenset[int] = frozenset()) -> int:
+        """Index of the server for the next request of ``session`` (or of no session)."""
+        best = self._least_loaded(exclude=exclude)
+        if session is None:
+            return best
+        now = self._clock()
+        current = self._sessions.get(session)
+        if (
+            current is not None
+            and current not in exclude
+            and self.load[current].up(now)
+            and self.load[current].in_flight <= self.load[best].in_flight + self.slack
+        ):
+            self._sessions.move_to_end(session)
+            return current
+        self._sessions[session] = best
+        self._sessions.move_to_end(session)
+        while len(self._sessions) > self.max_sessions:
+            self._sessions.popitem(last=False)
+        return best
+
+    def session_server(self, session: str) -> int | None:
+        """Where ``session`` currently sticks, if anywhere."""
+        return self._sessions.get(session)
+
+    def acquire(self, index: int) -> None:
+        self.load[index].in_flight += 1
+
+    def release(self, index: int, *, ok: bool, reachable: bool = True) -> None:
+        """Account for a finished request; ``reachable=False`` takes the server out for the cooldown."""
+        load = self.load[index]
+        load.in_flight -= 1
+        if ok:
+            load.completed += 1
+            load.failures = 0
+            load.down_until = 0.0
+        elif not reachable:
+            load.failures += 1
+            load.down_until = self._clock() + self.cooldown
+
+    def healthy(self) -> list[bool]:
+        now = self._clock()
+        return [load.up(now) for load in self.load]

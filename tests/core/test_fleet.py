@@ -1,0 +1,240 @@
+"""Fleet guarantees: balancing, stickiness, failover, salting, deadlines, weight sync with resume in finally."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import httpx
+import pytest
+
+from backends_core import (
+    AdminError,
+    AdminPolicy,
+    Client,
+    ClientConfig,
+    NetworkError,
+    RequestTimeout,
+    SamplingParams,
+)
+from backends_core.balancer import Balancer
+from backends_core.reference.emulator import ReferenceEmulator
+from backends_core.testing.engine import ReferenceEngine
+
+Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
+HOSTS = ["s0", "s1", "s2"]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# -- the balancer on its own ----------------------------------------------------------------------------
+
+
+def test_requests_go_to_the_least_loaded_server() -> None:
+    b = Balancer(["a", "b", "c"])
+    b.acquire(0)
+    b.acquire(0)
+    b.acquire(2)
+    assert b.pick() == 1
+
+
+def test_a_session_sticks_until_its_server_is_overloaded_then_moves_once() -> None:
+    b = Balancer(["a", "b"], slack=2)
+    home = b.pick(session="conv-1")
+    for _ in range(2):
+        b.acquire(home)
+        assert b.pick(session="conv-1") == home  # within slack: stays for its prefix cache
+    b.acquire(home)
+    moved = b.pick(session="conv-1")
+    assert moved != home
+    assert b.session_server("conv-1") == moved
+
+
+def test_an_unreachable_server_is_taken_out_and_probed_after_the_cooldown() -> None:
+    clock = Clock()
+    b = Balancer(["a", "b"], cooldown=5.0, clock=clock)
+    b.acquire(0)
+    b.release(0, ok=False, reachable=False)
+    assert b.healthy() == [False, True]
+    assert {b.pick() for _ in range(4)} == {1}
+    clock.now += 5.0
+    assert b.healthy() == [True, True]
+    b.acquire(0)
+    b.release(0, ok=True)
+    assert b.load[0].failures == 0 and b.load[0].in_flight == 0
+
+
+def test_when_every_server_is_down_the_one_back_soonest_is_probed() -> None:
+    clock = Clock()
+    b = Balancer(["a", "b"], cooldown=5.0, clock=clock)
+    b.acquire(1)
+    b.release(1, ok=False, reachable=False)
+    clock.now += 1
+    b.acquire(0)
+    b.release(0, ok=False, reachable=False)
+    assert b.pick() == 1
+
+
+# -- a client over a fleet of emulated servers ------------------------------------------------------------
+
+
+@pytest.fixture
+async def fleet(tiny_models):
+    engines = [ReferenceEngine(tiny_models.dense, seed=i) for i in range(len(HOSTS))]
+    emulators = {host: ReferenceEmulator(e) for host, e in zip(HOSTS, engines, strict=True)}
+    yield emulators
+    for e in engines:
+        await e.aclose()
+
+
+def routed(handlers: dict[str, Handler], seen: list[httpx.Request] | None = None) -> httpx.MockTransport:
+    async def handle(request: httpx.Request) -> httpx.Response:
+        if seen is not None:
+            seen.append(request)
+        return await handlers[request.url.host](request)
+
+    return httpx.MockTransport(handle)
+
+
+def config(tiny_models, **kw) -> ClientConfig:
+    return ClientConfig(
+        backend="reference",
+        base_url=[f"http://{h}" for h in HOSTS],
+        model="tiny-qwen3",
+        tokenizer=str(tiny_models.dense),
+        **kw,
+    )
+
+
+async def test_a_refused_connection_fails_over_and_the_server_is_taken_out(fleet, tiny_models) -> None:
+    calls: list[str] = []
+
+    async def refuse(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.host)
+        raise httpx.ConnectError("connection refused", request=request)
+
+    handlers = {h: e.handle for h, e in fleet.items()} | {"s0": refuse}
+    async with Client(config(tiny_models), transport=routed(handlers)) as client:
+        results = [await client.generate(prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=2)) for _ in range(4)]
+    assert all(r.server in ("http://s1", "http://s2") for r in results)
+    assert len(calls) == 1  # out for the cooldown after the first refusal
+    assert client.balancer.healthy() == [False, True, True]
+    assert [load.in_flight for load in client.balancer.load] == [0, 0, 0]
+
+
+async def test_a_request_that_may_have_reached_the_engine_is_reported_not_resent(fleet, tiny_models) -> None:
+    calls: list[str] = []
+
+    async def reset_mid_request(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.host)
+        raise httpx.ReadError("connection reset by peer", request=request)
+
+    handlers = {h: reset_mid_request for h in HOSTS}
+    async with Client(config(tiny_models), transport=routed(handlers)) as client:
+        with pytest.raises(NetworkError) as info:
+            await client.generate(prompt_ids=[1, 2, 3])
+    assert info.value.maybe_processed
+    assert len(calls) == 1
+
+
+async def test_sessions_stick_and_carry_the_session_header(fleet, tiny_models) -> None:
+    seen: list[httpx.Request] = []
+    async with Client(config(tiny_models), transport=routed({h: e.handle for h, e in fleet.items()}, seen)) as client:
+        conv = client.conversation()
+        sampling = SamplingParams(max_tokens=3, seed=1)
+        turns = [await conv.send([{"role": "user", "content": "hi"}], sampling=sampling)]
+        for text in ("again", "more"):
+            turns.append(await conv.send([{"role": "user", "content": text}], sampling=sampling))
+        lone = await client.generate(prompt_ids=[5, 6], session="trajectory-7")
+    assert len({t.server for t in turns}) == 1
+    generate_calls = [r for r in seen if r.url.path == "/generate"]
+    assert {r.headers["x-session-id"] for r in generate_calls[:3]} == {conv.session}
+    assert generate_calls[3].headers["x-session-id"] == "trajectory-7"
+    assert lone.server is not None
+
+
+async def test_cache_salt_follows_the_weight_version_this_client_set(fleet, tiny_models, tmp_path) -> None:
+    from backends_core.testing.tinymodel import write_perturbed_weights
+
+    seen: list[httpx.Request] = []
+    async with Client(config(tiny_models), transport=routed({h: e.handle for h, e in fleet.items()}, seen)) as client:
+        await client.generate(prompt_ids=[1, 2])
+        new = write_perturbed_weights(tiny_models.dense, tmp_path / "w1", seed=3, scale=0.1)
+        await client.admin.update_weights(str(new), version="step-9")
+        await client.generate(prompt_ids=[1, 2])
+        await client.generate(prompt_ids=[1, 2], cache_salt="mine")
+    import json
+
+    salts = [json.loads(r.content)["cache_salt"] for r in seen if r.url.path == "/generate"]
+    assert salts == [None, "weights:step-9", "mine"]
+
+
+async def test_weight_sync_pauses_updates_flushes_resumes_and_verifies(fleet, tiny_models, tmp_path) -> None:
+    from backends_core.testing.tinymodel import write_perturbed_weights
+
+    new = write_perturbed_weights(tiny_models.dense, tmp_path / "w2", seed=4, scale=0.1)
+    async with Client(config(tiny_models), transport=routed({h: e.handle for h, e in fleet.items()})) as client:
+        report = await client.admin.weight_sync(path=str(new), version="v2", mode="wait")
+        states = await client.admin.state()
+    assert report.ok and list(report.phases) == ["pause", "update", "flush", "resume", "verify"]
+    assert all(s.weight_version == "v2" and s.paused is False for s in states)
+    assert client.weight_version == "v2"
+
+
+async def test_weight_sync_resumes_every_paused_server_when_an_update_fails(fleet, tiny_models, tmp_path) -> None:
+    from backends_core.testing.tinymodel import write_perturbed_weights
+
+    new = write_perturbed_weights(tiny_models.dense, tmp_path / "w3", seed=5, scale=0.1)
+
+    async def broken_update(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/update_weights":
+            return httpx.Response(500, json={"error": "disk on fire"})
+        return await fleet["s1"].handle(request)
+
+    handlers = {h: e.handle for h, e in fleet.items()} | {"s1": broken_update}
+    async with Client(config(tiny_models), transport=routed(handlers)) as client:
+        with pytest.raises(AdminError, match="disk on fire") as info:
+            await client.admin.weight_sync(path=str(new), version="v3")
+        states = await client.admin.state()
+    assert "weight_sync: update" in str(info.value)
+    assert all(s.paused is False for s in states)  # resumed in finally, everywhere
+    assert client.weight_version is None  # a failed sync never re-salts
+
+
+async def test_a_silent_server_hits_its_deadline_and_the_others_still_report(fleet, tiny_models) -> None:
+    async def silent(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/state":
+            await asyncio.sleep(30)
+        return await fleet["s2"].handle(request)
+
+    handlers = {h: e.handle for h, e in fleet.items()} | {"s2": silent}
+    cfg = config(tiny_models, admin=AdminPolicy(deadlines={"state": 0.2}, retries=0))
+    async with Client(cfg, transport=routed(handlers)) as client:
+        with pytest.raises(AdminError) as info:
+            await client.admin.state()
+        reports = await client.admin.fleet_state()
+    outcomes = info.value.results
+    assert [o.ok for o in outcomes] == [True, True, False]
+    assert isinstance(outcomes[2].error, RequestTimeout) and "0.2 s deadline" in str(outcomes[2].error)
+    assert outcomes[2].duration_s < 5
+    assert [r.reachable for r in reports] == [True, True, True]
+    assert reports[2].error is not None and reports[0].state is not None
+
+
+async def test_fleet_state_reports_an_unreachable_server(fleet, tiny_models) -> None:
+    async def down(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    handlers = {h: e.handle for h, e in fleet.items()} | {"s1": down}
+    cfg = config(tiny_models, admin=AdminPolicy(retries=1, backoff=0))
+    async with Client(cfg, transport=routed(handlers)) as client:
+        reports = await client.admin.fleet_state()
+    assert [r.reachable for r in reports] == [True, False, True]
+    assert isinstance(reports[1].error, NetworkError)
+    assert reports[0].ready is True and reports[0].state is not None
