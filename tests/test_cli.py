@@ -1,0 +1,149 @@
+"""The CLI against two real reference servers (separate processes): output, files and exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backends_core.cli import main
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_models):
+    procs, urls = [], []
+    for model in (tiny_models.dense, tiny_models.dense, tiny_models.moe):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "backends_core.reference", "--model", str(model)], stdout=subprocess.PIPE, text=True
+        )
+        line = proc.stdout.readline()
+        assert line.startswith("listening on "), line
+        procs.append(proc)
+        urls.append(line.split()[-1])
+    yield urls
+    for proc in procs:
+        proc.terminate()
+        proc.wait(timeout=10)
+        proc.stdout.close()
+
+
+def flags(servers, tiny_models, *, moe: bool = False) -> list[str]:
+    if moe:
+        return [
+            "--backend",
+            "reference",
+            "--url",
+            servers[2],
+            "--model",
+            "tiny-qwen3-moe",
+            "--tokenizer",
+            str(tiny_models.moe),
+        ]
+    return [
+        "--backend",
+        "reference",
+        "--url",
+        servers[0],
+        "--url",
+        servers[1],
+        "--model",
+        "tiny-qwen3",
+        "--tokenizer",
+        str(tiny_models.dense),
+    ]
+
+
+def run(argv: list[str], capsys) -> tuple[int, str]:
+    code = main(argv)
+    return code, capsys.readouterr().out
+
+
+def test_state_pause_resume_with_json_output(servers, tiny_models, capsys) -> None:
+    code, out = run(["state", "--json", *flags(servers, tiny_models)], capsys)
+    assert code == 0
+    report = json.loads(out)
+    assert [s["reachable"] for s in report["servers"]] == [True, True]
+    assert "admin_pause" in report["capabilities"]
+    assert run(["pause", "--mode", "wait", *flags(servers, tiny_models)], capsys)[0] == 0
+    paused = json.loads(run(["state", "--json", *flags(servers, tiny_models)], capsys)[1])
+    assert all(s["state"]["paused"] for s in paused["servers"])
+    assert run(["resume", *flags(servers, tiny_models)], capsys)[0] == 0
+
+
+def test_update_weights_with_sync_sets_the_version_everywhere(servers, tiny_models, capsys, tmp_path) -> None:
+    from backends_core.testing.tinymodel import write_perturbed_weights
+
+    new = write_perturbed_weights(tiny_models.dense, tmp_path / "w", seed=2, scale=0.1)
+    code, _ = run(["update-weights", str(new), "--version", "cli-1", "--sync", *flags(servers, tiny_models)], capsys)
+    assert code == 0
+    state = json.loads(run(["state", "--json", *flags(servers, tiny_models)], capsys)[1])
+    assert {s["state"]["weight_version"] for s in state["servers"]} == {"cli-1"}
+    assert (
+        run(["update-weights", str(tiny_models.dense), "--version", "base", *flags(servers, tiny_models)], capsys)[0]
+        == 0
+    )
+
+
+def test_generate_rollout_and_teacher_files(servers, tiny_models, capsys, tmp_path) -> None:
+    code, out = run(
+        ["generate", "--prompt", "hello", "--max-tokens", "5", "--seed", "1", "--json", *flags(servers, tiny_models)],
+        capsys,
+    )
+    assert code == 0
+    one = json.loads(out)
+    assert len(one["completion_ids"]) == len(one["logprobs"]) >= 1
+    convs = tmp_path / "in.jsonl"
+    convs.write_text(
+        "\n".join(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": f"q{i}"}]}) for i in range(5))
+    )
+    out_path = tmp_path / "out.jsonl"
+    code, _ = run(
+        [
+            "rollout",
+            str(convs),
+            str(out_path),
+            "--max-tokens",
+            "4",
+            "--routed-experts",
+            *flags(servers, tiny_models, moe=True),
+        ],
+        capsys,
+    )
+    assert code == 0
+    rows = [json.loads(line) for line in out_path.read_text().splitlines()]
+    assert [r["id"] for r in rows] == [f"c{i}" for i in range(5)]
+    routed = np.load(tmp_path / "out.routed_experts.npz")
+    assert routed["c0"].shape == (len(rows[0]["prompt_ids"]) + len(rows[0]["completion_ids"]) - 1, 2, 2)
+    seqs = tmp_path / "seqs.jsonl"
+    seqs.write_text(
+        "\n".join(json.dumps({"id": r["id"], "token_ids": r["prompt_ids"] + r["completion_ids"]}) for r in rows)
+    )
+    scored = tmp_path / "scored.jsonl"
+    assert run(["teacher", str(seqs), str(scored), *flags(servers, tiny_models, moe=True)], capsys)[0] == 0
+    first = json.loads(scored.read_text().splitlines()[0])
+    assert first["logprobs"][0] is None
+    np.testing.assert_allclose(first["logprobs"][len(rows[0]["prompt_ids"]) :], rows[0]["logprobs"], atol=1e-5)
+
+
+def test_exit_codes_for_bad_usage_and_failed_operations(servers, tiny_models, capsys, tmp_path) -> None:
+    assert main(["state"]) == 2  # no backend, no URL
+    assert "give --backend and --url" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    assert main(["teacher", str(bad), str(tmp_path / "o.jsonl"), *flags(servers, tiny_models)]) == 2
+    assert main(["load-lora", "x", "/no/such/adapter", *flags(servers, tiny_models)]) == 1
+    assert "failed on 2 of 2 server(s)" in capsys.readouterr().err
+    assert main(["state", "--backend", "reference", "--url", "http://127.0.0.1:9"]) == 1
+
+
+def test_config_file_and_env(servers, tiny_models, capsys, tmp_path, monkeypatch) -> None:
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f'[client]\nbackend = "reference"\nbase_url = ["{servers[0]}"]\nmodel = "tiny-qwen3"\n')
+    assert main(["health", "--config", str(cfg), "--section", "client"]) == 0
+    monkeypatch.setenv("BACKENDS_CONFIG", str(tmp_path / "missing.toml"))
+    assert main(["health", "--section", "client"]) == 2
+    assert "missing.toml" in capsys.readouterr().err
