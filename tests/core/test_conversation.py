@@ -45,7 +45,7 @@ async def test_three_turns_each_extend_the_previous_exact_ids(client: Client) ->
         assert after.prompt_ids[: len(before.token_ids)] == before.token_ids
     assert conv.token_ids == turns[-1].token_ids
     assert [m["role"] for m in conv.messages] == ["user", "assistant", "user", "assistant", "user"]
-    assert client.bridge_stats.as_dict() == {"attempts": 2, "successes": 2, "failures": {}}
+    assert client.bridge_stats.as_dict() == {"attempts": 2, "successes": 2, "failures": {}, "rerendered": 0}
     bridge_events = [e for e in client.recorder.events if e.kind == "bridge"]  # type: ignore[attr-defined]
     assert len(bridge_events) == 2 and all(e.ok for e in bridge_events)
 

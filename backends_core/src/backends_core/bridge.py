@@ -42,18 +42,26 @@ _SENTINEL = "\u27e6backends-bridge-sentinel\u27e7"
 
 @attrs.define
 class BridgeStats:
-    """Counters for multi-turn bridging; ``failures`` is keyed by :attr:`BridgeError.reason`."""
+    """Counters for multi-turn bridging: ``attempts`` to reuse exact ids, ``successes`` (reused),
+    ``failures`` keyed by :attr:`BridgeError.reason`, and ``rerendered``: breaks the caller chose to
+    re-render in full (``StatelessPolicy.on_break = "rerender"``)."""
 
     attempts: int = 0
     successes: int = 0
     failures: Counter[str] = attrs.field(factory=Counter)
+    rerendered: int = 0
 
     @property
     def failed(self) -> int:
         return sum(self.failures.values())
 
     def as_dict(self) -> dict[str, Any]:
-        return {"attempts": self.attempts, "successes": self.successes, "failures": dict(self.failures)}
+        return {
+            "attempts": self.attempts,
+            "successes": self.successes,
+            "failures": dict(self.failures),
+            "rerendered": self.rerendered,
+        }
 
 
 def _end_of_turn(tokenizer: Any, chat_template_kwargs: Mapping[str, Any]) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextvars
+import logging
+import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
@@ -15,9 +17,11 @@ from backends_core.balancer import Balancer
 from backends_core.bridge import BridgeStats, Conversation
 from backends_core.config import ClientConfig
 from backends_core.driver import BackendDriver
-from backends_core.errors import ConfigError, InvalidRequestError, RequestError, TransportError
+from backends_core.errors import BridgeError, ConfigError, InvalidRequestError, RequestError, TransportError
 from backends_core.fleet import Admin
+from backends_core.messages import as_plain, normalize_messages
 from backends_core.rendering import load_tokenizer
+from backends_core.stateless import TurnCache
 from backends_core.types import (
     GenerateRequest,
     GenerateResult,
@@ -28,6 +32,8 @@ from backends_core.types import (
 )
 
 __all__ = ["Client"]
+
+log = logging.getLogger("backends_core.client")
 
 #: The session key of the request being sent, for the session header hook.
 _SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("backends_session", default=None)
@@ -109,6 +115,7 @@ class Client:
         #: The weight version this client last set on its servers; requests are salted with it.
         self.weight_version: str | None = None
         self._tokenizer = tokenizer
+        self._turns = TurnCache(config.stateless)
         #: Multi-turn bridge counters shared by every conversation of this client.
         self.bridge_stats = BridgeStats()
         #: Admin operations over every server.
@@ -196,13 +203,19 @@ class Client:
         sampling: SamplingParams | None,
         tools: Sequence[Mapping[str, Any]] | None,
         chat_template_kwargs: Mapping[str, Any] | None,
+        session: str | None = None,
         **fields: Any,
     ) -> GenerateRequest:
         if (messages is None) == (prompt_ids is None):
             raise InvalidRequestError("give exactly one of messages= or prompt_ids=")
         if messages is not None:
-            ids = self.render(messages, tools=tools, chat_template_kwargs=chat_template_kwargs)
-            fields["messages"] = tuple(messages)
+            plain = [as_plain(m) for m in messages]
+            ids = None
+            if session is not None and self.config.stateless.enabled:
+                ids = self._reuse_turns(session, plain, tools=tools, chat_template_kwargs=chat_template_kwargs)
+            if ids is None:
+                ids = self.render(plain, tools=tools, chat_template_kwargs=chat_template_kwargs)
+            fields["messages"] = tuple(plain)
             fields["tools"] = tuple(tools) if tools else None
         else:
             assert prompt_ids is not None
@@ -213,6 +226,37 @@ class Client:
             ids = list(prompt_ids)
         request = GenerateRequest(prompt_ids=ids, sampling=sampling or SamplingParams(), **fields)
         return self.driver.prepare_request(request)
+
+    def _reuse_turns(
+        self,
+        session: str,
+        messages: list[dict[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> list[int] | None:
+        """Prompt ids reusing this session's earlier turn, ``None`` to render in full (first turn, or a break
+        the policy says to re-render). Counted in :attr:`bridge_stats`."""
+        if not self._turns.turns(session):
+            return None
+        stats = self.bridge_stats
+        stats.attempts += 1
+        started = time.perf_counter()
+        try:
+            ids = self._turns.prompt_ids(
+                self.tokenizer, session, messages, tools=tools, chat_template_kwargs=chat_template_kwargs
+            )
+        except BridgeError as exc:
+            stats.failures[exc.reason] += 1
+            self.driver.emit("bridge", "stateless", None, started, exc, reason=exc.reason, session=session)
+            if self.config.stateless.on_break == "raise":
+                raise
+            stats.rerendered += 1
+            log.warning("session %s: re-rendering all %d messages (%s)", session, len(messages), exc)
+            return None
+        stats.successes += 1
+        self.driver.emit("bridge", "stateless", None, started, None, session=session)
+        return ids
 
     async def generate_samples(
         self,
@@ -246,8 +290,12 @@ class Client:
             return_routed_experts=return_routed_experts,
             routed_experts_start=routed_experts_start,
             model=model,
+            session=session,
         )
-        return await self.send(request, server=server, session=session)
+        results = await self.send(request, server=server, session=session)
+        if session is not None and messages is not None and len(results) == 1 and self.config.stateless.enabled:
+            self._turns.remember(session, normalize_messages(messages), results[0])
+        return results
 
     async def send(
         self, request: GenerateRequest, *, server: int | str | None = None, session: str | None = None

@@ -13,7 +13,7 @@ import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import attrs
@@ -23,7 +23,7 @@ from cattrs.gen import make_dict_structure_fn, override
 from backends_core.converters import make_converter
 from backends_core.errors import ConfigError
 
-__all__ = ["AdminPolicy", "ClientConfig", "FleetPolicy", "Limits", "RetryPolicy", "Timeouts"]
+__all__ = ["AdminPolicy", "ClientConfig", "FleetPolicy", "Limits", "RetryPolicy", "StatelessPolicy", "Timeouts"]
 
 _BACKEND_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -136,6 +136,25 @@ class AdminPolicy:
     backoff: float = attrs.field(default=0.5, validator=attrs.validators.ge(0))
 
 
+@attrs.frozen(kw_only=True)
+class StatelessPolicy:
+    """How ``generate(messages=..., session=...)`` reuses earlier turns.
+
+    :param enabled: reuse exact ids of earlier turns of the same session.
+    :param on_break: ``"raise"`` a :class:`BridgeError` when no reuse can be proven (default), or
+        ``"rerender"`` the whole list, counted and logged.
+    :param max_sessions: sessions remembered (least recently used forgotten).
+    :param max_turns: turns remembered per session (oldest forgotten).
+    """
+
+    enabled: bool = True
+    on_break: Literal["raise", "rerender"] = attrs.field(
+        default="raise", validator=attrs.validators.in_(("raise", "rerender"))
+    )
+    max_sessions: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
+    max_turns: int = attrs.field(default=64, validator=attrs.validators.ge(1))
+
+
 def _urls(value: str | Sequence[str] | None) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -174,6 +193,7 @@ class ClientConfig:
     :param retry: see :class:`RetryPolicy`.
     :param fleet: see :class:`FleetPolicy`.
     :param admin: see :class:`AdminPolicy`.
+    :param stateless: see :class:`StatelessPolicy`.
     :param backend_options: backend-specific options, validated by the backend when the client opens.
     """
 
@@ -189,6 +209,7 @@ class ClientConfig:
     retry: RetryPolicy = attrs.field(factory=RetryPolicy)
     fleet: FleetPolicy = attrs.field(factory=FleetPolicy)
     admin: AdminPolicy = attrs.field(factory=AdminPolicy)
+    stateless: StatelessPolicy = attrs.field(factory=StatelessPolicy)
     backend_options: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
 
     @base_url.validator

@@ -92,7 +92,7 @@ async def _multi_turn(client: Client, seed: int) -> GenerateResult:
         "every turn starts with the previous turn's exact ids",
     )
     check(
-        client.bridge_stats.as_dict() == {"attempts": 2, "successes": 2, "failures": {}},
+        client.bridge_stats.as_dict() == {"attempts": 2, "successes": 2, "failures": {}, "rerendered": 0},
         "bridge attempts counted, no failures",
     )
     check(

@@ -1,0 +1,120 @@
+"""Stateless token-in/token-out: callers send the whole message list every turn; exact ids are still reused.
+
+A :class:`TurnCache` remembers, per session (trajectory), the messages of each turn and the exact ids the
+server produced for them. For a new message list it finds the longest remembered turn whose messages, followed
+by an assistant message, are a prefix of the new list (compared in :func:`~backends_core.messages.normalize_message`
+form, so dicts vs Pydantic objects, ``None`` keys or JSON spacing in tool arguments don't matter), reuses that
+turn's prompt + completion ids untouched, and renders only the tail through the multi-turn bridge.
+
+The tail may only hold tool results and user messages. Anything else is a break: history was rewritten (an
+assistant message in the tail, context folding, a branched sub-agent) or no turn matches. A break raises
+:class:`~backends_core.errors.BridgeError` (``on_break="raise"``, the default) or, if the caller chose
+``"rerender"``, renders the whole list and records a counted, logged re-render. Never a silent fallback.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from backends_core.bridge import extend_prompt
+from backends_core.config import StatelessPolicy
+from backends_core.errors import BridgeError
+from backends_core.messages import normalize_messages
+from backends_core.types import GenerateResult
+
+__all__ = ["Turn", "TurnCache"]
+
+_TAIL_ROLES = frozenset({"tool", "user"})
+
+
+@attrs.frozen
+class Turn:
+    """One remembered turn: the normalised messages it was prompted with and its result."""
+
+    messages: tuple[dict[str, Any], ...]
+    result: GenerateResult
+
+
+class TurnCache:
+    """Bounded per-session memory of turns, and the prefix search over it."""
+
+    def __init__(self, policy: StatelessPolicy) -> None:
+        self.policy = policy
+        self._sessions: OrderedDict[str, list[Turn]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def turns(self, session: str) -> list[Turn]:
+        return list(self._sessions.get(session, ()))
+
+    def remember(self, session: str, messages: Sequence[dict[str, Any]], result: GenerateResult) -> None:
+        turns = self._sessions.setdefault(session, [])
+        turns.append(Turn(tuple(messages), result))
+        del turns[: -self.policy.max_turns]
+        self._sessions.move_to_end(session)
+        while len(self._sessions) > self.policy.max_sessions:
+            self._sessions.popitem(last=False)
+
+    def match(self, session: str, messages: Sequence[dict[str, Any]]) -> tuple[Turn, int] | None:
+        """The longest turn whose messages + one assistant message prefix ``messages``, with the index of
+        that assistant message; ``None`` when the session has no such turn."""
+        best: tuple[Turn, int] | None = None
+        for turn in self._sessions.get(session, ()):
+            n = len(turn.messages)
+            if (
+                n < len(messages)
+                and messages[n]["role"] == "assistant"
+                and list(turn.messages) == list(messages[:n])
+                and (best is None or n > len(best[0].messages))
+            ):
+                best = (turn, n)
+        return best
+
+    def prompt_ids(
+        self,
+        tokenizer: Any,
+        session: str,
+        messages: Sequence[Any],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> list[int] | None:
+        """Prompt ids reusing an earlier turn, ``None`` for a session's first turn.
+
+        :raises BridgeError: reasons ``no_prefix`` (no remembered turn prefixes the list: history rewritten
+            or folded), ``history_rewritten`` (the tail holds an assistant or system message), or any
+            :func:`~backends_core.bridge.extend_prompt` reason.
+        """
+        normalized = normalize_messages(messages)
+        if session not in self._sessions:
+            return None
+        found = self.match(session, normalized)
+        if found is None:
+            raise BridgeError(
+                "no_prefix",
+                f"no earlier turn of session {session!r} is a prefix of these "
+                f"{len(normalized)} messages (history rewritten or folded?)",
+            )
+        turn, at = found
+        tail = normalized[at + 1 :]
+        odd = [m["role"] for m in tail if m["role"] not in _TAIL_ROLES]
+        if odd:
+            raise BridgeError(
+                "history_rewritten",
+                f"after the reused turn the new messages hold {odd}: only tool "
+                "results and user messages can follow without re-rendering",
+            )
+        return extend_prompt(
+            tokenizer,
+            history=list(turn.messages),
+            previous=turn.result,
+            new_messages=tail,
+            assistant_message=normalized[at],
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+        )
