@@ -40,7 +40,7 @@ def test_spec_is_typed_documented_and_firstresult(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_admin_teacher_and_generate_hooks_are_async(name: str) -> None:
     is_async = inspect.iscoroutinefunction(SPECS[name])
-    assert is_async == (name.startswith("admin_") or name in {"post_generate", "teacher_logprobs"})
+    assert is_async == (name.startswith("admin_") or name in {"post_generate", "teacher_logprobs", "tokenize_messages"})
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))

@@ -29,6 +29,7 @@ from backends_core.types import (
     SamplingParams,
     TeacherLogprobs,
     TeacherRequest,
+    TokenizerCheck,
 )
 
 __all__ = ["Client"]
@@ -411,6 +412,50 @@ class Client:
         self.driver.require("teacher_logprobs")
         request = TeacherRequest(token_ids=list(token_ids), top_logprobs=top_logprobs, lora=lora, model=model)
         return await self.driver.teacher_logprobs(self.server(server), request)
+
+    async def check_tokenizer(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        server: int | str | None = None,
+    ) -> TokenizerCheck:
+        """Render ``messages`` locally and on the server and compare the ids, so a trainer whose chat template
+        or tokenizer differs from the server's is caught before it poisons training.
+
+        :raises UnsupportedOperationError: the backend's server has no tokenize route.
+        """
+        plain = [as_plain(m) for m in messages]
+        kwargs = dict(chat_template_kwargs or {})
+        local = self.render(
+            plain, tools=tools, chat_template_kwargs=kwargs, add_generation_prompt=add_generation_prompt
+        )
+        remote = await self.driver.tokenize_messages(
+            self.server(server),
+            plain,
+            tools=tools,
+            chat_template_kwargs=kwargs,
+            add_generation_prompt=add_generation_prompt,
+        )
+        if local == remote:
+            return TokenizerCheck(match=True, local_ids=tuple(local), server_ids=tuple(remote))
+        at = next(
+            (i for i, (a, b) in enumerate(zip(local, remote, strict=False)) if a != b), min(len(local), len(remote))
+        )
+
+        def token(ids: list[int]) -> str | None:
+            return self.tokenizer.decode([ids[at]]) if at < len(ids) else None
+
+        return TokenizerCheck(
+            match=False,
+            local_ids=tuple(local),
+            server_ids=tuple(remote),
+            first_difference=at,
+            local_token=token(local),
+            server_token=token(remote),
+        )
 
     def _remember_version(self, version: str) -> None:
         self.weight_version = version

@@ -185,6 +185,33 @@ class BackendDriver:
 
         return await self._observed("teacher_logprobs", "teacher_logprobs", server, call)
 
+    async def tokenize_messages(
+        self,
+        server: Server,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None,
+        chat_template_kwargs: Mapping[str, Any],
+        add_generation_prompt: bool,
+    ) -> list[int]:
+        self.require("tokenize_messages")
+
+        async def call() -> list[int]:
+            ids = await self.pm.hook.tokenize_messages(
+                server=server,
+                messages=messages,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+                add_generation_prompt=add_generation_prompt,
+                config=self.config,
+                options=self.options,
+            )
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise ResponseParseError("tokenize_messages must return a list of token ids", url=server.base_url)
+            return ids
+
+        return await self._observed("generate", "tokenize_messages", server, call)
+
     async def admin(self, operation: str, server: Server, **kwargs: Any) -> Any:
         """Call ``admin_<operation>`` with ``kwargs`` plus ``server``, ``config`` and ``options``."""
         hook_name = f"admin_{operation}"

@@ -77,6 +77,7 @@ __all__ = [
     "prepare_request",
     "render",
     "teacher_logprobs",
+    "tokenize_messages",
     "validate_backend_options",
 ]
 
@@ -208,6 +209,35 @@ async def teacher_logprobs(
     :param options: the validated backend options.
     :returns: float32 logprobs of length ``len(request.token_ids)`` with NaN at position 0.
     Raises: :class:`~backends_core.errors.ResponseParseError`; request errors from ``server``.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+async def tokenize_messages(
+    server: Server,
+    messages: Sequence[Message],
+    tools: Sequence[Mapping[str, Any]] | None,
+    chat_template_kwargs: Mapping[str, Any],
+    add_generation_prompt: bool,
+    config: ClientConfig,
+    options: Any,
+) -> list[int] | None:
+    """Ask the server to render and tokenize ``messages`` with *its* chat template and tokenizer.
+
+    Used by ``Client.check_tokenizer`` to prove the trainer and the server agree. Mode: async I/O.
+    Required: no (capability ``tokenize_messages``).
+
+    :param server: the server to ask.
+    :param messages: chat messages.
+    :param tools: tool schemas rendered into the prompt, or ``None``.
+    :param chat_template_kwargs: extra template variables.
+    :param add_generation_prompt: end with the assistant header.
+    :param config: the client's configuration.
+    :param options: the validated backend options.
+    :returns: the server's prompt token ids.
+    Raises: request errors; :class:`~backends_core.errors.ResponseParseError`.
 
     .. versionadded:: 0.1
     """

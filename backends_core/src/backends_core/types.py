@@ -30,6 +30,7 @@ __all__ = [
     "TeacherLogprobs",
     "TeacherRequest",
     "TensorSpec",
+    "TokenizerCheck",
     "TopLogprob",
     "Usage",
     "WeightVersionSpan",
@@ -276,6 +277,24 @@ class TeacherLogprobs:
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> npt.NDArray[Any]:
         return self.logprobs if dtype is None else self.logprobs.astype(dtype)
+
+
+@attrs.frozen(kw_only=True)
+class TokenizerCheck:
+    """Local rendering vs the server's, for the same messages.
+
+    :ivar match: the two id lists are identical.
+    :ivar first_difference: first position where they differ (``None`` when they match).
+    :ivar local_token: the local token at that position, decoded (``None`` past the end).
+    :ivar server_token: the server's token at that position, decoded with the local tokenizer.
+    """
+
+    match: bool
+    local_ids: tuple[int, ...]
+    server_ids: tuple[int, ...]
+    first_difference: int | None = None
+    local_token: str | None = None
+    server_token: str | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -103,6 +103,27 @@ async def teacher_logprobs(
     return wire.parse_prompt_logprobs(raw, request, server.base_url, transport=options.transport)
 
 
+@hookimpl
+async def tokenize_messages(
+    server: Server,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    chat_template_kwargs: Mapping[str, Any],
+    add_generation_prompt: bool,
+    config: ClientConfig,
+) -> list[int]:
+    body: dict[str, Any] = {
+        "model": config.model,
+        "messages": [dict(m) for m in messages],
+        "add_generation_prompt": add_generation_prompt,
+        "chat_template_kwargs": dict(chat_template_kwargs),
+    }
+    if tools:
+        body["tools"] = [dict(t) for t in tools]
+    raw = await server.request("POST", "/tokenize", json_body=body, status_hint=_route_hint("/tokenize"))
+    return wire.token_list(raw, server.base_url)
+
+
 # -- admin ------------------------------------------------------------------------------------------------
 
 

@@ -49,6 +49,7 @@ __all__ = [
     "parse_prompt_logprobs",
     "teacher_payload",
     "text",
+    "token_list",
 ]
 
 #: vLLM writes this where it has no logprob; it must never pass for a real value.
@@ -445,6 +446,11 @@ def lora_names(raw: Any, server_url: str) -> tuple[str, ...]:
     """Adapters in a ``/v1/models`` answer: entries whose ``parent`` is a base model."""
     entries = _Body(raw, "$", server_url).get("data").items()
     return tuple(e.get("id").string() or "" for e in entries if e.get("parent", required=False).value is not None)
+
+
+def token_list(raw: Any, server_url: str) -> list[int]:
+    """The ``tokens`` of a ``/tokenize`` answer."""
+    return list(_ids(_Body(raw, "$", server_url).get("tokens")))
 
 
 def abort_id(request_id: str, transport: str) -> str:

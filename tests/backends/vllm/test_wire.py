@@ -310,3 +310,36 @@ async def test_admin_calls_use_the_captured_routes_and_shapes() -> None:
         "lora_path": "/x",
         "load_inplace": False,
     }
+
+
+async def test_check_tokenizer_compares_local_rendering_with_the_servers(tiny_models) -> None:
+    from backends_core.rendering import load_tokenizer
+
+    cap = capture("tokenize_messages_tools_nothink")
+    request = cap["request"]["body"]
+    tok = load_tokenizer(str(tiny_models.dense))
+    local = tok.encode(
+        tok.apply_chat_template(
+            request["messages"],
+            tools=request["tools"],
+            add_generation_prompt=True,
+            tokenize=False,
+            enable_thinking=False,
+        ),
+        add_special_tokens=False,
+    )
+    fake = FakeServer().add("POST", "/tokenize", json={"count": len(local), "max_model_len": 2048, "tokens": local})
+    config = ClientConfig(backend="vllm", base_url="http://v", model="tiny-qwen3", tokenizer=str(tiny_models.dense))
+    async with Client(config, transport=fake.transport()) as client:
+        ok = await client.check_tokenizer(
+            request["messages"], tools=request["tools"], chat_template_kwargs={"enable_thinking": False}
+        )
+        assert ok.match and ok.first_difference is None
+        assert fake.requests[0].json == request  # the captured request shape, field for field
+        drifted = [*local[:5], local[5] + 1, *local[6:]]
+        fake.add("POST", "/tokenize", json={"count": len(drifted), "max_model_len": 2048, "tokens": drifted})
+        bad = await client.check_tokenizer(
+            request["messages"], tools=request["tools"], chat_template_kwargs={"enable_thinking": False}
+        )
+    assert not bad.match and bad.first_difference == 5
+    assert bad.local_token == tok.decode([local[5]]) and bad.server_token == tok.decode([local[5] + 1])
