@@ -221,6 +221,97 @@ def _generate(args: argparse.Namespace) -> int:
             result = await client.generate(
                 messages=[{"role": "user", "content": args.prompt}], sampling=_sampling(args)
             )
+        text = (
+            client.tokenizer.decode(list(result.completion_ids))
+            if (client.config.tokenizer or client.config.model)
+            else ""
+        )
+        _out(
+            args,
+            _result_record(result, text=text),
+            f"{text}\n[{len(result.completion_ids)} tokens, {result.finish_reason}]",
+        )
+        return EXIT_OK
+
+    return _run(args, body)
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    records = list(_jsonl(args.input))
+
+    async def body(client: Client) -> int:
+        limit = asyncio.Semaphore(args.concurrency)
+        progress = Progress("rollout", len(records))
+        routed: dict[str, np.ndarray] = {}
+
+        async def one(n: int, record: dict[str, Any]) -> dict[str, Any]:
+            key = str(record.get("id", n))
+            sampling = SamplingParams(
+                **{"max_tokens": args.max_tokens, "temperature": args.temperature, **record.get("sampling", {})}
+            )
+            async with limit:
+                try:
+                    result = await client.generate(
+                        messages=record["messages"],
+                        tools=record.get("tools"),
+                        sampling=sampling,
+                        return_routed_experts=args.routed_experts,
+                        session=key,
+                    )
+                except (BackendError, KeyError) as exc:
+                    return {"id": key, "error": f"{type(exc).__name__}: {exc}"}
+                finally:
+                    progress.step()
+            if result.routed_experts is not None:
+                routed[key] = np.asarray(result.routed_experts.experts)
+            return _result_record(result, id=key)
+
+        rows = await asyncio.gather(*(one(n, r) for n, r in records))
+        progress.close()
+        _write_jsonl(args.output, rows)
+        if routed:
+            save_npz: Any = np.savez
+            save_npz(Path(args.output).with_suffix(".routed_experts.npz"), **routed)
+        failed = sum("error" in row for row in rows)
+        print(f"{len(rows) - failed} ok, {failed} failed -> {args.output}", file=sys.stderr)
+        return EXIT_FAILED if failed else EXIT_OK
+
+    return _run(args, body)
+
+
+def _teacher(args: argparse.Namespace) -> int:
+    records = list(_jsonl(args.input))
+
+    async def body(client: Client) -> int:
+        limit = asyncio.Semaphore(args.concurrency)
+        progress = Progress("teacher", len(records))
+
+        async def one(n: int, record: dict[str, Any]) -> dict[str, Any]:
+            key = str(record.get("id", n))
+            async with limit:
+                try:
+                    scored = await client.teacher_logprobs(record["token_ids"], top_logprobs=args.top_logprobs)
+                except (BackendError, KeyError) as exc:
+                    return {"id": key, "error": f"{type(exc).__name__}: {exc}"}
+                finally:
+                    progress.step()
+            return {"id": key, "token_ids": list(scored.token_ids), "logprobs": [None, *scored.logprobs[1:].tolist()]}
+
+        rows = await asyncio.gather(*(one(n, r) for n, r in records))
+        progress.close()
+        _write_jsonl(args.output, rows)
+        return EXIT_FAILED if any("error" in row for row in rows) else EXIT_OK
+
+    return _run(args, body)
+
+
+def _check_tokenizer(args: argparse.Namespace) -> int:
+    messages = (
+        json.loads(Path(args.messages).read_text()) if args.messages else [{"role": "user", "content": args.prompt}]
+    )
+
+    async def body(client: Client) -> int:
+        check = await client.check_tokenizer(messages)
         if check.match:
             text = f"match: {len(check.local_ids)} tokens agree"
         else:
