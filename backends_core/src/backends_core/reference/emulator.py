@@ -19,6 +19,8 @@ from typing import Any
 import httpx
 import numpy as np
 
+from backends_core.errors import RenderError
+from backends_core.rendering import encode, load_tokenizer, render_text
 from backends_core.testing.engine import EngineError, EngineOutput, EngineRequest, ReferenceEngine
 
 __all__ = ["ReferenceEmulator"]
@@ -97,6 +99,7 @@ class ReferenceEmulator:
         self._routes: dict[tuple[str, str], Callable[[Any], Awaitable[httpx.Response]]] = {
             ("POST", "/generate"): self._generate,
             ("POST", "/score"): self._score,
+            ("POST", "/tokenize"): self._tokenize,
             ("GET", "/health"): self._health,
             ("GET", "/ready"): self._ready,
             ("GET", "/state"): self._state,
@@ -234,6 +237,25 @@ class ReferenceEmulator:
         if top and out.prompt_top_logprobs is not None:
             tops = [None, *([[t, lp] for t, lp in row] for row in out.prompt_top_logprobs[1:])]
         return _json(200, {"logprobs": logprobs, "top_logprobs": tops, "weight_version": out.weight_version})
+
+    async def _tokenize(self, body: dict[str, Any]) -> httpx.Response:
+        unknown = set(body) - {"model", "messages", "tools", "chat_template_kwargs", "add_generation_prompt"}
+        if unknown:
+            raise BadRequest(f"unknown field(s) {sorted(unknown)}")
+        if not isinstance(body.get("messages"), list):
+            raise BadRequest("messages: expected a list")
+        tokenizer = load_tokenizer(str(self.engine.model_dir))
+        try:
+            text = render_text(
+                tokenizer,
+                body["messages"],
+                tools=body.get("tools"),
+                add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                chat_template_kwargs=body.get("chat_template_kwargs") or {},
+            )
+        except RenderError as exc:
+            raise BadRequest(str(exc)) from exc
+        return _json(200, {"tokens": encode(tokenizer, text)})
 
     # -- admin plane -----------------------------------------------------------------------------
 

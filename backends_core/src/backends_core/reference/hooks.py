@@ -44,6 +44,29 @@ async def teacher_logprobs(server: Server, request: TeacherRequest, config: Clie
     return wire.parse_score(raw, request, server.base_url)
 
 
+@hookimpl
+async def tokenize_messages(
+    server: Server,
+    messages: Sequence[Any],
+    tools: Sequence[Any] | None,
+    chat_template_kwargs: Any,
+    add_generation_prompt: bool,
+    config: ClientConfig,
+) -> list[int]:
+    raw = await server.request(
+        "POST",
+        "/tokenize",
+        json_body={
+            "model": config.model,
+            "messages": [dict(m) for m in messages],
+            "tools": list(tools) if tools else None,
+            "chat_template_kwargs": dict(chat_template_kwargs),
+            "add_generation_prompt": add_generation_prompt,
+        },
+    )
+    return list(structure_response(wire.converter, raw, dict[str, list[int]], url=server.base_url)["tokens"])
+
+
 async def _admin(server: Server, path: str, body: dict[str, Any] | None = None, *, method: str = "POST") -> Any:
     return await server.request(method, path, json_body=body, plane="admin", retry=method == "GET")
 
