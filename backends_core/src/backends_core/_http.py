@@ -132,7 +132,10 @@ class Server:
 
 
 def _map_transport(exc: httpx.TransportError, method: str, url: str) -> RequestTimeout | NetworkError:
-    unsent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
+    # never connected, or the request body was not fully written: the server cannot have acted on it
+    unsent = isinstance(
+        exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout | httpx.WriteError | httpx.WriteTimeout
+    )
     if isinstance(exc, httpx.TimeoutException):
         return RequestTimeout(
             f"{type(exc).__name__}: {exc or 'timed out'}", method=method, url=url, maybe_processed=not unsent

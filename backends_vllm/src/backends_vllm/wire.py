@@ -436,10 +436,17 @@ def max_model_len(raw: Any, model: str, server_url: str) -> tuple[int, list[str]
     """``max_model_len`` of ``model`` in a ``/v1/models`` answer, and every served name (adapters included)."""
     entries = _Body(raw, "$", server_url).get("data").items()
     names = [e.get("id").string() or "" for e in entries]
-    for entry, name in zip(entries, names, strict=True):
-        if name == model:
-            return entry.get("max_model_len").integer_(), names
-    return -1, names
+    by_name = dict(zip(names, entries, strict=True))
+    entry = by_name.get(model)
+    if entry is None:
+        return -1, names
+    limit = entry.get("max_model_len", required=False).integer(nullable=True)
+    parent = entry.get("parent", required=False).string(nullable=True)
+    if limit is None and parent in by_name:  # a LoRA adapter: vLLM reports null, the base model's limit applies
+        limit = by_name[parent].get("max_model_len").integer_()
+    if limit is None:
+        raise entry.get("max_model_len").fail(f"no max_model_len for {model!r} (nor for its parent {parent!r})")
+    return limit, names
 
 
 def lora_names(raw: Any, server_url: str) -> tuple[str, ...]:

@@ -343,3 +343,9 @@ async def test_check_tokenizer_compares_local_rendering_with_the_servers(tiny_mo
         )
     assert not bad.match and bad.first_difference == 5
     assert bad.local_token == tok.decode([local[5]]) and bad.server_token == tok.decode([local[5] + 1])
+
+
+def test_a_lora_adapter_takes_its_parents_max_model_len() -> None:
+    body = capture("models_with_lora")["response"]["body"]  # the adapter's own max_model_len is null
+    assert wire.max_model_len(body, "tiny-lora", "http://v") == (2048, ["tiny-qwen3", "tiny-lora"])
+    assert wire.max_model_len(body, "nope", "http://v")[0] == -1

@@ -1,0 +1,18 @@
+"""The vLLM backend passes the conformance suite on its emulator, over both transports."""
+
+from __future__ import annotations
+
+from backends_core.driver import CAPABILITY_HOOKS
+from backends_core.testing.conformance import BackendConformance
+
+VLLM_CAPABILITIES = CAPABILITY_HOOKS
+
+
+class TestVllmConformance(BackendConformance):
+    backend_name = "vllm"
+    expected_capabilities = VLLM_CAPABILITIES
+    supports_routed_experts = True
+
+
+class TestVllmCompletionsTransportConformance(TestVllmConformance):
+    backend_options = {"transport": "completions"}
