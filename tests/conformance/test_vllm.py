@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 from backends_core.driver import CAPABILITY_HOOKS
 from backends_core.testing.conformance import BackendConformance
 
@@ -15,4 +17,4 @@ class TestVllmConformance(BackendConformance):
 
 
 class TestVllmCompletionsTransportConformance(TestVllmConformance):
-    backend_options = {"transport": "completions"}
+    backend_options: ClassVar[dict[str, Any]] = {"transport": "completions"}
