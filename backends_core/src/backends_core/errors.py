@@ -237,11 +237,14 @@ class AdminError(BackendError):
 
     :ivar operation: the admin operation's name.
     :ivar results: every server's :class:`~backends_core.fleet.ServerOutcome`, successes included.
+    :ivar phases: for a multi-step operation (``weight_sync``), every phase's outcomes, including the
+        resume that ran after the failure.
     """
 
     def __init__(self, operation: str, results: Sequence[ServerOutcome[Any]]) -> None:
         self.operation = operation
         self.results = list(results)
+        self.phases: dict[str, list[ServerOutcome[Any]]] = {}
         failed = [r for r in self.results if r.error is not None]
         lines = [f"{r.server}: {type(r.error).__name__}: {r.error}" for r in failed]
         super().__init__(f"{operation} failed on {len(failed)} of {len(self.results)} server(s): " + " | ".join(lines))

@@ -254,6 +254,7 @@ class Admin:
         started = time.perf_counter()
         phases: dict[str, list[ServerOutcome[Any]]] = {}
         paused: list[Server] = []
+        failure: AdminError | None = None
         try:
             phases["pause"] = await self.run("pause", mode=mode, clear_cache=False)
             paused = [s for s, o in zip(self._servers, phases["pause"], strict=True) if o.ok]
@@ -272,11 +273,16 @@ class Admin:
                 phases["flush"] = await self.run("flush_cache")
                 if not all(o.ok for o in phases["flush"]):
                     raise AdminError("weight_sync: flush_cache", phases["flush"])
+        except AdminError as exc:
+            failure = exc
         finally:
             if paused:
                 phases["resume"] = await self.run("resume", servers=paused)
-        if not all(o.ok for o in phases["resume"]):
-            raise AdminError("weight_sync: resume", phases["resume"])
+        if failure is None and not all(o.ok for o in phases["resume"]):
+            failure = AdminError("weight_sync: resume", phases["resume"])
+        if failure is not None:
+            failure.phases = phases
+            raise failure
         if "admin_state" in self._driver.capabilities:
             phases["verify"] = outcomes = await self.run("state")
             wrong = [o for o in outcomes if o.value is not None and o.value.weight_version not in (version, None)]

@@ -1,0 +1,558 @@
+"""The generation routes, ``POST /v1/completions`` and ``POST /inference/v1/generate``, over the engine.
+
+Behaviour reproduced from the vLLM 0.32 captures:
+
+* ids: completions answer ``cmpl-<request_id>`` and abort per prompt as ``cmpl-<request_id>-<index>``;
+  generate answers and aborts as ``generate-tokens-<request_id>`` (random 16 hex digits without an id);
+* ``/v1/completions`` fills omitted ``temperature`` / ``top_k`` / ``top_p`` / ``min_p`` from the model's
+  ``generation_config.json`` (the trap); ``/inference/v1/generate`` never does, and an omitted
+  ``max_tokens`` there fills the context;
+* ``n`` samples with a seed use ``seed + i``; EOS stops report ``stop_reason: null``, other stop ids the id;
+* logprob shapes and orderings as described in :mod:`._formatting`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+import uuid
+from collections import deque
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from backends_core.testing.engine import EngineOutput, EngineRequest, ReferenceEngine
+from backends_vllm.testing._errors import HttpError, bad_request, not_found
+from backends_vllm.testing._formatting import Detokenizer, Position, npy_base64
+from backends_vllm.testing._protocol import COMPLETION_REQUEST, GENERATE_REQUEST, NEUTRAL, SAMPLING_PARAMS
+
+__all__ = ["MAX_LOGPROBS", "Serving"]
+
+MAX_LOGPROBS = 20
+"""vLLM's default ``--max-logprobs``."""
+
+VERSION = "0.32.0"
+_GENERATION_CONFIG_FIELDS = ("temperature", "top_k", "top_p", "min_p")
+_GREEDY_TEMPERATURE = 1e-5
+"""vLLM's (and the reference engine's) threshold below which sampling is greedy."""
+
+
+@attrs.frozen
+class _Sampling:
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    max_tokens: int | None
+    min_tokens: int
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    logprobs: int | None
+    prompt_logprobs: int | None
+    logprob_token_ids: tuple[int, ...]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    value = json.loads(path.read_text(encoding="utf-8"))
+    return value if isinstance(value, dict) else {}
+
+
+def _random_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+class Serving:
+    """Generation state shared by the emulator's routes: the engine, the tokenizer and the in-flight ids."""
+
+    def __init__(
+        self,
+        engine: ReferenceEngine,
+        *,
+        served_model_name: str,
+        max_model_len: int,
+        return_routed_experts: bool,
+        generation_config_defaults: bool,
+        exact_ranks: bool = True,
+    ) -> None:
+        self.engine = engine
+        self.exact_ranks = exact_ranks
+        self.served_model_name = served_model_name
+        self.max_model_len = max_model_len
+        self.return_routed_experts = return_routed_experts and engine.is_moe
+        self.detok = Detokenizer(engine.model_dir)
+        config = _read_json(engine.model_dir / "config.json")
+        eos = config.get("eos_token_id")
+        self.primary_eos: int | None = eos if isinstance(eos, int) else (eos[0] if eos else None)
+        self.num_experts = int(config.get("num_experts") or 0)
+        generation_config = _read_json(engine.model_dir / "generation_config.json")
+        self.generation_defaults: dict[str, Any] = (
+            {k: generation_config[k] for k in _GENERATION_CONFIG_FIELDS if generation_config.get(k) is not None}
+            if generation_config_defaults
+            else {}
+        )
+        self.fingerprint = f"vllm-{VERSION}-{uuid.uuid5(uuid.NAMESPACE_URL, served_model_name).hex[:8]}"
+        #: server-side request id (what ``/abort_requests`` takes) -> engine request ids in flight
+        self.in_flight: dict[str, list[str]] = {}
+        #: every engine request submitted, newest last (a spy for tests)
+        self.engine_requests: deque[EngineRequest] = deque(maxlen=1000)
+        #: ``"<path>: <field>"`` of request fields vLLM would ignore (it only logs them)
+        self.ignored_fields: deque[str] = deque(maxlen=1000)
+        self._counter = itertools.count()
+
+    # -- shared checks -----------------------------------------------------------------------------------
+
+    def resolve_model(self, name: str | None) -> tuple[str, str | None]:
+        """``(response model name, LoRA adapter or None)``; an unknown name is vLLM's 404."""
+        if name is None or name == self.served_model_name:
+            return self.served_model_name, None
+        if name in self.engine.loras:
+            return name, name
+        raise not_found(f"The model `{name}` does not exist. Valid aliases: {self.served_model_name}.", "model")
+
+    def _ignored(self, path: str, names: Sequence[str]) -> None:
+        self.ignored_fields.extend(f"{path}: {name}" for name in names)
+
+    @staticmethod
+    def _neutral(values: Mapping[str, Any], prefix: str = "") -> None:
+        for name, allowed in NEUTRAL.items():
+            if name in values and values[name] not in allowed:
+                raise bad_request(
+                    f"The vLLM emulator does not implement '{prefix}{name}' (got {values[name]!r}); "
+                    f"only its neutral value {allowed[0]!r} is accepted.",
+                    f"{prefix}{name}",
+                )
+
+    def _logprobs_count(self, value: int | None, name: str, kind: str) -> int | None:
+        if value is None:
+            return None
+        if value == -1:
+            value = self.engine.vocab_size
+        if value < 0:
+            raise bad_request(
+                f"{name} must be non-negative or -1, got {value}. (parameter={name}, value={value})", name
+            )
+        if value > MAX_LOGPROBS:
+            raise bad_request(
+                f"Requested {kind} logprobs of {value}, which is greater than max allowed: {MAX_LOGPROBS} "
+                f"(parameter={name}, value={value})",
+                name,
+            )
+        return value
+
+    def _sampling(self, values: Mapping[str, Any], *, defaults: Mapping[str, Any]) -> _Sampling:
+        def pick(name: str, fallback: Any) -> Any:
+            value = values.get(name)
+            if value is None:
+                value = defaults.get(name, fallback)
+            return value
+
+        def fail(name: str, message: str, value: Any) -> HttpError:
+            return bad_request(f"{message} (parameter={name}, value={value})", name)
+
+        n = int(values.get("n", 1))
+        temperature = float(pick("temperature", 1.0))
+        top_p = float(pick("top_p", 1.0))
+        top_k = int(pick("top_k", 0))
+        min_p = float(pick("min_p", 0.0))
+        max_tokens = values.get("max_tokens")
+        min_tokens = int(values.get("min_tokens") or 0)
+        if n < 1:
+            raise fail("n", f"n must be at least 1, got {n}.", n)
+        if temperature < 0:
+            raise fail("temperature", f"temperature must be non-negative, got {temperature}.", temperature)
+        if not 0.0 < top_p <= 1.0:
+            raise fail("top_p", f"top_p must be in (0, 1], got {top_p}.", top_p)
+        if top_k < -1:
+            raise fail("top_k", f"top_k must be 0 or -1 (disable), or at least 1, got {top_k}.", top_k)
+        if not 0.0 <= min_p <= 1.0:
+            raise fail("min_p", f"min_p must be in [0, 1], got {min_p}.", min_p)
+        if max_tokens is not None and max_tokens < 1:
+            raise fail("max_tokens", f"max_tokens must be at least 1, got {max_tokens}.", max_tokens)
+        if min_tokens < 0:
+            raise fail("min_tokens", f"min_tokens must be greater than or equal to 0, got {min_tokens}.", min_tokens)
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise fail(
+                "min_tokens",
+                f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.",
+                min_tokens,
+            )
+        extra = tuple(values.get("logprob_token_ids") or ())
+        stop_ids = tuple(values.get("stop_token_ids") or ())
+        for token in (*extra, *stop_ids):
+            if not 0 <= token < self.engine.vocab_size:
+                raise bad_request(f"Token id {token} is out of vocabulary")
+        return _Sampling(
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k if top_k > 0 else -1,
+            min_p=min_p,
+            seed=values.get("seed"),
+            max_tokens=max_tokens,
+            min_tokens=min_tokens,
+            stop_token_ids=stop_ids,
+            ignore_eos=bool(values.get("ignore_eos", False)),
+            logprobs=self._logprobs_count(values.get("logprobs"), "logprobs", "sample"),
+            prompt_logprobs=self._logprobs_count(values.get("prompt_logprobs"), "prompt_logprobs", "prompt"),
+            logprob_token_ids=extra,
+        )
+
+    def _max_tokens(self, prompt: Sequence[int], max_tokens: int | None) -> int:
+        if not prompt:
+            raise bad_request("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+        bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
+        if bad:
+            raise bad_request(f"Token id {max(bad, key=abs)} is out of vocabulary")
+        n, limit = len(prompt), self.max_model_len
+        if n > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, your prompt contains {n} input "
+                "tokens, which exceeds this limit even without any output tokens. Please reduce the length of the "
+                f"input prompt. (parameter=input_tokens, value={n})",
+                "input_tokens",
+            )
+        wanted = limit - n if max_tokens is None else max_tokens
+        if wanted < 1 or n + wanted > limit:
+            wanted = max(wanted, 1)
+            raise bad_request(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {wanted}. This model's maximum context "
+                f"length is {limit} tokens and your request has {n} input tokens ({wanted} > {limit} - {n}). "
+                f"(parameter=max_tokens, value={wanted})",
+                "max_tokens",
+            )
+        return wanted
+
+    @staticmethod
+    def _priority(priority: int) -> None:
+        if priority != 0:
+            raise bad_request(f"Got priority {priority} but Priority scheduling is not enabled.", "priority")
+
+    def _routing_start(self, start: int, prompt: Sequence[int]) -> int:
+        if self.return_routed_experts and start >= len(prompt):
+            raise bad_request(
+                f"routed_experts_prompt_start ({start}) must be smaller than the prompt length ({len(prompt)})",
+                "routed_experts_prompt_start",
+            )
+        return start
+
+    def _logprobs_depth(self, s: _Sampling) -> int | None:
+        """How much of each sampled position's distribution to ask the engine for: enough to show the top-k and
+        to know the sampled token's rank. Greedy tokens rank 1 and top-k samples rank <= k (plus any ids banned
+        by ``min_tokens``); otherwise only the whole distribution tells the rank."""
+        full = self.engine.vocab_size
+        if s.logprobs is None and not s.logprob_token_ids:
+            return None
+        if s.logprob_token_ids:
+            return full
+        if not self.exact_ranks or (s.temperature < _GREEDY_TEMPERATURE and s.min_tokens == 0):
+            bound = 1
+        elif s.top_k > 0:
+            bound = s.top_k + (len(s.stop_token_ids) + len(self.engine.eos_token_ids) if s.min_tokens else 0)
+        else:
+            bound = full
+        return min(full, max(s.logprobs or 0, bound))
+
+    def _prompt_depth(self, k: int | None) -> int | None:
+        if k is None:
+            return None
+        return self.engine.vocab_size if self.exact_ranks else max(k, 1)
+
+    def _requests(
+        self,
+        server_id: str,
+        prompt: Sequence[int],
+        s: _Sampling,
+        *,
+        max_tokens: int,
+        lora: str | None,
+        routing_start: int,
+        prompt_k: int | None,
+    ) -> list[EngineRequest]:
+        depth = self._logprobs_depth(s)
+        return [
+            EngineRequest(
+                prompt_ids=tuple(prompt),
+                max_tokens=max_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=s.top_k,
+                min_p=s.min_p,
+                seed=None if s.seed is None else (s.seed + i) % 2**64,
+                stop_token_ids=s.stop_token_ids,
+                ignore_eos=s.ignore_eos,
+                min_tokens=min(s.min_tokens, max_tokens),
+                logprobs=depth,
+                prompt_logprobs=self._prompt_depth(prompt_k),
+                return_routed_experts=self.return_routed_experts,
+                routed_experts_start=routing_start if self.return_routed_experts else 0,
+                lora=lora,
+                request_id=f"{server_id}#{next(self._counter)}",
+            )
+            for i in range(s.n)
+        ]
+
+    async def _run(self, server_id: str, requests: list[EngineRequest]) -> list[EngineOutput]:
+        self.engine_requests.extend(requests)
+        engine_ids = [r.request_id for r in requests if r.request_id is not None]
+        self.in_flight.setdefault(server_id, []).extend(engine_ids)
+        try:
+            results = await asyncio.gather(*(self.engine.generate(r) for r in requests), return_exceptions=True)
+        finally:
+            left = [i for i in self.in_flight.get(server_id, []) if i not in engine_ids]
+            if left:
+                self.in_flight[server_id] = left
+            else:
+                self.in_flight.pop(server_id, None)
+        outputs: list[EngineOutput] = []
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+            outputs.append(result)
+        return outputs
+
+    def abort(self, server_ids: Sequence[str] | None) -> int:
+        """Abort by server-side ids (unknown ids are silently ignored), or everything; returns vLLM's count:
+        the number of ids sent, or of tracked requests."""
+        targets = list(self.in_flight) if server_ids is None else list(server_ids)
+        for server_id in targets:
+            for engine_id in self.in_flight.get(server_id, ()):
+                self.engine.abort(engine_id)
+        return len(targets)
+
+    def _stop_reason(self, out: EngineOutput, s: _Sampling) -> int | None:
+        if out.stop_reason is None or (out.stop_reason == self.primary_eos and not s.ignore_eos):
+            return None
+        return out.stop_reason
+
+    def _routed(self, out: EngineOutput) -> str | None:
+        if out.routed_experts is None:
+            return None
+        return npy_base64(out.routed_experts, self.num_experts)
+
+    def _prompt_positions(self, out: EngineOutput) -> list[Position | None] | None:
+        if out.prompt_top_logprobs is None or out.prompt_logprobs is None:
+            return None
+        fallbacks = out.prompt_logprobs.tolist() if not self.exact_ranks else [None] * len(out.prompt_logprobs)
+        return [None, *(Position(row, fb) for row, fb in zip(out.prompt_top_logprobs[1:], fallbacks[1:], strict=True))]
+
+    def _positions(self, out: EngineOutput, count: int) -> list[Position]:
+        rows = (out.top_logprobs or [])[:count]
+        if self.exact_ranks or out.logprobs is None:
+            return [Position(row) for row in rows]
+        return [Position(row, fb) for row, fb in zip(rows, out.logprobs.tolist(), strict=False)]
+
+    @staticmethod
+    def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        return {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens,
+            "prompt_tokens_details": None,
+            "completion_tokens_details": None,
+        }
+
+    # -- /v1/completions ---------------------------------------------------------------------------------
+
+    def _prompts(self, prompt: Any) -> list[list[int]]:
+        if prompt is None:
+            raise bad_request("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+        if isinstance(prompt, str):
+            return [self.detok.encode(prompt)]
+        if prompt and all(isinstance(p, str) for p in prompt):
+            return [self.detok.encode(p) for p in prompt]
+        if prompt and all(isinstance(p, list) for p in prompt):
+            return [list(p) for p in prompt]
+        return [list(prompt)]
+
+    async def completions(self, body: Any) -> dict[str, Any]:
+        values, ignored = COMPLETION_REQUEST(body, ("body",))
+        self._ignored("/v1/completions", ignored)
+        self._neutral(values)
+        model_name, lora = self.resolve_model(values["model"])
+        echo = bool(values["echo"])
+        requested_max = values["max_tokens"]
+        echo_only = echo and requested_max == 0  # vLLM generates one token and shows only the prompt
+        s = self._sampling(
+            {**values, "max_tokens": 1 if echo_only else requested_max}, defaults=self.generation_defaults
+        )
+        self._priority(values["priority"])
+        prompts = self._prompts(values["prompt"])
+        limits = [self._max_tokens(p, s.max_tokens) for p in prompts]
+        starts = [self._routing_start(values["routed_experts_prompt_start"], p) for p in prompts]
+        echo_k = s.logprobs if echo else None
+        prompt_k = s.prompt_logprobs if s.prompt_logprobs is not None else echo_k
+        rid = values["request_id"] or _random_id()
+        runs = [
+            self._run(
+                f"cmpl-{rid}-{i}",
+                self._requests(
+                    f"cmpl-{rid}-{i}",
+                    prompt,
+                    s,
+                    max_tokens=limit,
+                    lora=lora,
+                    routing_start=start,
+                    prompt_k=prompt_k,
+                ),
+            )
+            for i, (prompt, limit, start) in enumerate(zip(prompts, limits, starts, strict=True))
+        ]
+        per_prompt = await asyncio.gather(*runs)
+        return_ids = bool(values["return_token_ids"])
+        choices: list[dict[str, Any]] = []
+        completion_tokens = 0
+        for prompt, outputs in zip(prompts, per_prompt, strict=True):
+            for out in outputs:
+                completion_tokens += len(out.completion_ids)
+                choices.append(
+                    self._completion_choice(
+                        len(choices), prompt, out, s, values, echo=echo, echo_only=echo_only, prompt_k=prompt_k
+                    )
+                )
+                if not return_ids:
+                    choices[-1]["token_ids"] = choices[-1]["prompt_token_ids"] = None
+        return {
+            "id": f"cmpl-{rid}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": choices,
+            "service_tier": None,
+            "system_fingerprint": self.fingerprint,
+            "usage": self._usage(sum(len(p) for p in prompts), completion_tokens),
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
+
+    def _completion_choice(
+        self,
+        index: int,
+        prompt: Sequence[int],
+        out: EngineOutput,
+        s: _Sampling,
+        values: Mapping[str, Any],
+        *,
+        echo: bool,
+        echo_only: bool,
+        prompt_k: int | None,
+    ) -> dict[str, Any]:
+        completion = () if echo_only else out.completion_ids
+        text = self.detok.text(completion, skip_special_tokens=values["skip_special_tokens"])
+        prompt_positions = self._prompt_positions(out)
+        logprobs = None
+        if s.logprobs is not None or s.logprob_token_ids:
+            ids: list[int] = list(completion)
+            positions: list[Position | None] = [*self._positions(out, len(completion))]
+            if echo and prompt_positions is not None:
+                ids, positions = [*prompt, *ids], [*prompt_positions, *positions]
+            logprobs = self.detok.legacy(
+                ids,
+                positions,
+                s.logprobs or 0,
+                extra=s.logprob_token_ids,
+                as_token_ids=bool(values["return_tokens_as_token_ids"]),
+            )
+        if echo:
+            text = self.detok.text(prompt, skip_special_tokens=False) + text
+        prompt_logprobs = None
+        if prompt_k is not None and prompt_positions is not None:
+            prompt_logprobs = self.detok.prompt_logprobs(prompt, prompt_positions, prompt_k)
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": out.finish_reason,
+            "stop_reason": self._stop_reason(out, s),
+            "token_ids": list(completion),
+            "prompt_logprobs": prompt_logprobs,
+            "prompt_token_ids": list(prompt),
+            "routed_experts": self._routed(out),
+        }
+
+    # -- /inference/v1/generate --------------------------------------------------------------------------
+
+    async def generate(self, body: Any) -> dict[str, Any]:
+        values, ignored = GENERATE_REQUEST(body, ("body",))
+        self._ignored("/inference/v1/generate", ignored)
+        params, ignored_params = SAMPLING_PARAMS(values["sampling_params"], ("body", "sampling_params"))
+        self._ignored("/inference/v1/generate", [f"sampling_params.{name}" for name in ignored_params])
+        self._neutral(values)
+        self._neutral(params, "sampling_params.")
+        model_name, lora = self.resolve_model(values["model"])
+        s = self._sampling(params, defaults={})
+        self._priority(values["priority"])
+        mode = values["output_mode"]
+        if mode == "text" and not params["detokenize"]:
+            raise bad_request("output_mode 'text' needs sampling_params.detokenize to be true", "output_mode")
+        prompt = values["token_ids"]
+        max_tokens = self._max_tokens(prompt, s.max_tokens)
+        if params["routed_experts_prompt_start"] < 0:
+            raise bad_request("routed_experts_prompt_start must be >= 0", "sampling_params.routed_experts_prompt_start")
+        start = self._routing_start(params["routed_experts_prompt_start"], prompt)
+        server_id = f"generate-tokens-{values['request_id'] or _random_id()}"
+        requests = self._requests(
+            server_id,
+            prompt,
+            s,
+            max_tokens=max_tokens,
+            lora=lora,
+            routing_start=start,
+            prompt_k=s.prompt_logprobs,
+        )
+        outputs = await self._run(server_id, requests)
+        first = outputs[0]
+        prompt_positions = self._prompt_positions(first)
+        prompt_logprobs = None
+        if s.prompt_logprobs is not None and prompt_positions is not None:
+            prompt_logprobs = self.detok.prompt_logprobs(prompt, prompt_positions, s.prompt_logprobs)
+        return {
+            "request_id": server_id,
+            "model": model_name,
+            "created": int(time.time()),
+            "usage": self._usage(len(prompt), sum(len(o.completion_ids) for o in outputs)),
+            "prompt_logprobs": prompt_logprobs,
+            "prompt_token_id_logprobs": None,
+            "prompt_token_ids": list(prompt) if values["return_token_ids"] else None,
+            "mm_placeholders": None,
+            "metrics": None,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "output_mode": mode,
+            "choices": [self._generate_choice(i, out, s, mode, params) for i, out in enumerate(outputs)],
+        }
+
+    def _generate_choice(
+        self, index: int, out: EngineOutput, s: _Sampling, mode: str, params: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": index,
+            "finish_reason": out.finish_reason,
+            "stop_reason": self._stop_reason(out, s),
+            "token_ids": list(out.completion_ids),
+            "routed_experts": self._routed(out),
+            "sampling_mask": None,
+            "weight_versions": [{"version": w.version, "start": w.start, "end": w.end} for w in out.weight_versions],
+        }
+        if mode == "text":
+            choice["text"] = self.detok.text(out.completion_ids, skip_special_tokens=params["skip_special_tokens"])
+        logprobs = None
+        if s.logprobs is not None or s.logprob_token_ids:
+            positions = self._positions(out, len(out.completion_ids))
+            k, extra = s.logprobs or 0, s.logprob_token_ids
+            content = (
+                self.detok.text_content(out.completion_ids, positions, k, extra)
+                if mode == "text"
+                else self.detok.generate_content(out.completion_ids, positions, k, extra)
+            )
+            logprobs = {"content": content}
+        choice["logprobs"] = logprobs
+        return choice
