@@ -68,8 +68,14 @@ def float_routing(choice: dict[str, Any]) -> None:
     choice["routed_experts"] = npy(np.zeros((3, 2, 2), np.float32))
 
 
-ENGINE_ERROR = {"error": {"message": "This model's maximum context length is 2048 tokens.", "type": "BadRequestError",
-                          "param": "input_tokens", "code": 400}}
+ENGINE_ERROR = {
+    "error": {
+        "message": "This model's maximum context length is 2048 tokens.",
+        "type": "BadRequestError",
+        "param": "input_tokens",
+        "code": 400,
+    }
+}
 
 # (fault, expected error, message fragment, requests that reached the server)
 GENERATE_FAULTS = [
@@ -81,7 +87,12 @@ GENERATE_FAULTS = [
     (Fault(kind="status", status=500, body={"error": {"message": "engine dead"}}), ServerStatusError, "engine dead", 1),
     (Fault(kind="status", status=400, body=ENGINE_ERROR), ServerStatusError, "maximum context length", 1),
     (Fault(kind="truncated_json"), ResponseParseError, "body is not JSON", 1),
-    (Fault(kind="mutate", mutate=lambda body: {"unexpected": True}), ResponseParseError, "required field missing @ $.request_id", 1),
+    (
+        Fault(kind="mutate", mutate=lambda body: {"unexpected": True}),
+        ResponseParseError,
+        "required field missing @ $.request_id",
+        1,
+    ),
     (Fault(kind="mutate", mutate=first_choice(swap_logprob_id)), ResponseParseError, "logprob entry is for token", 1),
     (Fault(kind="mutate", mutate=first_choice(drop_logprob)), ResponseParseError, "logprob entries for", 1),
     (Fault(kind="mutate", mutate=first_choice(nan_logprob)), ResponseParseError, "not a finite log-probability", 1),
@@ -96,12 +107,17 @@ async def dense_engine(tiny_models):
     await engine.aclose()
 
 
-@pytest.mark.parametrize(("fault", "error", "fragment", "reached"), GENERATE_FAULTS,
-                         ids=[f"{f.kind}-{f.status}" if f.kind == "status" else f.kind for f, *_ in GENERATE_FAULTS])
+@pytest.mark.parametrize(
+    ("fault", "error", "fragment", "reached"),
+    GENERATE_FAULTS,
+    ids=[f"{f.kind}-{f.status}" if f.kind == "status" else f.kind for f, *_ in GENERATE_FAULTS],
+)
 async def test_generate_faults(dense_engine, tiny_models, fault, error, fragment, reached) -> None:
     emulator = VllmEmulator(dense_engine)
     faulty = FaultyTransport(emulator.handle, lambda r, n: fault if r.url.path == "/inference/v1/generate" else None)
-    config = ClientConfig(backend="vllm", base_url="http://vllm", model="tiny-qwen3", retry=RetryPolicy(attempts=3, backoff=0))
+    config = ClientConfig(
+        backend="vllm", base_url="http://vllm", model="tiny-qwen3", retry=RetryPolicy(attempts=3, backoff=0)
+    )
     async with Client(config, transport=faulty) as client:
         with pytest.raises(error) as info:
             await client.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=3, seed=1))
@@ -112,7 +128,9 @@ async def test_generate_faults(dense_engine, tiny_models, fault, error, fragment
         assert not info.value.maybe_processed  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize(("mutate", "fragment"), [(truncate_routing, "payload has"), (float_routing, "unsupported dtype")])
+@pytest.mark.parametrize(
+    ("mutate", "fragment"), [(truncate_routing, "payload has"), (float_routing, "unsupported dtype")]
+)
 async def test_corrupt_routed_experts_are_refused(tiny_models, mutate, fragment) -> None:
     engine = ReferenceEngine(tiny_models.moe)
     emulator = VllmEmulator(engine, enable_lora=False, enable_return_routed_experts=True)
@@ -122,7 +140,9 @@ async def test_corrupt_routed_experts_are_refused(tiny_models, mutate, fragment)
     try:
         async with Client(config, transport=faulty) as client:
             with pytest.raises(ResponseParseError, match=fragment):
-                await client.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=3), return_routed_experts=True)
+                await client.generate(
+                    prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=3), return_routed_experts=True
+                )
     finally:
         await engine.aclose()
 
@@ -143,8 +163,9 @@ async def test_a_503_is_retried_and_a_fleet_fails_over_only_what_never_arrived(t
         return await emulators[request.url.host].handle(request)
 
     faulty = FaultyTransport(route, plan)
-    config = ClientConfig(backend="vllm", base_url=["http://a", "http://b"], model="tiny-qwen3",
-                          retry=RetryPolicy(attempts=3, backoff=0))
+    config = ClientConfig(
+        backend="vllm", base_url=["http://a", "http://b"], model="tiny-qwen3", retry=RetryPolicy(attempts=3, backoff=0)
+    )
     try:
         async with Client(config, transport=faulty) as client:
             result = await client.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=2), server=None)
