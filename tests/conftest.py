@@ -1,1 +1,15 @@
-"""Shared test setup. The test kit plugin (``backends_core.testing``) is loaded through pytest's addopts."""
+"""Shared test setup. The test kit plugin (``backends_core.testing``) is loaded through pytest's addopts.
+
+Hypothesis runs derandomized (the same examples every run, no example database), so CI stays deterministic;
+set ``HYPOTHESIS_PROFILE=explore`` to search new examples locally.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", max_examples=2000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -8,8 +8,9 @@ reports each call to ``observe`` plugins.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -155,17 +156,24 @@ class BackendDriver:
         )
         return results
 
-    def _parse(self, raw: Any, request: GenerateRequest, server: Server) -> list[GenerateResult]:
+    @contextlib.contextmanager
+    def _parse_errors(self, server: Server) -> Iterator[None]:
+        """A backend bug tripped by an unexpected body (KeyError, IndexError...) is still a parse error of that
+        body, never a raw exception from deep inside a backend."""
         try:
-            results = self.pm.hook.parse_response(
-                raw=raw, request=request, server_url=server.base_url, config=self.config, options=self.options
-            )
+            yield
         except BackendError:
             raise
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise ResponseParseError(
                 f"backend {self.backend!r} could not parse the body: {type(exc).__name__}: {exc}", url=server.base_url
             ) from exc
+
+    def _parse(self, raw: Any, request: GenerateRequest, server: Server) -> list[GenerateResult]:
+        with self._parse_errors(server):
+            results = self.pm.hook.parse_response(
+                raw=raw, request=request, server_url=server.base_url, config=self.config, options=self.options
+            )
         if not isinstance(results, list) or len(results) != request.sampling.n:
             got = len(results) if isinstance(results, list) else type(results).__name__
             raise ResponseParseError(f"expected {request.sampling.n} sample(s), got {got}", url=server.base_url)
@@ -177,9 +185,10 @@ class BackendDriver:
         self.require("teacher_logprobs")
 
         async def call() -> TeacherLogprobs:
-            result: TeacherLogprobs = await self.pm.hook.teacher_logprobs(
-                server=server, request=request, config=self.config, options=self.options
-            )
+            with self._parse_errors(server):
+                result: TeacherLogprobs = await self.pm.hook.teacher_logprobs(
+                    server=server, request=request, config=self.config, options=self.options
+                )
             check_teacher(result, request, url=server.base_url)
             return result
 

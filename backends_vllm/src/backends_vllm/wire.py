@@ -400,7 +400,7 @@ def parse_completions(raw: Any, request: GenerateRequest, server_url: str) -> li
 def parse_prompt_logprobs(raw: Any, request: TeacherRequest, server_url: str, *, transport: str) -> TeacherLogprobs:
     """Teacher logprobs from vLLM's ``prompt_logprobs``: ``[null, {"<id>": {logprob, rank, decoded_token}}, ...]``."""
     body = _Body(raw, "$", server_url)
-    holder = body if transport == "generate" else body.get("choices").items()[0]
+    holder = body if transport == "generate" else _choices(body, 1)[0]
     field = holder.get("prompt_logprobs")
     rows = field.array(nullable=True)
     if rows is None:

@@ -140,10 +140,16 @@ def parse_generate(raw: Any, request: GenerateRequest, server_url: str) -> list[
                 field=f"{where}.routed_experts",
             )
         top = None
-        if sample.top_logprobs is not None:
+        k = request.sampling.top_logprobs
+        if k:
+            rows = sample.top_logprobs
+            if rows is None or len(rows) != len(sample.output_ids) or any(len(row) != k for row in rows):
+                raise ResponseParseError(
+                    f"{where}.top_logprobs must hold {k} alternatives for each of {len(sample.output_ids)} tokens",
+                    url=server_url,
+                )
             top = tuple(
-                tuple(TopLogprob(token_id=t, logprob=lp, rank=r + 1) for r, (t, lp) in enumerate(row))
-                for row in sample.top_logprobs
+                tuple(TopLogprob(token_id=t, logprob=lp, rank=r + 1) for r, (t, lp) in enumerate(row)) for row in rows
             )
         results.append(
             GenerateResult(
