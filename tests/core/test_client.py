@@ -87,6 +87,7 @@ async def test_generate_round_trip_and_request_recording() -> None:
         ([{"ids": [5], "lps": [float("-inf")]}], "position 0 is -inf"),
         ([{"ids": [5], "lps": [-1.0]}, {"ids": [5], "lps": [-1.0]}], "expected 1 sample(s), got 2"),
         ([{"ids": [5]}], "could not parse the body: KeyError"),
+        ([{"ids": ["5"], "lps": [-1.0]}], "completion id '5' is not a token id"),
     ],
 )
 async def test_broken_results_never_reach_the_caller(samples: list[dict[str, Any]], message: str) -> None:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from backends_core import ClientConfig, ConfigError, Timeouts
+from backends_core import ClientConfig, ConfigError, Limits, Timeouts
 
 
 def test_single_url_and_list_both_become_a_tuple() -> None:
@@ -104,3 +104,24 @@ def test_from_file_errors_name_the_file(tmp_path) -> None:
     wrong.write_text('backend = "x"\nbase_url = "http://h"\n[limits]\nmax_connections = 0\n')
     with pytest.raises(ConfigError, match="max_connections"):
         ClientConfig.from_file(wrong)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"retry": {"attempts": 1}}, "retry must be a RetryPolicy, got dict"),
+        ({"timeouts": 5}, "timeouts must be a Timeouts, got int"),
+    ],
+)
+def test_direct_construction_errors_are_config_errors(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ClientConfig(backend="vllm", base_url="http://h", **kwargs)
+    with pytest.raises(ConfigError, match="max_connections must be a number >= 1, got 0"):
+        Limits(max_connections=0)
+
+
+def test_stateless_break_policy_is_validated() -> None:
+    with pytest.raises(
+        ConfigError, match=r"expected one of \['raise', 'rerender'\], got 'ignore' @ \$.stateless.on_break"
+    ):
+        ClientConfig.from_mapping({"backend": "x", "base_url": "http://h", "stateless": {"on_break": "ignore"}})

@@ -51,6 +51,8 @@ class Server:
     failover: bool = attrs.field(default=False, repr=False)
     #: Per-server memo for backends (e.g. ``max_model_len`` read once from ``/v1/models``).
     cache: dict[str, Any] = attrs.field(factory=dict, repr=False)
+    #: Secret values (API and admin keys) redacted from every error this server's answers produce.
+    secrets: set[str] = attrs.field(factory=set, repr=False)
     #: Planes whose last answer was a 5xx: their pooled connection may have been reset by the server.
     _reset_suspected: set[str] = attrs.field(factory=set, init=False, repr=False)
 
@@ -95,6 +97,9 @@ class Server:
             extra["timeout"] = httpx.Timeout(self._admin_timeout)
         content = None if json_body is None else json.dumps(json_body, separators=(",", ":")).encode()
         sent_headers = dict(headers or {})
+        for name, value in sent_headers.items():
+            if name.lower() in ("authorization", "x-api-key", "api-key"):
+                self.secrets.add(value.removeprefix("Bearer ").strip())
         if content is not None:
             sent_headers["content-type"] = "application/json"
         attempt = 0
@@ -122,11 +127,15 @@ class Server:
             else:
                 self._reset_suspected.discard(plane)
             if response.is_success:
-                return _decode(response, expect, url)
+                try:
+                    return _decode(response, expect, url)
+                except ResponseParseError as exc:
+                    exc.args = (_redact(str(exc), self.secrets),)
+                    raise
             if response.status_code in self._retry.retry_statuses and attempt < attempts:
                 await asyncio.sleep(self._retry.delay(attempt))
                 continue
-            body = _error_body(response)
+            body = _redact(_error_body(response), self.secrets)
             hint = status_hint(response.status_code, body) if status_hint else None
             raise ServerStatusError(method=method, url=url, status_code=response.status_code, body=body, hint=hint)
 
@@ -157,6 +166,22 @@ def _decode(response: httpx.Response, expect: str, url: str) -> Any:
         raise ResponseParseError(
             f"body is not JSON ({exc.msg if hasattr(exc, 'msg') else exc}): {snippet!r}", url=url
         ) from exc
+
+
+def _redact(value: Any, secrets: set[str]) -> Any:
+    """``value`` with every secret replaced by ``<redacted>`` (servers sometimes echo request headers)."""
+    if not secrets:
+        return value
+    if isinstance(value, str):
+        for secret in secrets:
+            if secret:
+                value = value.replace(secret, "<redacted>")
+        return value
+    if isinstance(value, dict):
+        return {_redact(k, secrets): _redact(v, secrets) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact(v, secrets) for v in value]
+    return value
 
 
 def _error_body(response: httpx.Response) -> Any:

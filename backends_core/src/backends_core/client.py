@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import ssl
 import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
@@ -69,6 +70,9 @@ class Client:
         if key is not None:
             headers["authorization"] = f"Bearer {key}"
         t, lim = config.timeouts, config.limits
+        tls: bool | ssl.SSLContext = (
+            ssl.create_default_context(cafile=config.verify) if isinstance(config.verify, str) else config.verify
+        )
         session_header = config.fleet.session_header
 
         async def add_session_header(request: httpx.Request) -> None:
@@ -78,6 +82,7 @@ class Client:
 
         self._data = httpx.AsyncClient(
             transport=transport,
+            verify=tls,
             headers=headers,
             event_hooks={"request": [add_session_header]},
             timeout=httpx.Timeout(connect=t.connect, read=t.read, write=t.write, pool=t.pool),
@@ -91,12 +96,15 @@ class Client:
         self._admin_clients = [
             httpx.AsyncClient(
                 transport=transport,
+                verify=tls,
+                follow_redirects=False,
                 headers=headers,
                 timeout=httpx.Timeout(t.admin, connect=t.connect),
                 limits=httpx.Limits(max_connections=lim.admin_max_connections, keepalive_expiry=lim.keepalive_expiry),
             )
             for _ in config.servers
         ]
+        secrets = {key} if key else set()
         #: One handle per configured server, in config order.
         self.servers: list[Server] = [
             Server(
@@ -107,6 +115,7 @@ class Client:
                 retry=config.retry,
                 admin_timeout=t.admin,
                 failover=len(config.servers) > 1,
+                secrets=set(secrets),
             )
             for (base, admin), admin_client in zip(config.servers, self._admin_clients, strict=True)
         ]

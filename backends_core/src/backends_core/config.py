@@ -20,7 +20,7 @@ import attrs
 import cattrs
 from cattrs.gen import make_dict_structure_fn, override
 
-from backends_core.converters import make_converter
+from backends_core.converters import format_error, make_converter
 from backends_core.errors import ConfigError
 
 __all__ = ["AdminPolicy", "ClientConfig", "FleetPolicy", "Limits", "RetryPolicy", "StatelessPolicy", "Timeouts"]
@@ -30,8 +30,35 @@ _BACKEND_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 def _positive_or_none(name: str) -> Any:
     def check(_inst: Any, _attr: Any, value: float | None) -> None:
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a positive number of seconds or null, got {value!r}")
+        if value is not None and not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+            raise ConfigError(f"{name} must be a positive number of seconds or null, got {value!r}")
+
+    return check
+
+
+def _at_least(minimum: float) -> Any:
+    def check(_inst: Any, attr: Any, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= minimum:
+            raise ConfigError(f"{attr.name} must be a number >= {minimum}, got {value!r}")
+
+    return check
+
+
+def _one_of(*choices: str) -> Any:
+    def check(_inst: Any, attr: Any, value: Any) -> None:
+        if value not in choices:
+            raise ConfigError(f"{attr.name} must be one of {list(choices)}, got {value!r}")
+
+    return check
+
+
+def _instance(cls: type) -> Any:
+    def check(_inst: Any, attr: Any, value: Any) -> None:
+        if not isinstance(value, cls):
+            raise ConfigError(
+                f"{attr.name} must be a {cls.__name__}, got {type(value).__name__} "
+                "(plain data goes through ClientConfig.from_mapping)"
+            )
 
     return check
 
@@ -65,10 +92,10 @@ class Limits:
     :param admin_max_connections: admin-plane connections per server (their own pool).
     """
 
-    max_connections: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
-    max_keepalive_connections: int = attrs.field(default=256, validator=attrs.validators.ge(0))
-    keepalive_expiry: float = attrs.field(default=4.0, validator=attrs.validators.ge(0))
-    admin_max_connections: int = attrs.field(default=4, validator=attrs.validators.ge(1))
+    max_connections: int = attrs.field(default=1024, validator=_at_least(1))
+    max_keepalive_connections: int = attrs.field(default=256, validator=_at_least(0))
+    keepalive_expiry: float = attrs.field(default=4.0, validator=_at_least(0))
+    admin_max_connections: int = attrs.field(default=4, validator=_at_least(1))
 
 
 @attrs.frozen(kw_only=True)
@@ -82,9 +109,9 @@ class RetryPolicy:
     :param retry_statuses: statuses worth retrying (the server said "not now").
     """
 
-    attempts: int = attrs.field(default=3, validator=attrs.validators.ge(1))
-    backoff: float = attrs.field(default=0.2, validator=attrs.validators.ge(0))
-    max_backoff: float = attrs.field(default=5.0, validator=attrs.validators.ge(0))
+    attempts: int = attrs.field(default=3, validator=_at_least(1))
+    backoff: float = attrs.field(default=0.2, validator=_at_least(0))
+    max_backoff: float = attrs.field(default=5.0, validator=_at_least(0))
     retry_statuses: tuple[int, ...] = (502, 503, 504)
 
     def delay(self, attempt: int) -> float:
@@ -104,8 +131,8 @@ class FleetPolicy:
         version this client last set, so prefix-cache hits never cross a weight update.
     """
 
-    sticky_slack: int = attrs.field(default=8, validator=attrs.validators.ge(0))
-    cooldown: float = attrs.field(default=5.0, validator=attrs.validators.ge(0))
+    sticky_slack: int = attrs.field(default=8, validator=_at_least(0))
+    cooldown: float = attrs.field(default=5.0, validator=_at_least(0))
     session_header: str = "X-Session-ID"
     salt_with_weight_version: bool = True
 
@@ -114,7 +141,7 @@ def _deadlines(value: Mapping[str, float]) -> dict[str, float]:
     out = {}
     for op, seconds in dict(value).items():
         if not isinstance(seconds, int | float) or isinstance(seconds, bool) or not seconds > 0:
-            raise ValueError(f"deadline of {op!r} must be a positive number of seconds, got {seconds!r}")
+            raise ConfigError(f"deadline of {op!r} must be a positive number of seconds, got {seconds!r}")
         out[op] = float(seconds)
     return out
 
@@ -132,8 +159,8 @@ class AdminPolicy:
     """
 
     deadlines: Mapping[str, float] = attrs.field(factory=dict, converter=_deadlines)
-    retries: int = attrs.field(default=2, validator=attrs.validators.ge(0))
-    backoff: float = attrs.field(default=0.5, validator=attrs.validators.ge(0))
+    retries: int = attrs.field(default=2, validator=_at_least(0))
+    backoff: float = attrs.field(default=0.5, validator=_at_least(0))
 
 
 @attrs.frozen(kw_only=True)
@@ -148,11 +175,9 @@ class StatelessPolicy:
     """
 
     enabled: bool = True
-    on_break: Literal["raise", "rerender"] = attrs.field(
-        default="raise", validator=attrs.validators.in_(("raise", "rerender"))
-    )
-    max_sessions: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
-    max_turns: int = attrs.field(default=64, validator=attrs.validators.ge(1))
+    on_break: Literal["raise", "rerender"] = attrs.field(default="raise", validator=_one_of("raise", "rerender"))
+    max_sessions: int = attrs.field(default=4096, validator=_at_least(1))
+    max_turns: int = attrs.field(default=64, validator=_at_least(1))
 
 
 def _urls(value: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -162,17 +187,17 @@ def _urls(value: str | Sequence[str] | None) -> tuple[str, ...]:
     out = []
     for url in items:
         if not isinstance(url, str):
-            raise ValueError(f"a server URL must be a string, got {url!r}")
+            raise ConfigError(f"a server URL must be a string, got {url!r}")
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(f"{url!r} is not an http(s) URL with a host")
+            raise ConfigError(f"{url!r} is not an http(s) URL with a host")
         out.append(url.rstrip("/"))
     return tuple(out)
 
 
 def _check_backend(_inst: Any, _attr: Any, value: str) -> None:
     if not _BACKEND_NAME.match(value):
-        raise ValueError(f"backend must match [a-z][a-z0-9_]* (an entry-point name), got {value!r}")
+        raise ConfigError(f"backend must match [a-z][a-z0-9_]* (an entry-point name), got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -195,6 +220,8 @@ class ClientConfig:
     :param admin: see :class:`AdminPolicy`.
     :param stateless: see :class:`StatelessPolicy`.
     :param backend_options: backend-specific options, validated by the backend when the client opens.
+    :param verify: TLS certificate verification: ``True`` (default; system CAs), a CA bundle path, or
+        ``False`` to disable it (never the default).
     """
 
     backend: str = attrs.field(validator=_check_backend)
@@ -204,30 +231,31 @@ class ClientConfig:
     tokenizer: str | None = None
     api_key_var: str | None = attrs.field(default=None)
     headers: Mapping[str, str] = attrs.field(factory=dict, converter=dict)
-    timeouts: Timeouts = attrs.field(factory=Timeouts)
-    limits: Limits = attrs.field(factory=Limits)
-    retry: RetryPolicy = attrs.field(factory=RetryPolicy)
-    fleet: FleetPolicy = attrs.field(factory=FleetPolicy)
-    admin: AdminPolicy = attrs.field(factory=AdminPolicy)
-    stateless: StatelessPolicy = attrs.field(factory=StatelessPolicy)
+    timeouts: Timeouts = attrs.field(factory=Timeouts, validator=_instance(Timeouts))
+    limits: Limits = attrs.field(factory=Limits, validator=_instance(Limits))
+    retry: RetryPolicy = attrs.field(factory=RetryPolicy, validator=_instance(RetryPolicy))
+    fleet: FleetPolicy = attrs.field(factory=FleetPolicy, validator=_instance(FleetPolicy))
+    admin: AdminPolicy = attrs.field(factory=AdminPolicy, validator=_instance(AdminPolicy))
+    stateless: StatelessPolicy = attrs.field(factory=StatelessPolicy, validator=_instance(StatelessPolicy))
     backend_options: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
+    verify: bool | str = True
 
     @base_url.validator
     def _check_base_url(self, _attr: Any, value: tuple[str, ...]) -> None:
         if not value:
-            raise ValueError("base_url needs at least one server URL")
+            raise ConfigError("base_url needs at least one server URL")
 
     @admin_base_url.validator
     def _check_admin(self, _attr: Any, value: tuple[str, ...]) -> None:
         if value and len(value) != len(self.base_url):
-            raise ValueError(
+            raise ConfigError(
                 f"admin_base_url has {len(value)} URL(s) but base_url has {len(self.base_url)}: give one per server"
             )
 
     @api_key_var.validator
     def _check_key_var(self, _attr: Any, value: str | None) -> None:
         if value is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", value):
-            raise ValueError(
+            raise ConfigError(
                 f"api_key_var must be an environment variable NAME, got something else ({len(value)} chars)"
             )
 
@@ -287,17 +315,15 @@ class ClientConfig:
 def _messages(exc: BaseException) -> list[str]:
     if isinstance(exc, cattrs.BaseValidationError):
         return cattrs.transform_error(exc, path="$", format_exception=_format_exception)
+    if isinstance(exc, ConfigError):
+        return [f"{m} @ $" for m in exc.messages]
     return [f"{_format_exception(exc, None)} @ $"]
 
 
 def _format_exception(exc: BaseException, type_: Any) -> str:
-    if isinstance(exc, KeyError):
-        return f"required field missing{f' (expected {_type_name(type_)})' if type_ else ''}"
-    if isinstance(exc, cattrs.ForbiddenExtraKeysError):
-        return f"unknown field(s) {sorted(exc.extra_fields)}"
-    if isinstance(exc, ValueError | TypeError) and str(exc):
-        return str(exc)
-    return cattrs.v.format_exception(exc, type_)
+    if isinstance(exc, ConfigError):
+        return "; ".join(exc.messages)
+    return format_error(exc, type_)
 
 
 def _type_name(type_: Any) -> str:
@@ -306,20 +332,26 @@ def _type_name(type_: Any) -> str:
 
 def _structure_urls(value: Any, _type: Any) -> tuple[str, ...]:
     if value is None or not isinstance(value, str | list | tuple):
-        raise ValueError(f"expected a URL string or a list of URL strings, got {value!r}")
+        raise ConfigError(f"expected a URL string or a list of URL strings, got {value!r}")
     return _urls(value)
 
 
 def _structure_str_map(value: Any, _type: Any) -> dict[str, str]:
     if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-        raise ValueError(f"expected a table of string -> string, got {value!r}")
+        raise ConfigError(f"expected a table of string -> string, got {value!r}")
     return dict(value)
 
 
 def _structure_any_map(value: Any, _type: Any) -> dict[str, Any]:
     if not isinstance(value, Mapping):
-        raise ValueError(f"expected a table, got {type(value).__name__}")
+        raise ConfigError(f"expected a table, got {type(value).__name__}")
     return dict(value)
+
+
+def _structure_verify(value: Any, _type: Any) -> bool | str:
+    if not isinstance(value, bool | str):
+        raise ConfigError(f"expected true, false or a CA bundle path, got {value!r}")
+    return value
 
 
 def _make_converter() -> cattrs.Converter:
@@ -342,6 +374,7 @@ def _make_converter() -> cattrs.Converter:
             admin_base_url=override(struct_hook=_structure_urls),
             headers=override(struct_hook=_structure_str_map),
             backend_options=override(struct_hook=_structure_any_map),
+            verify=override(struct_hook=_structure_verify),
         ),
     )
     return conv

@@ -9,13 +9,14 @@ Unknown keys in server responses are ignored (servers add fields); structuring e
 
 from __future__ import annotations
 
+import re
 from typing import Any, TypeVar
 
 import cattrs
 
 from backends_core.errors import ResponseParseError
 
-__all__ = ["make_converter", "structure_response"]
+__all__ = ["format_error", "make_converter", "structure_response"]
 
 T = TypeVar("T")
 
@@ -61,15 +62,22 @@ def structure_response(converter: cattrs.Converter, raw: Any, cls: type[T], *, u
         return converter.structure(raw, cls)
     except Exception as exc:
         if isinstance(exc, cattrs.BaseValidationError):
-            detail = "; ".join(cattrs.transform_error(exc, path="$", format_exception=_format))
+            detail = "; ".join(cattrs.transform_error(exc, path="$", format_exception=format_error))
         else:
             detail = f"{type(exc).__name__}: {exc} @ $"
         raise ResponseParseError(detail, url=url) from exc
 
 
-def _format(exc: BaseException, type_: Any) -> str:
+def format_error(exc: BaseException, type_: Any) -> str:
+    """One readable line for a structuring error (used with ``cattrs.transform_error``)."""
     if isinstance(exc, KeyError):
-        return "required field missing"
+        return "required field missing" + (f" (expected {getattr(type_, '__name__', type_)})" if type_ else "")
+    if isinstance(exc, cattrs.ForbiddenExtraKeysError):
+        return f"unknown field(s) {sorted(exc.extra_fields)}"
+    literal = re.match(r"^(.*) not in literal typing\.Literal\[(.*)\]$", str(exc))
+    if literal:
+        return f"expected one of [{literal.group(2)}], got {literal.group(1)!r}"
     if isinstance(exc, TypeError | ValueError) and str(exc):
         return str(exc)
-    return cattrs.v.format_exception(exc, type_)
+    text = cattrs.v.format_exception(exc, type_)
+    return text if not text.startswith("unknown error") else f"{type(exc).__name__}: {exc}"

@@ -179,6 +179,8 @@ class BackendDriver:
             raise ResponseParseError(f"expected {request.sampling.n} sample(s), got {got}", url=server.base_url)
         for i, result in enumerate(results):
             check_result(result, where=f"sample {i}", url=server.base_url)
+            if result.prompt_ids != request.prompt_ids:
+                raise ResponseParseError(f"sample {i}: the prompt ids are not the ones sent", url=server.base_url)
         return results
 
     async def teacher_logprobs(self, server: Server, request: TeacherRequest) -> TeacherLogprobs:
@@ -242,6 +244,9 @@ def check_result(result: GenerateResult, *, where: str, url: str | None) -> None
     """Enforce what every backend promises about a sample; raise :class:`ResponseParseError` otherwise."""
     if not isinstance(result, GenerateResult):
         raise ResponseParseError(f"{where}: backend returned {type(result).__name__}, expected GenerateResult", url=url)
+    if not all(type(t) is int and t >= 0 for t in result.completion_ids):
+        bad = next(t for t in result.completion_ids if not (type(t) is int and t >= 0))
+        raise ResponseParseError(f"{where}: completion id {bad!r} is not a token id", url=url)
     lp = result.logprobs
     if not isinstance(lp, np.ndarray) or lp.dtype != np.float32 or lp.ndim != 1:
         raise ResponseParseError(f"{where}: logprobs must be a 1-D float32 array", url=url)

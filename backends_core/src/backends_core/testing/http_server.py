@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl as _ssl
 from collections.abc import AsyncIterator
 from http import HTTPStatus
 
@@ -55,8 +56,11 @@ def _encode_response(response: httpx.Response, body: bytes) -> bytes:
 
 
 @contextlib.asynccontextmanager
-async def serve(handler: Handler, *, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
-    """Serve ``handler`` until the block exits; yields the base URL (``port=0`` picks a free port)."""
+async def serve(
+    handler: Handler, *, host: str = "127.0.0.1", port: int = 0, ssl: _ssl.SSLContext | None = None
+) -> AsyncIterator[str]:
+    """Serve ``handler`` until the block exits; yields the base URL (``port=0`` picks a free port; an ``ssl``
+    context serves HTTPS)."""
 
     open_writers: set[asyncio.StreamWriter] = set()
 
@@ -83,10 +87,10 @@ async def serve(handler: Handler, *, host: str = "127.0.0.1", port: int = 0) -> 
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    server = await asyncio.start_server(on_connection, host, port)
+    server = await asyncio.start_server(on_connection, host, port, ssl=ssl)
     bound_port = server.sockets[0].getsockname()[1]
     try:
-        yield f"http://{host}:{bound_port}"
+        yield f"{'https' if ssl else 'http'}://{host}:{bound_port}"
     finally:
         server.close()
         for writer in list(open_writers):
