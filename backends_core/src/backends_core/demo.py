@@ -156,7 +156,10 @@ async def _weight_sync(client: Client, models: TinyModels, prompt: list[int], se
         await client.admin.flush_cache()
     after = await client.generate(prompt_ids=prompt, sampling=greedy, server=0)
     check(not np.allclose(after.logprobs, base.logprobs, atol=1e-4), "new weights serve new logprobs")
-    await client.admin.update_weights(str(models.dense), version="step-2")
+    report = await client.admin.weight_sync(path=str(models.dense), version="step-2", mode="wait")
+    print(
+        f"  weight_sync back to the original weights: {' -> '.join(report.phases)} in {1000 * report.duration_s:.0f} ms"
+    )
     restored = await client.generate(prompt_ids=prompt, sampling=greedy, server=0)
     check(
         restored.completion_ids == base.completion_ids
