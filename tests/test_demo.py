@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from backends_core.cli import main
-
-
 import pytest
+
+from backends_core.cli import main
 
 
 @pytest.mark.parametrize("backend", [None, "reference"])
