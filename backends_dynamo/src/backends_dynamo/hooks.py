@@ -1,0 +1,197 @@
+"""Hook implementations of the ``dynamo`` backend (the entry point): generation, teacher scoring, tokenization
+and options here; the admin hooks live in :mod:`backends_dynamo.admin` and are registered from here. Wire
+mapping is in ``wire.py`` / ``answer.py`` / ``admin_wire.py``, client-side state in ``tracking.py``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from backends_core import Server, hookimpl
+from backends_core.config import ClientConfig
+from backends_core.errors import InvalidRequestError
+from backends_core.types import (
+    GenerateRequest,
+    GenerateResult,
+    TeacherLogprobs,
+    TeacherRequest,
+)
+from backends_dynamo import wire
+
+# The admin hooks: importing them here registers them with this entry point module.
+from backends_dynamo.admin import (
+    admin_abort,
+    admin_flush_cache,
+    admin_health,
+    admin_init_weight_transfer,
+    admin_load_lora,
+    admin_pause,
+    admin_ready,
+    admin_resume,
+    admin_sleep,
+    admin_state,
+    admin_unload_lora,
+    admin_update_weights,
+    admin_update_weights_distributed,
+    admin_wake,
+)
+from backends_dynamo.checks import check_generation, check_teacher, served_name
+from backends_dynamo.options import DynamoOptions, parse_options
+from backends_dynamo.stream import fold, parse_sse
+from backends_dynamo.tracking import REQUEST_ID_HEADER, Tracker, dynamo_request_id, tracker
+
+__all__ = [
+    "admin_abort",
+    "admin_flush_cache",
+    "admin_health",
+    "admin_init_weight_transfer",
+    "admin_load_lora",
+    "admin_pause",
+    "admin_ready",
+    "admin_resume",
+    "admin_sleep",
+    "admin_state",
+    "admin_unload_lora",
+    "admin_update_weights",
+    "admin_update_weights_distributed",
+    "admin_wake",
+    "make_emulator",
+    "parse_response",
+    "post_generate",
+    "teacher_logprobs",
+    "tokenize_messages",
+    "validate_backend_options",
+]
+
+
+@hookimpl
+def validate_backend_options(options: Mapping[str, Any], config: ClientConfig) -> DynamoOptions:
+    return parse_options(options, config)
+
+
+@hookimpl
+def make_emulator(engine: Any, routed_experts: bool) -> Any:
+    from backends_dynamo.testing import DynamoEmulator
+
+    return DynamoEmulator(engine, routed_experts=routed_experts)
+
+
+def _hint(status: int, body: Any) -> str | None:
+    message = str(body.get("message", "")) if isinstance(body, Mapping) else str(body)
+    if status == 400 and ("unknown field" in message or "Unsupported parameter" in message):
+        return (
+            "the frontend refuses a field (nvext and top level are deny-unknown); this backend speaks ai-dynamo 1.6.1"
+        )
+    if status == 404 and message == "Model not found":
+        return "the model (or LoRA adapter) is not served by this frontend: GET /v1/models lists what is"
+    if status == 404:
+        return "no such route: is this a Dynamo frontend?"
+    if status == 503:
+        return "no worker serves the model right now (starting up, asleep, or gone)"
+    return None
+
+
+# -- generation -------------------------------------------------------------------------------------------
+
+
+def _one_sample(request: GenerateRequest, index: int) -> GenerateRequest:
+    s = request.sampling
+    seed = None if s.seed is None else s.seed + index
+    return attrs.evolve(request, sampling=attrs.evolve(s, n=1, seed=seed))
+
+
+def _note_request_id(track: Tracker, raw: Any, sent: str) -> None:
+    answered = raw.get("id") if isinstance(raw, Mapping) else None
+    if isinstance(answered, str) and not answered.endswith(sent):
+        track.ignores_request_ids = True
+
+
+async def _send(
+    server: Server, request: GenerateRequest, index: int, model: str, options: DynamoOptions
+) -> wire.Sample:
+    track = tracker(server)
+    rid = dynamo_request_id(request.request_id, index)
+    path, body = wire.generation_payload(
+        _one_sample(request, index),
+        model,
+        transport=options.transport,
+        metadata=options.extra_fields,
+        stream=options.stream,
+    )
+    flight = track.begin(rid, request.request_id)
+    try:
+        raw = await server.request(
+            "POST",
+            path,
+            json_body=body,
+            headers={REQUEST_ID_HEADER: rid},
+            expect="text" if options.stream else "json",
+            status_hint=_hint,
+        )
+    finally:
+        aborted, version = track.end(flight)
+    if options.stream:
+        raw = fold(parse_sse(raw, server.base_url), server.base_url)
+    _note_request_id(track, raw, rid)
+    return wire.Sample(raw, aborted=aborted, weight_version=version)
+
+
+@hookimpl
+async def post_generate(
+    server: Server, request: GenerateRequest, config: ClientConfig, options: DynamoOptions
+) -> wire.Exchange:
+    model = served_name(request.lora, request.model, config.model)
+    check_generation(request, fan_out=options.fan_out_n)
+    tasks = [asyncio.ensure_future(_send(server, request, i, model, options)) for i in range(request.sampling.n)]
+    try:
+        samples = await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    return wire.Exchange(tuple(samples))
+
+
+@hookimpl
+def parse_response(raw: Any, request: GenerateRequest, server_url: str) -> list[GenerateResult]:
+    return wire.parse_generation(raw, request, server_url)
+
+
+@hookimpl
+async def teacher_logprobs(
+    server: Server, request: TeacherRequest, config: ClientConfig, options: DynamoOptions
+) -> TeacherLogprobs:
+    model = served_name(request.lora, request.model, config.model)
+    check_teacher(request)
+    path, body = wire.teacher_payload(request, model, transport=options.transport)
+    track = tracker(server)
+    rid = dynamo_request_id(request.request_id)
+    flight = track.begin(rid, request.request_id)
+    try:
+        raw = await server.request("POST", path, json_body=body, headers={REQUEST_ID_HEADER: rid}, status_hint=_hint)
+    finally:
+        _, version = track.end(flight)
+    return wire.parse_teacher(raw, request, server.base_url, weight_version=version)
+
+
+@hookimpl
+async def tokenize_messages(
+    server: Server,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    chat_template_kwargs: Mapping[str, Any],
+    add_generation_prompt: bool,
+    config: ClientConfig,
+) -> list[int]:
+    """The frontend's own rendering of ``messages``, read from the engine record of a one-token chat request."""
+    if not add_generation_prompt:
+        raise InvalidRequestError(
+            "Dynamo's chat route always renders the generation prompt: add_generation_prompt=False cannot be checked"
+        )
+    path, body = wire.tokenize_payload(messages, tools, chat_template_kwargs, served_name(config.model))
+    raw = await server.request("POST", path, json_body=body, status_hint=_hint)
+    return wire.parse_prompt_ids(raw, server.base_url)

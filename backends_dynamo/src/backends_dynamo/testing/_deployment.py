@@ -1,0 +1,74 @@
+"""What the emulated frontend and its worker share: the engine, the served names, and the worker's state."""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from typing import Any
+
+import attrs
+import httpx
+
+from backends_core.testing.engine import ReferenceEngine
+from backends_dynamo.testing._schema import HttpError
+from backends_dynamo.testing._text import Text
+
+__all__ = ["Deployment", "json_response"]
+
+
+def json_response(status: int, body: Any, *, content_type: str = "application/json") -> httpx.Response:
+    """A JSON answer (the worker's system port labels its JSON ``text/plain``, as the captures show)."""
+    return httpx.Response(status, content=json.dumps(body).encode(), headers={"content-type": content_type})
+
+
+@attrs.define(eq=False)
+class Deployment:
+    """One worker (``dynamo.vllm`` over the engine) behind one frontend.
+
+    :ivar loras: loaded adapters: name -> (source URI, lora id).
+    :ivar declared_version: the weight version set through the admin routes (``None`` until one is).
+    """
+
+    engine: ReferenceEngine
+    text: Text
+    model_name: str
+    worker_id: int
+    routed_experts: bool
+    enable_rl: bool
+    enable_lora: bool
+    lora_hot_swap: bool
+    loras: dict[str, tuple[str, int]] = attrs.field(factory=dict)
+    #: Engine request ids in flight (the bare request UUID; ``<uuid>-<i>`` for the samples of ``n > 1``).
+    requests: set[str] = attrs.field(factory=set)
+    sleeping: bool = False
+    declared_version: str | None = None
+    started: float = attrs.field(factory=time.monotonic)
+
+    def served_names(self) -> list[str]:
+        """What ``/v1/models`` lists: nothing while asleep (the worker leaves discovery)."""
+        return [] if self.sleeping else [self.model_name, *self.loras]
+
+    def resolve(self, name: Any) -> str | None:
+        """The adapter a model name selects (``None`` for the base model).
+
+        :raises HttpError: 404 for an unknown name, 503 while the worker sleeps.
+        """
+        if name != self.model_name and name not in self.loras:
+            raise HttpError(404, "Model not found")
+        if self.sleeping:
+            raise HttpError(
+                503,
+                f"Model `{name}` is not ready to serve requests yet. The deployment may still be starting up or is "
+                "not fully provisioned. Please retry shortly.",
+            )
+        return None if name == self.model_name else str(name)
+
+    def in_flight(self) -> int:
+        state = self.engine.state()
+        return state.in_flight + state.queued
+
+    @staticmethod
+    def lora_id(name: str) -> int:
+        """A stable id per adapter name (Dynamo derives one from the name)."""
+        return zlib.crc32(name.encode()) & 0x7FFFFFFF

@@ -1,0 +1,313 @@
+"""Hook implementations of the ``sglang`` backend: each hook is a few lines; the wire mapping is in ``wire.py``,
+the control-plane waits and credentials in ``control.py``.
+
+Pause modes, mapped onto SGLang's ``/pause_generation`` modes:
+
+* ``abort`` -> ``abort``: in-flight requests end now with ``finish_reason="abort"`` and the tokens generated so
+  far; SGLang answers once they are gone.
+* ``wait`` -> drain, then ``retract``: the backend polls ``/v1/loads`` until nothing runs or waits (at most
+  ``pause_drain_timeout`` seconds), then pauses with ``retract``. Guarantee: no request is lost or aborted.
+  Every request in flight when ``pause`` was called finishes before it returns if it finishes within the
+  timeout; whatever is still running at the deadline, or arrives during the call, is retracted (put back in
+  SGLang's queue with its tokens so far) and finishes after resume.
+* ``keep`` -> ``in_place``: running requests are frozen with their KV cache and continue after resume;
+  SGLang then refuses ``/flush_cache``, so ``clear_cache`` is ignored as the contract says.
+
+New requests sent while paused (any mode) queue and run after resume. SGLang exposes no "is paused" or "is
+asleep" flag: :func:`admin_state` reports what this client last did to the server (``None`` until it paused,
+resumed, slept or woke it).
+
+Health and readiness: SGLang's ``/health`` and ``/health_generate`` both run a 1-token generation and answer 503
+when it does not complete within ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s), which is what happens while generation
+is paused or memory is released. :func:`admin_health` and :func:`admin_ready` pass that 503 on as ``False``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from backends_core import Server, hookimpl
+from backends_core.config import ClientConfig
+from backends_core.errors import InvalidRequestError, ServerStatusError
+from backends_core.types import (
+    DistributedGroup,
+    GenerateRequest,
+    GenerateResult,
+    LoraAdapter,
+    PauseMode,
+    ServerState,
+    TeacherLogprobs,
+    TeacherRequest,
+    TensorSpec,
+)
+from backends_sglang import control, wire
+from backends_sglang.options import SglangOptions, parse_options
+
+_LIMIT = "sglang.max_req_input_len"  # Server.cache: read once from /server_info
+_PAUSED = "sglang.paused"  # Server.cache: what this client last did (SGLang exposes no flag)
+_SLEEPING = "sglang.sleeping"
+_MODES = {"abort": "abort", "wait": "retract", "keep": "in_place"}
+
+
+@hookimpl
+def validate_backend_options(options: Mapping[str, Any], config: ClientConfig) -> SglangOptions:
+    return parse_options(options, config)
+
+
+@hookimpl
+def make_emulator(engine: Any, routed_experts: bool) -> Any:
+    from backends_sglang.testing.emulator import SglangEmulator
+
+    return SglangEmulator(engine, enable_return_routed_experts=routed_experts)
+
+
+# -- generation -------------------------------------------------------------------------------------------
+
+
+async def _max_req_input_len(server: Server) -> int:
+    if _LIMIT not in server.cache:
+        try:
+            raw = await server.request("GET", "/server_info")
+        except ServerStatusError as exc:
+            if exc.status_code != 404:
+                raise
+            raw = await server.request("GET", "/get_server_info")  # before /server_info existed
+        server.cache[_LIMIT] = wire.max_req_input_len(raw, server.base_url)
+    limit: int = server.cache[_LIMIT]
+    return limit
+
+
+async def _check_length(server: Server, prompt: int, max_tokens: int) -> None:
+    limit = await _max_req_input_len(server)
+    if prompt > limit:
+        raise InvalidRequestError(
+            f"prompt of {prompt} tokens exceeds max_req_input_len {limit} of {server.base_url}: SGLang would abort it"
+        )
+    ceiling = limit + 4  # the scheduler clips prompt + max_new_tokens to max_req_len - 1 = max_req_input_len + 4
+    if prompt + max_tokens > ceiling:
+        raise InvalidRequestError(
+            f"prompt of {prompt} tokens + max_tokens {max_tokens} = {prompt + max_tokens} exceeds {ceiling} on "
+            f"{server.base_url} (max_req_input_len {limit} + 4): SGLang would silently lower max_tokens to "
+            f"{ceiling - prompt}"
+        )
+
+
+@hookimpl
+async def post_generate(server: Server, request: GenerateRequest, options: SglangOptions) -> Any:
+    if options.check_prompt_length:
+        await _check_length(server, len(request.prompt_ids), request.sampling.max_tokens)
+    return await server.request("POST", "/generate", json_body=wire.generate_payload(request))
+
+
+@hookimpl
+def parse_response(raw: Any, request: GenerateRequest, server_url: str, options: SglangOptions) -> list[GenerateResult]:
+    return wire.parse_generate(raw, request, server_url, options.routing)
+
+
+@hookimpl
+async def teacher_logprobs(server: Server, request: TeacherRequest, options: SglangOptions) -> TeacherLogprobs:
+    if options.check_prompt_length:
+        await _check_length(server, len(request.token_ids), 0)
+    raw = await server.request("POST", "/generate", json_body=wire.teacher_payload(request))
+    return wire.parse_teacher(raw, request, server.base_url)
+
+
+# -- admin: liveness and state ----------------------------------------------------------------------------
+
+
+async def _answers(server: Server, path: str) -> bool:
+    """``True`` on 200, ``False`` on 503 (SGLang's "not now"); other failures raise."""
+    try:
+        await server.request("GET", path, plane="admin", expect="none", retry=False)
+    except ServerStatusError as exc:
+        if exc.status_code == 503:
+            return False
+        raise
+    return True
+
+
+@hookimpl
+async def admin_health(server: Server) -> bool:
+    return await _answers(server, "/health")
+
+
+@hookimpl
+async def admin_ready(server: Server) -> bool:
+    return await _answers(server, "/health_generate")  # runs a 1-token generation: 503 while paused or asleep
+
+
+@hookimpl
+async def admin_state(server: Server) -> ServerState:
+    info, loads, models = await asyncio.gather(
+        control.read(server, "/model_info"), control.read(server, "/v1/loads"), control.read(server, "/v1/models")
+    )
+    url = server.admin_url
+    return ServerState(
+        paused=server.cache.get(_PAUSED),
+        sleeping=server.cache.get(_SLEEPING),
+        weight_version=wire.weight_version(info, url),
+        in_flight=wire.in_flight(loads, url),
+        loras=wire.lora_names(models, url),
+    )
+
+
+# -- admin: scheduling ------------------------------------------------------------------------------------
+
+
+@hookimpl
+async def admin_pause(server: Server, mode: PauseMode, clear_cache: bool, options: SglangOptions) -> bool:
+    if mode == "wait":
+        await control.drain(server, options)
+    raw = await control.call(server, options, "POST", "/pause_generation", {"mode": _MODES[mode]})
+    control.require_success(server, "/pause_generation", raw, key="status")
+    server.cache[_PAUSED] = True
+    if clear_cache and mode != "keep":
+        await control.flush_cache(server, options)
+    return True
+
+
+@hookimpl
+async def admin_resume(server: Server, options: SglangOptions) -> bool:
+    raw = await control.call(server, options, "POST", "/continue_generation", {})
+    control.require_success(server, "/continue_generation", raw, key="status")
+    server.cache[_PAUSED] = False
+    return True
+
+
+@hookimpl
+async def admin_flush_cache(server: Server, options: SglangOptions) -> bool:
+    await control.flush_cache(server, options)
+    return True
+
+
+@hookimpl
+async def admin_abort(server: Server, request_ids: Sequence[str] | None, options: SglangOptions) -> int:
+    """SGLang aborts every request whose id starts with the given one (so ``n > 1`` samples, ``<id>_<i>``,
+    go too) and answers an empty 200 whatever it found: the count is unknown."""
+    bodies = [{"abort_all": True}] if request_ids is None else [{"rid": rid} for rid in request_ids if rid]
+    for body in bodies:
+        await control.call(server, options, "POST", "/abort_request", body, expect="none")
+    return -1
+
+
+@hookimpl
+async def admin_sleep(server: Server, options: SglangOptions) -> bool:
+    """``/release_memory_occupation`` of every tag (weights and KV cache) for both levels: whether weights
+    survive is the server's ``--enable-weights-cpu-backup``. Needs ``--enable-memory-saver`` (and a GPU).
+
+    SGLang's scheduler asserts it is idle here and dies otherwise, so a server with requests running, waiting
+    or paused in place is refused before anything is sent."""
+    pending = await control.in_flight(server)
+    if pending:
+        raise InvalidRequestError(
+            f"{server.admin_url} has {pending} request(s) in flight: SGLang releases memory only when idle (its "
+            "scheduler asserts it and exits otherwise); pause('abort') or let them finish first"
+        )
+    await control.call(server, options, "POST", "/release_memory_occupation", {}, expect="none")
+    server.cache[_SLEEPING] = True
+    return True
+
+
+@hookimpl
+async def admin_wake(server: Server, options: SglangOptions) -> bool:
+    await control.call(server, options, "POST", "/resume_memory_occupation", {}, expect="none")
+    server.cache[_SLEEPING] = False
+    return True
+
+
+# -- admin: weights ---------------------------------------------------------------------------------------
+
+
+async def _flush_with_update(server: Server) -> bool:
+    """Ask the update itself to flush only when nothing is in flight: SGLang treats a refused flush after a
+    weight update as fatal, and refuses while requests run, wait or sit paused in place."""
+    return await control.in_flight(server) == 0
+
+
+@hookimpl
+async def admin_update_weights(server: Server, path: str, version: str | None, options: SglangOptions) -> bool:
+    body: dict[str, Any] = {
+        "model_path": path,
+        "abort_all_requests": False,
+        "flush_cache": await _flush_with_update(server),
+    }
+    if version is not None:
+        body["weight_version"] = version
+    raw = await control.call(server, options, "POST", "/update_weights_from_disk", body)
+    control.require_success(server, "/update_weights_from_disk", raw)
+    return True
+
+
+@hookimpl
+async def admin_init_weight_transfer(server: Server, group: DistributedGroup, options: SglangOptions) -> bool:
+    body = {
+        "master_address": group.master_address,
+        "master_port": group.master_port,
+        "rank_offset": group.rank_offset,
+        "world_size": group.world_size,
+        "group_name": group.group_name,
+        "backend": group.backend,
+    }
+    raw = await control.call(server, options, "POST", "/init_weights_update_group", body)
+    control.require_success(server, "/init_weights_update_group", raw)
+    return True
+
+
+def _dtype(name: str) -> str:
+    return name.removeprefix("torch.")
+
+
+@hookimpl
+async def admin_update_weights_distributed(
+    server: Server, group_name: str, tensors: Sequence[TensorSpec], version: str | None, options: SglangOptions
+) -> bool:
+    """``/begin_weight_update`` -> ``/update_weights_from_distributed`` -> ``/end_weight_update`` (SGLang 0.5.23
+    refuses the update outside such a session); the session is closed even when the update fails."""
+    body: dict[str, Any] = {
+        "names": [t.name for t in tensors],
+        "dtypes": [_dtype(t.dtype) for t in tensors],
+        "shapes": [list(t.shape) for t in tensors],
+        "group_name": group_name,
+        "abort_all_requests": False,
+        "flush_cache": await _flush_with_update(server),
+    }
+    if version is not None:
+        body["weight_version"] = version
+    begun = await control.call(server, options, "POST", "/begin_weight_update", {})
+    control.require_success(server, "/begin_weight_update", begun)
+    try:
+        raw = await control.call(server, options, "POST", "/update_weights_from_distributed", body)
+        control.require_success(server, "/update_weights_from_distributed", raw)
+    except BaseException:
+        try:
+            await control.call(server, options, "POST", "/end_weight_update", {})
+        except Exception:  # the update's own error is the one to report
+            control.log.warning("%s: /end_weight_update failed after a failed update", server.admin_url)
+        raise
+    ended = await control.call(server, options, "POST", "/end_weight_update", {})
+    control.require_success(server, "/end_weight_update", ended)
+    return True
+
+
+# -- admin: LoRA ------------------------------------------------------------------------------------------
+
+
+@hookimpl
+async def admin_load_lora(server: Server, adapter: LoraAdapter, options: SglangOptions) -> bool:
+    """``adapter.replace`` on a loaded name unloads it first (SGLang has no in-place reload): requests naming
+    the adapter between the two calls get a 400."""
+    if adapter.replace and adapter.name in wire.lora_names(await control.read(server, "/v1/models"), server.admin_url):
+        await admin_unload_lora(server, adapter.name, options)
+    body = {"lora_name": adapter.name, "lora_path": adapter.path}
+    raw = await control.call(server, options, "POST", "/load_lora_adapter", body)
+    control.require_success(server, "/load_lora_adapter", raw)
+    return True
+
+
+@hookimpl
+async def admin_unload_lora(server: Server, name: str, options: SglangOptions) -> bool:
+    raw = await control.call(server, options, "POST", "/unload_lora_adapter", {"lora_name": name})
+    control.require_success(server, "/unload_lora_adapter", raw)
+    return True

@@ -1,0 +1,233 @@
+"""An SGLang 0.5.23 HTTP server over the numpy reference engine, for tests and the demo.
+
+``SglangEmulator(engine).handle`` is an async ``httpx.Request -> httpx.Response`` function:
+``emulator.transport()`` serves it in-process, ``emulator.asgi()`` under any ASGI server, and
+:func:`backends_core.testing.http_server.serve` on a real port.
+
+Routes (method, auth level): ``/generate`` (POST, PUT; normal), ``/health`` ``/health_generate`` ``/ready`` (GET;
+always open), ``/model_info`` ``/get_model_info`` ``/server_info`` ``/get_server_info`` ``/v1/models``
+``/v1/loads`` (GET; normal), and the control routes (admin): ``/flush_cache`` (GET, POST), ``/abort_request``,
+``/pause_generation``, ``/continue_generation``, ``/update_weights_from_disk``, ``/update_weight_version``,
+``/begin_weight_update``, ``/end_weight_update``, ``/init_weights_update_group``,
+``/destroy_weights_update_group``, ``/update_weights_from_distributed``, ``/update_weights_from_tensor``,
+``/load_lora_adapter``, ``/unload_lora_adapter`` (POST), ``/release_memory_occupation``,
+``/resume_memory_occupation`` (GET, POST).
+
+Authentication follows SGLang's rule: with ``admin_api_key`` the control routes need it (the plain key is
+refused there); with only ``api_key`` every route but the health ones needs that; ``401 {"error":
+"Unauthorized"}`` otherwise. ``/health`` and ``/health_generate`` run a 1-token generation on SGLang, so they
+answer 503 while generation is paused or the memory released (SGLang after its 20 s health timeout, the
+emulator at once). Everything else SGLang serves (OpenAI routes, sessions, streaming, tokenize) is a 404 here.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Literal, NoReturn
+
+import attrs
+import httpx
+
+from backends_core.testing.asgi import asgi_app
+from backends_core.testing.engine import ReferenceEngine
+from backends_sglang.testing import _info
+from backends_sglang.testing._control import Control
+from backends_sglang.testing._generation import Generation, Limits
+from backends_sglang.testing._protocol import parse_generate
+from backends_sglang.testing._replies import HttpError, contract_error, empty, json_reply, validation_error
+from backends_sglang.testing._text import Text
+from backends_sglang.testing._weights import WeightSource, WeightStore
+
+__all__ = ["SglangEmulator"]
+
+Level = Literal["open", "normal", "admin"]
+Handler = Callable[[Any], Awaitable[httpx.Response]]
+
+
+@attrs.frozen
+class _Route:
+    methods: frozenset[str]
+    level: Level
+    handler: Handler
+
+
+class _Crashed(Exception):
+    """The emulated server died (an assertion SGLang's scheduler does not survive)."""
+
+
+class SglangEmulator:
+    """Serves SGLang's HTTP dialect for one engine.
+
+    :param engine: the engine to serve (its ``max_model_len`` is the context length).
+    :param enable_return_routed_experts: as ``--enable-return-routed-experts`` (MoE models).
+    :param served_model_name: as ``--served-model-name`` (default: the model path).
+    :param admin_api_key: as ``--admin-api-key``.
+    :param api_key: as ``--api-key``.
+    :param enable_lora: as ``--enable-lora``.
+    :param max_total_num_tokens: KV pool size; with the context length it sets ``max_req_input_len``.
+    :param max_running_requests: as ``--max-running-requests`` (reported only).
+    :param weight_source: stands for the trainer of ``/update_weights_from_distributed``:
+        ``(group_name, [(name, dtype, shape), ...]) -> {name: array}``.
+    """
+
+    def __init__(
+        self,
+        engine: ReferenceEngine,
+        *,
+        enable_return_routed_experts: bool = False,
+        served_model_name: str | None = None,
+        admin_api_key: str | None = None,
+        api_key: str | None = None,
+        enable_lora: bool = True,
+        max_total_num_tokens: int = 131072,
+        max_running_requests: int = 64,
+        weight_source: WeightSource | None = None,
+    ) -> None:
+        self.engine = engine
+        limits = Limits(context_len=engine.max_model_len, max_total_num_tokens=max_total_num_tokens)
+        self.identity = _info.Identity(
+            model_path=str(engine.model_dir),
+            tokenizer_path=str(engine.model_dir),
+            served_model_name=served_model_name,
+            context_len=limits.context_len,
+            max_total_num_tokens=max_total_num_tokens,
+            max_req_input_len=limits.max_req_input_len,
+            max_running_requests=max_running_requests,
+            enable_lora=enable_lora,
+            enable_return_routed_experts=enable_return_routed_experts,
+            api_key_set=api_key is not None,
+            admin_api_key_set=admin_api_key is not None,
+        )
+        self.generation = Generation(
+            engine, Text(engine.model_dir), limits, routed_experts=enable_return_routed_experts
+        )
+        self.weights = WeightStore(engine.model_dir)
+        self.control = Control(
+            engine, self.generation, self.identity, self.weights, weight_source=weight_source, crash=self._crash
+        )
+        self._api_key, self._admin_api_key = api_key, admin_api_key
+        #: Why the emulated server died, once it has (every later request is refused).
+        self.crashed: str | None = None
+        #: ``(method, path)`` of every request received, in order.
+        self.requests: list[tuple[str, str]] = []
+        self._routes = self._route_table()
+
+    def _route_table(self) -> dict[str, _Route]:
+        get, post, both = frozenset({"GET"}), frozenset({"POST"}), frozenset({"GET", "POST"})
+        c = self.control
+        routes: dict[str, _Route] = {
+            "/generate": _Route(frozenset({"POST", "PUT"}), "normal", self._generate),
+            "/health": _Route(get, "open", self._health),
+            "/health_generate": _Route(get, "open", self._health),
+            "/ready": _Route(get, "open", self._ready),
+            "/model_info": _Route(get, "normal", self._info(_info.model_info)),
+            "/get_model_info": _Route(get, "normal", self._info(_info.model_info)),
+            "/server_info": _Route(get, "normal", self._info(_info.server_info)),
+            "/get_server_info": _Route(get, "normal", self._info(_info.server_info)),
+            "/v1/models": _Route(get, "normal", self._info(_info.models)),
+            "/v1/loads": _Route(get, "normal", self._info(_info.loads)),
+            "/flush_cache": _Route(both, "admin", c.flush_cache),
+            "/release_memory_occupation": _Route(both, "admin", c.release_memory_occupation),
+            "/resume_memory_occupation": _Route(both, "admin", c.resume_memory_occupation),
+        }
+        for name in (
+            "abort_request",
+            "pause_generation",
+            "continue_generation",
+            "update_weights_from_disk",
+            "update_weight_version",
+            "begin_weight_update",
+            "end_weight_update",
+            "init_weights_update_group",
+            "destroy_weights_update_group",
+            "update_weights_from_distributed",
+            "update_weights_from_tensor",
+            "load_lora_adapter",
+            "unload_lora_adapter",
+        ):
+            routes[f"/{name}"] = _Route(post, "admin", getattr(c, name))
+        return routes
+
+    # -- serving ----------------------------------------------------------------------------------------
+
+    def transport(self) -> httpx.MockTransport:
+        """An httpx transport that answers in-process."""
+        return httpx.MockTransport(self.handle)
+
+    def asgi(self) -> Callable[..., Awaitable[None]]:
+        """The emulator as an ASGI 3 application."""
+        return asgi_app(self.handle)
+
+    async def aclose(self) -> None:
+        """Stop the engine and delete the checkpoints written for weight updates."""
+        await self.engine.aclose()
+        self.weights.close()
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        """Answer one request as SGLang would.
+
+        :raises httpx.ConnectError: the emulated server has crashed.
+        :raises httpx.RemoteProtocolError: this request crashed it.
+        """
+        if self.crashed is not None:
+            raise httpx.ConnectError(f"connection refused: the emulated SGLang server died ({self.crashed})")
+        path = request.url.path
+        self.requests.append((request.method, path))
+        route = self._routes.get(path)
+        if not self._authorized(route.level if route else "normal", request.headers.get("authorization")):
+            return json_reply(401, {"error": "Unauthorized"})
+        if route is None:
+            return json_reply(404, {"detail": "Not Found"})
+        if request.method not in route.methods:
+            return json_reply(405, {"detail": "Method Not Allowed"})
+        try:
+            response = await route.handler(self._body(request, contract=path == "/generate"))
+        except HttpError as exc:
+            response = exc.response
+        except _Crashed as exc:
+            raise httpx.RemoteProtocolError(f"Server disconnected without sending a response ({exc})") from exc
+        if self.crashed is not None:
+            raise httpx.RemoteProtocolError(f"Server disconnected without sending a response ({self.crashed})")
+        return response
+
+    def _authorized(self, level: Level, header: str | None) -> bool:
+        if level == "open":
+            return True
+        scheme, _, token = (header or "").partition(" ")
+        token = token if scheme.lower() == "bearer" else ""
+        if level == "admin" and self._admin_api_key is not None:
+            return token == self._admin_api_key
+        return self._api_key is None or token == self._api_key
+
+    @staticmethod
+    def _body(request: httpx.Request, *, contract: bool) -> Any:
+        if not request.content:
+            return {}
+        try:
+            return json.loads(request.content)
+        except ValueError as exc:
+            raise (contract_error if contract else validation_error)(f"invalid JSON body: {exc}") from exc
+
+    def _crash(self, reason: str) -> NoReturn:
+        self.crashed = reason
+        self.engine.abort()
+        raise _Crashed(reason)
+
+    # -- data and read-only routes ----------------------------------------------------------------------
+
+    async def _generate(self, body: Any) -> httpx.Response:
+        return json_reply(200, await self.generation.generate(parse_generate(body)))
+
+    async def _health(self, body: Any) -> httpx.Response:
+        state = self.engine.state()
+        return empty(503 if state.paused or state.sleeping else 200)
+
+    async def _ready(self, body: Any) -> httpx.Response:
+        return empty(200)
+
+    def _info(self, build: Callable[[_info.Identity, ReferenceEngine], Mapping[str, Any]]) -> Handler:
+        async def handler(body: Any) -> httpx.Response:
+            return json_reply(200, build(self.identity, self.engine))
+
+        return handler

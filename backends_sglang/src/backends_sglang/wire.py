@@ -1,0 +1,396 @@
+"""SGLang's wire format (0.5.23 HTTP server) and its mapping to the core types.
+
+Generation and teacher scoring both use ``POST /generate`` with token ids:
+
+* request: ``{"input_ids", "sampling_params": {...}, "return_logprob": true, "logprob_start_len",
+  "top_logprobs_num", "rid", "lora_path", "return_routed_experts", "routed_experts_start_len", ...}``.
+  ``sampling_params`` rejects unknown keys with a 400, so every field is mapped by name here, and every one
+  is sent (SGLang merges omitted fields from ``--preferred-sampling-params``).
+* answer: one object, or a list of ``n`` objects when ``n > 1``: ``output_ids`` and ``meta_info`` with
+  ``output_token_logprobs = [[logprob, token_id, text|null], ...]`` (each id checked against ``output_ids``),
+  ``finish_reason = {"type": "length"|"stop"|"abort", "matched"?, "message"?}``, ``weight_version``,
+  ``weight_versions`` spans, ``cached_tokens`` and, when asked, ``routed_experts`` (see
+  :mod:`backends_sglang.routing`).
+* teacher: ``max_new_tokens: 0`` with ``logprob_start_len: 0``; ``input_token_logprobs`` then has one entry per
+  token and entry 0 is ``[null, id, text]``. (With ``logprob_start_len = k`` the list starts at position ``k``
+  and entry ``k`` is null too, although that token has a logprob: never score from ``k > 0``.)
+
+Output logprobs are ``log_softmax(logits / temperature)`` on SGLang (not renormalised for top-k/top-p; raw at
+temperature 0); prompt logprobs are always raw. They are the engine's own numbers and are passed through.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import numpy as np
+
+from backends_core.types import (
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    SamplingParams,
+    TeacherLogprobs,
+    TeacherRequest,
+    TopLogprob,
+    Usage,
+    WeightVersionSpan,
+)
+from backends_sglang import routing
+from backends_sglang._body import Body
+
+__all__ = [
+    "SAMPLING_KEYS",
+    "generate_payload",
+    "in_flight",
+    "lora_names",
+    "max_req_input_len",
+    "parse_generate",
+    "parse_teacher",
+    "routed_start",
+    "sampling_params",
+    "succeeded",
+    "teacher_payload",
+    "weight_version",
+]
+
+#: The keys SGLang 0.5.23's ``sampling_params`` accepts; any other key is a 400.
+SAMPLING_KEYS = (
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "stop_regex",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "n",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "stream_interval",
+    "logit_bias",
+    "sampling_seed",
+    "custom_params",
+    "beam_width",
+    "watermark",
+    "choice",
+)
+_FINISH: dict[str, FinishReason] = {"length": "length", "stop": "stop", "abort": "abort"}
+
+
+# -- requests -------------------------------------------------------------------------------------------
+
+
+def sampling_params(s: SamplingParams, *, max_new_tokens: int | None = None) -> dict[str, Any]:
+    """Our :class:`SamplingParams` under SGLang's names, every field explicit (``sampling_seed`` only when set)."""
+    params: dict[str, Any] = {
+        "max_new_tokens": s.max_tokens if max_new_tokens is None else max_new_tokens,
+        "min_new_tokens": s.min_tokens,
+        "n": s.n,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "min_p": s.min_p,
+        "stop_token_ids": list(s.stop_token_ids),
+        "ignore_eos": s.ignore_eos,
+        "repetition_penalty": s.repetition_penalty,
+        "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty,
+    }
+    if s.seed is not None:
+        params["sampling_seed"] = s.seed
+    return params
+
+
+def routed_start(request: GenerateRequest) -> int:
+    """The ``routed_experts_start_len`` to send: the wanted start, at most the last prompt position (the
+    rows of completion positions are then trimmed client-side, whatever the server does past the prompt)."""
+    return min(request.routed_experts_start, len(request.prompt_ids) - 1)
+
+
+def generate_payload(request: GenerateRequest) -> dict[str, Any]:
+    """Body of ``POST /generate`` for a generation. ``model`` has no place on ``/generate`` (SGLang serves one
+    model; adapters are chosen by ``lora_path``)."""
+    body: dict[str, Any] = {
+        "input_ids": list(request.prompt_ids),
+        "sampling_params": sampling_params(request.sampling),
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "top_logprobs_num": request.sampling.top_logprobs,
+        "return_text_in_logprobs": False,
+    }
+    if request.request_id is not None:
+        body["rid"] = request.request_id
+    if request.lora is not None:
+        body["lora_path"] = request.lora
+    if request.cache_salt is not None:
+        body["cache_salt"] = request.cache_salt
+    if request.priority is not None:
+        body["priority"] = request.priority
+    if request.return_routed_experts:
+        body["return_routed_experts"] = True
+        body["routed_experts_start_len"] = routed_start(request)
+    return body
+
+
+def teacher_payload(request: TeacherRequest) -> dict[str, Any]:
+    """Body of ``POST /generate`` scoring ``request.token_ids``: no new token, prompt logprobs from position 0."""
+    body: dict[str, Any] = {
+        "input_ids": list(request.token_ids),
+        "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": request.top_logprobs,
+        "return_text_in_logprobs": False,
+    }
+    if request.request_id is not None:
+        body["rid"] = request.request_id
+    if request.lora is not None:
+        body["lora_path"] = request.lora
+    return body
+
+
+# -- generation answers ---------------------------------------------------------------------------------
+
+
+def _triple(entry: Body) -> tuple[Body, int]:
+    """``[logprob, token_id, text|null]`` -> (logprob body, token id)."""
+    parts = entry.items()
+    if len(parts) not in (2, 3):
+        raise entry.fail(f"expected [logprob, token_id, text], got {len(parts)} element(s)")
+    return parts[0], parts[1].integer()
+
+
+def _alternatives(row: Body, k: int) -> tuple[TopLogprob, ...]:
+    """The first ``k`` ``[logprob, id, text]`` of a top-logprobs row, checked to be in descending order."""
+    entries = row.items()
+    if len(entries) < k:
+        raise row.fail(f"expected {k} alternatives, got {len(entries)}")
+    top = []
+    for rank, entry in enumerate(entries[:k], start=1):
+        lp, token = _triple(entry)
+        top.append(TopLogprob(token_id=token, logprob=lp.logprob(), rank=rank))
+    if any(a.logprob < b.logprob - 1e-6 for a, b in itertools.pairwise(top)):
+        raise row.fail("alternatives are not in descending logprob order")
+    return tuple(top)
+
+
+def _finish(meta: Body) -> tuple[FinishReason, int | str | None]:
+    field = meta.get("finish_reason")
+    kind = field.get("type").string()
+    if kind not in _FINISH:
+        raise field.get("type").fail(f"finish type {kind!r} is not one of {list(_FINISH)}")
+    if kind != "stop":
+        return _FINISH[kind], None
+    matched = field.get("matched", required=False).value
+    if matched is not None and (isinstance(matched, bool) or not isinstance(matched, int | str)):
+        raise field.get("matched").fail(f"expected a token id, a string or null, got {matched!r}")
+    return "stop", matched
+
+
+def _spans(meta: Body) -> tuple[WeightVersionSpan, ...]:
+    field = meta.get("weight_versions", required=False)
+    if field.value is None:
+        return ()
+    return tuple(
+        WeightVersionSpan(version=s.get("version").string(), start=s.get("start").integer(), end=s.get("end").integer())
+        for s in field.items()
+    )
+
+
+def _samples(raw: Any, n: int, url: str) -> list[Body]:
+    body = Body(raw, "$", url)
+    samples = body.items() if isinstance(raw, list) else [body]
+    if len(samples) != n:
+        raise body.fail(f"expected {n} sample(s) (n={n}), got {len(samples)}")
+    return samples
+
+
+def _completion_logprobs(meta: Body, completion: tuple[int, ...]) -> np.ndarray[Any, np.dtype[np.float32]]:
+    field = meta.get("output_token_logprobs", required=False)
+    if field.value is None:
+        raise field.fail("no output logprobs in the answer although return_logprob was sent")
+    entries = field.items()
+    if len(entries) != len(completion):
+        raise field.fail(f"{len(entries)} logprob entries for {len(completion)} output ids")
+    logprobs = np.empty(len(completion), dtype=np.float32)
+    for i, (token, entry) in enumerate(zip(completion, entries, strict=True)):
+        lp, claimed = _triple(entry)
+        if claimed != token:
+            raise entry.fail(f"logprob entry is for token {claimed} but output id {i} is {token}")
+        logprobs[i] = lp.logprob()
+    return logprobs
+
+
+def _top_rows(meta: Body, k: int, count: int) -> tuple[tuple[TopLogprob, ...], ...] | None:
+    if not k:
+        return None
+    field = meta.get("output_top_logprobs", required=False)
+    if field.value is None:
+        raise field.fail(f"no top logprobs in the answer although top_logprobs_num={k} was sent")
+    rows = field.items()
+    if len(rows) != count:
+        raise field.fail(f"{len(rows)} top-logprob rows for {count} output ids")
+    return tuple(_alternatives(row, k) for row in rows)
+
+
+def _usage(meta: Body, prompt: int, completion: int) -> Usage:
+    reported = meta.get("prompt_tokens").integer()
+    if reported != prompt:
+        raise meta.get("prompt_tokens").fail(f"prompt_tokens is {reported} but {prompt} prompt ids were sent")
+    generated = meta.get("completion_tokens").integer()
+    if generated != completion:
+        raise meta.get("completion_tokens").fail(f"completion_tokens is {generated} for {completion} output ids")
+    cached = meta.get("cached_tokens", required=False)
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        cached_tokens=cached.integer() if cached.value is not None else None,
+    )
+
+
+def parse_generate(
+    raw: Any, request: GenerateRequest, server_url: str, geometry: routing.RoutingGeometry | None
+) -> list[GenerateResult]:
+    """One :class:`GenerateResult` per sample of a ``/generate`` answer.
+
+    :param geometry: routing layers and top-k, needed only when routed experts were asked for.
+    :raises ResponseParseError: naming the offending JSON path.
+    """
+    results = []
+    for sample in _samples(raw, request.sampling.n, server_url):
+        meta = sample.get("meta_info")
+        completion = tuple(t.integer() for t in sample.get("output_ids").items())
+        finish, stop_reason = _finish(meta)
+        spans = _spans(meta)
+        version = meta.get("weight_version", required=False)
+        routed = None
+        if request.return_routed_experts:
+            field = meta.get("routed_experts", required=False)
+            if field.value is None:
+                raise field.fail(
+                    "routed experts were asked for but the answer has none: start SGLang with "
+                    "--enable-return-routed-experts (MoE models only)"
+                )
+            routed = routing.decode(
+                field.value,
+                geometry,
+                total_tokens=len(request.prompt_ids) + len(completion),
+                server_start=routed_start(request),
+                wanted_start=request.routed_experts_start,
+                field=field.path,
+                url=server_url,
+            )
+        results.append(
+            GenerateResult(
+                prompt_ids=request.prompt_ids,
+                completion_ids=completion,
+                logprobs=_completion_logprobs(meta, completion),
+                finish_reason=finish,
+                stop_reason=stop_reason,
+                top_logprobs=_top_rows(meta, request.sampling.top_logprobs, len(completion)),
+                routed_experts=routed,
+                weight_version=version.string()
+                if version.value is not None
+                else (spans[-1].version if spans else None),
+                weight_versions=spans,
+                usage=_usage(meta, len(request.prompt_ids), len(completion)),
+                request_id=meta.get("id").string(),
+                server=server_url,
+            )
+        )
+    return results
+
+
+def parse_teacher(raw: Any, request: TeacherRequest, server_url: str) -> TeacherLogprobs:
+    """Teacher logprobs from ``meta_info.input_token_logprobs`` of a ``max_new_tokens: 0`` answer."""
+    (sample,) = _samples(raw, 1, server_url)
+    meta = sample.get("meta_info")
+    ids = request.token_ids
+    field = meta.get("input_token_logprobs", required=False)
+    if field.value is None:
+        raise field.fail("no prompt logprobs in the answer although return_logprob and logprob_start_len 0 were sent")
+    entries = field.items()
+    if len(entries) != len(ids):
+        raise field.fail(f"{len(entries)} entries for {len(ids)} token ids (logprob_start_len 0 was sent)")
+    logprobs = np.full(len(ids), np.nan, dtype=np.float32)
+    for i, (token, entry) in enumerate(zip(ids, entries, strict=True)):
+        lp, claimed = _triple(entry)
+        if claimed != token:
+            raise entry.fail(f"entry is for token {claimed} but token {i} is {token}")
+        if i == 0:
+            if lp.value is not None:
+                raise lp.fail("the first entry must have a null logprob (the first token has no prefix)")
+            continue
+        logprobs[i] = lp.logprob()
+    top = None
+    if request.top_logprobs:
+        rows_field = meta.get("input_top_logprobs", required=False)
+        if rows_field.value is None:
+            raise rows_field.fail(f"no top logprobs although top_logprobs_num={request.top_logprobs} was sent")
+        rows = rows_field.items()
+        if len(rows) != len(ids):
+            raise rows_field.fail(f"{len(rows)} top-logprob rows for {len(ids)} token ids")
+        top = ((), *(_alternatives(row, request.top_logprobs) for row in rows[1:]))
+    version = meta.get("weight_version", required=False)
+    return TeacherLogprobs(
+        token_ids=ids,
+        logprobs=logprobs,
+        top_logprobs=top,
+        weight_version=version.string() if version.value is not None else None,
+    )
+
+
+# -- admin answers --------------------------------------------------------------------------------------
+
+
+def max_req_input_len(raw: Any, server_url: str) -> int:
+    """The longest prompt the scheduler accepts (``max_req_input_len`` of ``/server_info``; the scheduler's
+    ``max_req_len`` is 5 more, and ``prompt + max_new_tokens`` is clipped to ``max_req_len - 1``)."""
+    body = Body(raw, "$", server_url)
+    if body.has("max_req_input_len"):
+        value = body.get("max_req_input_len").integer()
+    else:
+        states = body.get("internal_states", required=False)
+        if states.value is None or not states.items() or not states.items()[0].has("max_req_input_len"):
+            raise body.fail("no max_req_input_len in /server_info (top level or internal_states[0])")
+        value = states.items()[0].get("max_req_input_len").integer()
+    if value < 1:
+        raise body.get("max_req_input_len").fail(f"max_req_input_len must be >= 1, got {value}")
+    return value
+
+
+def weight_version(raw: Any, server_url: str) -> str:
+    """``weight_version`` of a ``/model_info`` answer."""
+    return Body(raw, "$", server_url).get("weight_version").string()
+
+
+def in_flight(raw: Any, server_url: str) -> int:
+    """Running plus waiting requests over every data-parallel rank of a ``/v1/loads`` answer."""
+    loads = Body(raw, "$", server_url).get("loads").items()
+    return sum(load.get("num_running_reqs").integer() + load.get("num_waiting_reqs").integer() for load in loads)
+
+
+def lora_names(raw: Any, server_url: str) -> tuple[str, ...]:
+    """Loaded adapters in a ``/v1/models`` answer: the entries with a ``parent`` model."""
+    entries = Body(raw, "$", server_url).get("data").items()
+    return tuple(e.get("id").string() for e in entries if e.get("parent", required=False).value is not None)
+
+
+def succeeded(raw: Any, server_url: str, key: str = "success") -> bool:
+    """Whether an admin answer reports success: ``{"success": true}`` or ``{"status": "ok"}`` (``key="status"``)."""
+    body = Body(raw, "$", server_url)
+    if key == "status":
+        return body.get("status").string() == "ok"
+    return body.get(key).boolean()

@@ -1,0 +1,1 @@
+"""Tests of the sglang backend and its emulator."""

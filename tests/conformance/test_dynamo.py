@@ -1,0 +1,17 @@
+"""The ``dynamo`` backend passes the conformance suite against its emulator (frontend + one vLLM worker's
+system port, the worker reached through ``backend_options.worker_urls``)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from backends_core.driver import CAPABILITY_HOOKS
+from backends_core.testing.conformance import BackendConformance
+from backends_dynamo.testing import WORKER_URL
+
+
+class TestDynamoConformance(BackendConformance):
+    backend_name = "dynamo"
+    expected_capabilities = CAPABILITY_HOOKS
+    supports_routed_experts = True
+    backend_options: ClassVar[dict[str, Any]] = {"worker_urls": [WORKER_URL]}
