@@ -218,6 +218,8 @@ class GenerateResult:
     :ivar top_logprobs: per position, the requested alternatives (``None`` unless asked for).
     :ivar stop_reason: the stop token id (or stop string) that ended generation, if any.
     :ivar weight_version: the server's weight version when the sample finished.
+    :ivar metadata: backend-specific facts about how the sample was served (Dynamo: ``worker_id``,
+        ``timing``), never needed to use the result.
     """
 
     prompt_ids: tuple[int, ...]
@@ -232,6 +234,7 @@ class GenerateResult:
     usage: Usage | None = None
     request_id: str | None = None
     server: str | None = None
+    metadata: Mapping[str, Any] = attrs.field(factory=dict)
 
     @property
     def token_ids(self) -> tuple[int, ...]:

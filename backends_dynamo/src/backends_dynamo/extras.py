@@ -1,8 +1,8 @@
 """Metadata Dynamo adds to an answer when asked (``nvext.extra_fields``): which worker served it, and timing.
 
-:class:`~backends_core.types.GenerateResult` has no place for them yet, so they are read from the raw answer
-(a body, or the :class:`~backends_dynamo.wire.Exchange` that ``post_generate`` returns). Worker ids are u64
-(above 2**53 in practice) and stay exact Python ints.
+Every result carries them in ``GenerateResult.metadata`` (``"worker_id"``: :class:`WorkerIds`, ``"timing"``:
+:class:`Timing`) when they were asked for with ``backend_options.extra_fields``; they can also be read from a raw
+answer here. Worker ids are u64 (above 2**53 in practice) and stay exact Python ints.
 """
 
 from __future__ import annotations

@@ -240,6 +240,12 @@ def parse_sample(sample: Sample, request: GenerateRequest, server_url: str | Non
     answer.check_prompt(nvext, request.prompt_ids)
     k = request.sampling.top_logprobs
     reason = answer.stop_reason(nvext)
+    from backends_dynamo import extras  # extras reads Exchange from this module
+
+    served_by = {
+        "worker_id": extras.worker_ids(sample.body, server_url),
+        "timing": extras.timing(sample.body, server_url),
+    }
     return GenerateResult(
         prompt_ids=request.prompt_ids,
         completion_ids=ids,
@@ -252,6 +258,7 @@ def parse_sample(sample: Sample, request: GenerateRequest, server_url: str | Non
         usage=answer.usage(body, request.prompt_ids, len(ids)),
         request_id=body.get("id").string(),
         server=server_url,
+        metadata={key: value for key, value in served_by.items() if value is not None},
     )
 
 

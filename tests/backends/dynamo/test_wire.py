@@ -468,3 +468,12 @@ def test_folding_refuses_what_it_cannot_assign() -> None:
     ]
     with pytest.raises(ResponseParseError, match="several choices"):
         fold(two)
+
+
+def test_results_carry_worker_ids_and_timing_as_metadata() -> None:
+    body = vllm("chat_nvext_engine_data_logprobs")["response"]
+    prompt = body["nvext"]["engine_data"]["prompt_token_ids"]
+    request = GenerateRequest(prompt_ids=prompt, sampling=SamplingParams(max_tokens=8))
+    (result,) = wire.parse_generation(body, request, "http://frontend")
+    assert result.metadata["worker_id"].decode_worker_id == 17251580120541680439
+    assert result.metadata["timing"].total_time_ms == pytest.approx(10467.152843)
