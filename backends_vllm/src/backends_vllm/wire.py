@@ -17,13 +17,12 @@ placeholder are refused.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from backends_core.errors import ResponseParseError
+from backends_core.jsonnode import Node
 from backends_core.routed_experts import align_routed_experts, decode_routed_experts
 from backends_core.types import (
     GenerateRequest,
@@ -52,77 +51,13 @@ __all__ = [
     "token_list",
 ]
 
-#: vLLM writes this where it has no logprob; it must never pass for a real value.
-PLACEHOLDER_LOGPROB = -9999.0
 _FINISH = ("stop", "length", "abort")
 #: vLLM's default ``--max-logprobs``.
 MAX_LOGPROBS = 20
 
 
-class _Body:
-    """Typed access to a decoded JSON object; every miss names its JSON path."""
-
-    def __init__(self, value: Any, path: str, url: str | None) -> None:
-        self.value, self.path, self.url = value, path, url
-
-    def fail(self, message: str) -> ResponseParseError:
-        return ResponseParseError(f"{message} @ {self.path}", url=self.url)
-
-    def obj(self) -> Mapping[str, Any]:
-        if not isinstance(self.value, Mapping):
-            raise self.fail(f"expected an object, got {type(self.value).__name__}")
-        return self.value
-
-    def get(self, key: str, *, required: bool = True) -> _Body:
-        obj = self.obj()
-        if key not in obj and required:
-            raise ResponseParseError(f"required field missing @ {self.path}.{key}", url=self.url)
-        return _Body(obj.get(key), f"{self.path}.{key}", self.url)
-
-    def array(self, *, nullable: bool = False) -> list[_Body] | None:
-        if self.value is None and nullable:
-            return None
-        if not isinstance(self.value, list):
-            raise self.fail(f"expected a list, got {type(self.value).__name__}")
-        return [_Body(v, f"{self.path}[{i}]", self.url) for i, v in enumerate(self.value)]
-
-    def items(self) -> list[_Body]:
-        items = self.array()
-        assert items is not None
-        return items
-
-    def integer(self, *, nullable: bool = False) -> int | None:
-        if self.value is None and nullable:
-            return None
-        if isinstance(self.value, bool) or not isinstance(self.value, int):
-            raise self.fail(f"expected an integer, got {self.value!r}")
-        return self.value
-
-    def integer_(self) -> int:
-        value = self.integer()
-        assert value is not None
-        return value
-
-    def string(self, *, nullable: bool = False) -> str | None:
-        if self.value is None and nullable:
-            return None
-        if not isinstance(self.value, str):
-            raise self.fail(f"expected a string, got {self.value!r}")
-        return self.value
-
-    def logprob(self) -> float:
-        v = self.value
-        if isinstance(v, bool) or not isinstance(v, int | float):
-            raise self.fail(f"expected a logprob, got {v!r}")
-        if not math.isfinite(v) or v <= PLACEHOLDER_LOGPROB or v > 1e-3:
-            raise self.fail(
-                f"logprob {v!r} is not a finite log-probability (vLLM's placeholder is {PLACEHOLDER_LOGPROB})"
-            )
-        return float(v)
-
-
-def _ids(body: _Body) -> tuple[int, ...]:
-    return tuple(b.integer_() for b in body.items())
+def _ids(body: Node) -> tuple[int, ...]:
+    return tuple(b.integer() for b in body.items())
 
 
 # -- requests -------------------------------------------------------------------------------------------
@@ -209,21 +144,21 @@ def teacher_payload(request: TeacherRequest, model: str | None, *, transport: st
 # -- responses ------------------------------------------------------------------------------------------
 
 
-def _finish(choice: _Body) -> Any:
-    reason = choice.get("finish_reason").string(nullable=True)
+def _finish(choice: Node) -> Any:
+    reason = choice.get("finish_reason").optional_string()
     if reason not in _FINISH:
         raise choice.get("finish_reason").fail(f"finish_reason {reason!r} is not one of {list(_FINISH)}")
     return reason
 
 
-def _stop_reason(choice: _Body) -> int | str | None:
+def _stop_reason(choice: Node) -> int | str | None:
     value = choice.get("stop_reason", required=False).value
     if value is not None and (isinstance(value, bool) or not isinstance(value, int | str)):
         raise choice.get("stop_reason").fail(f"expected a token id, a string or null, got {value!r}")
     return value
 
 
-def _top_k(candidates: list[TopLogprob], k: int, where: _Body) -> tuple[TopLogprob, ...]:
+def _top_k(candidates: list[TopLogprob], k: int, where: Node) -> tuple[TopLogprob, ...]:
     """The k most likely of ``candidates`` (deduplicated), checked to really be ranks 1..k when ranks are known."""
     unique = {c.token_id: c for c in candidates}
     ordered = sorted(unique.values(), key=lambda c: (c.rank if c.rank is not None else 0, -c.logprob))
@@ -235,7 +170,7 @@ def _top_k(candidates: list[TopLogprob], k: int, where: _Body) -> tuple[TopLogpr
     return top
 
 
-def _routed(choice: _Body, request: GenerateRequest, completion: tuple[int, ...]) -> RoutedExperts | None:
+def _routed(choice: Node, request: GenerateRequest, completion: tuple[int, ...]) -> RoutedExperts | None:
     if not request.return_routed_experts:
         return None
     field = choice.get("routed_experts", required=False)
@@ -254,29 +189,29 @@ def _routed(choice: _Body, request: GenerateRequest, completion: tuple[int, ...]
     )
 
 
-def _usage(body: _Body, completion_tokens: int, prompt_tokens: int) -> Usage:
+def _usage(body: Node, completion_tokens: int, prompt_tokens: int) -> Usage:
     usage = body.get("usage", required=False)
     cached = None
     if isinstance(usage.value, Mapping):
-        reported = usage.get("prompt_tokens").integer_()
+        reported = usage.get("prompt_tokens").integer()
         if reported != prompt_tokens:
             raise usage.fail(f"prompt_tokens is {reported} but {prompt_tokens} prompt ids were sent")
         details = usage.get("prompt_tokens_details", required=False)
         if isinstance(details.value, Mapping):
-            cached = details.get("cached_tokens", required=False).integer(nullable=True)
+            cached = details.get("cached_tokens", required=False).optional_integer()
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, cached_tokens=cached)
 
 
-def _choices(body: _Body, n: int) -> list[_Body]:
+def _choices(body: Node, n: int) -> list[Node]:
     choices = body.get("choices").items()
     if len(choices) != n:
         raise body.get("choices").fail(f"expected {n} choice(s), got {len(choices)}")
-    return sorted(choices, key=lambda c: c.get("index").integer_())
+    return sorted(choices, key=lambda c: c.get("index").integer())
 
 
 def parse_generate(raw: Any, request: GenerateRequest, server_url: str) -> list[GenerateResult]:
     """Results of ``/inference/v1/generate``."""
-    body = _Body(raw, "$", server_url)
+    body = Node(raw, "$", server_url)
     request_id = body.get("request_id").string()
     results = []
     for choice in _choices(body, request.sampling.n):
@@ -294,7 +229,7 @@ def parse_generate(raw: Any, request: GenerateRequest, server_url: str) -> list[
         top: list[tuple[TopLogprob, ...]] = []
         k = request.sampling.top_logprobs
         for i, (token, entry) in enumerate(zip(completion, entries, strict=True)):
-            claimed = entry.get("token_id").integer_()
+            claimed = entry.get("token_id").integer()
             if claimed != token:
                 raise entry.get("token_id").fail(
                     f"logprob entry is for token {claimed} but completion id {i} is {token}"
@@ -303,18 +238,18 @@ def parse_generate(raw: Any, request: GenerateRequest, server_url: str) -> list[
             if k:
                 alts = [
                     TopLogprob(
-                        token_id=a.get("token_id").integer_(),
+                        token_id=a.get("token_id").integer(),
                         logprob=a.get("logprob").logprob(),
-                        rank=a.get("rank", required=False).integer(nullable=True),
+                        rank=a.get("rank", required=False).optional_integer(),
                     )
                     for a in entry.get("top_logprobs").items()
                 ]
                 top.append(_top_k(alts, k, entry.get("top_logprobs")))
         spans = tuple(
             WeightVersionSpan(
-                version=s.get("version").string() or "", start=s.get("start").integer_(), end=s.get("end").integer_()
+                version=s.get("version").string() or "", start=s.get("start").integer(), end=s.get("end").integer()
             )
-            for s in choice.get("weight_versions", required=False).array(nullable=True) or ()
+            for s in choice.get("weight_versions", required=False).optional_items() or ()
         )
         results.append(
             GenerateResult(
@@ -335,7 +270,7 @@ def parse_generate(raw: Any, request: GenerateRequest, server_url: str) -> list[
     return results
 
 
-def _token_id_string(body: _Body) -> int:
+def _token_id_string(body: Node) -> int:
     text = body.string() or ""
     if not text.startswith("token_id:") or not text[9:].isdigit():
         raise body.fail(f"expected 'token_id:<id>' (send return_tokens_as_token_ids), got {text!r}")
@@ -344,7 +279,7 @@ def _token_id_string(body: _Body) -> int:
 
 def parse_completions(raw: Any, request: GenerateRequest, server_url: str) -> list[GenerateResult]:
     """Results of ``/v1/completions`` with ``return_token_ids`` and ``return_tokens_as_token_ids``."""
-    body = _Body(raw, "$", server_url)
+    body = Node(raw, "$", server_url)
     request_id = body.get("id").string()
     results = []
     k = request.sampling.top_logprobs
@@ -362,7 +297,7 @@ def parse_completions(raw: Any, request: GenerateRequest, server_url: str) -> li
             raise legacy.fail(f"{len(tokens)} tokens and {len(values)} logprobs for {len(completion)} token ids")
         logprobs = np.empty(len(completion), dtype=np.float32)
         top: list[tuple[TopLogprob, ...]] = []
-        rows = legacy.get("top_logprobs", required=False).array(nullable=True) if k else None
+        rows = legacy.get("top_logprobs", required=False).optional_items() if k else None
         for i, token in enumerate(completion):
             claimed = _token_id_string(tokens[i])
             if claimed != token:
@@ -372,8 +307,8 @@ def parse_completions(raw: Any, request: GenerateRequest, server_url: str) -> li
                 row = rows[i]
                 alts = [
                     TopLogprob(
-                        token_id=_token_id_string(_Body(key, f"{row.path} key", server_url)),
-                        logprob=_Body(value, f"{row.path}[{key!r}]", server_url).logprob(),
+                        token_id=_token_id_string(Node(key, f"{row.path} key", server_url)),
+                        logprob=Node(value, f"{row.path}[{key!r}]", server_url).logprob(),
                     )
                     for key, value in row.obj().items()
                 ]
@@ -399,10 +334,10 @@ def parse_completions(raw: Any, request: GenerateRequest, server_url: str) -> li
 
 def parse_prompt_logprobs(raw: Any, request: TeacherRequest, server_url: str, *, transport: str) -> TeacherLogprobs:
     """Teacher logprobs from vLLM's ``prompt_logprobs``: ``[null, {"<id>": {logprob, rank, decoded_token}}, ...]``."""
-    body = _Body(raw, "$", server_url)
+    body = Node(raw, "$", server_url)
     holder = body if transport == "generate" else _choices(body, 1)[0]
     field = holder.get("prompt_logprobs")
-    rows = field.array(nullable=True)
+    rows = field.optional_items()
     if rows is None:
         raise field.fail("prompt_logprobs is null (the server ignored prompt_logprobs)")
     ids = request.token_ids
@@ -424,7 +359,7 @@ def parse_prompt_logprobs(raw: Any, request: TeacherRequest, server_url: str, *,
                 TopLogprob(
                     token_id=int(t),
                     logprob=rows[i].get(t).get("logprob").logprob(),
-                    rank=rows[i].get(t).get("rank").integer(nullable=True),
+                    rank=rows[i].get(t).get("rank").optional_integer(),
                 )
                 for t in entries
             ]
@@ -434,16 +369,16 @@ def parse_prompt_logprobs(raw: Any, request: TeacherRequest, server_url: str, *,
 
 def max_model_len(raw: Any, model: str, server_url: str) -> tuple[int, list[str]]:
     """``max_model_len`` of ``model`` in a ``/v1/models`` answer, and every served name (adapters included)."""
-    entries = _Body(raw, "$", server_url).get("data").items()
+    entries = Node(raw, "$", server_url).get("data").items()
     names = [e.get("id").string() or "" for e in entries]
     by_name = dict(zip(names, entries, strict=True))
     entry = by_name.get(model)
     if entry is None:
         return -1, names
-    limit = entry.get("max_model_len", required=False).integer(nullable=True)
-    parent = entry.get("parent", required=False).string(nullable=True)
+    limit = entry.get("max_model_len", required=False).optional_integer()
+    parent = entry.get("parent", required=False).optional_string()
     if limit is None and parent in by_name:  # a LoRA adapter: vLLM reports null, the base model's limit applies
-        limit = by_name[parent].get("max_model_len").integer_()
+        limit = by_name[parent].get("max_model_len").integer()
     if limit is None:
         raise entry.get("max_model_len").fail(f"no max_model_len for {model!r} (nor for its parent {parent!r})")
     return limit, names
@@ -451,13 +386,13 @@ def max_model_len(raw: Any, model: str, server_url: str) -> tuple[int, list[str]
 
 def lora_names(raw: Any, server_url: str) -> tuple[str, ...]:
     """Adapters in a ``/v1/models`` answer: entries whose ``parent`` is a base model."""
-    entries = _Body(raw, "$", server_url).get("data").items()
+    entries = Node(raw, "$", server_url).get("data").items()
     return tuple(e.get("id").string() or "" for e in entries if e.get("parent", required=False).value is not None)
 
 
 def token_list(raw: Any, server_url: str) -> list[int]:
     """The ``tokens`` of a ``/tokenize`` answer."""
-    return list(_ids(_Body(raw, "$", server_url).get("tokens")))
+    return list(_ids(Node(raw, "$", server_url).get("tokens")))
 
 
 def abort_id(request_id: str, transport: str) -> str:
@@ -467,7 +402,7 @@ def abort_id(request_id: str, transport: str) -> str:
 
 def flag(raw: Any, key: str, server_url: str) -> bool:
     """A boolean field of an admin answer (``{"is_paused": true}``); anything but a boolean is a parse error."""
-    field = _Body(raw, "$", server_url).get(key)
+    field = Node(raw, "$", server_url).get(key)
     if not isinstance(field.value, bool):
         raise field.fail(f"expected a boolean, got {field.value!r}")
     return field.value
@@ -475,9 +410,9 @@ def flag(raw: Any, key: str, server_url: str) -> bool:
 
 def text(raw: Any, key: str, server_url: str) -> str:
     """A string field of an admin answer (``{"weight_version": "step-3"}``)."""
-    return _Body(raw, "$", server_url).get(key).string() or ""
+    return Node(raw, "$", server_url).get(key).string() or ""
 
 
 def integer(raw: Any, key: str, server_url: str) -> int:
     """An integer field of an admin answer (``{"server_load": 3}``)."""
-    return _Body(raw, "$", server_url).get(key).integer_()
+    return Node(raw, "$", server_url).get(key).integer()
