@@ -219,7 +219,7 @@ async def admin_state(server: Server) -> ServerState:
         _admin(server, "GET", "/is_paused"),
         _admin(server, "GET", "/is_sleeping"),
         _admin(server, "GET", "/weight_info"),
-        _admin(server, "GET", "/load"),
+        _admin(server, "GET", "/metrics", expect="text"),
         _admin(server, "GET", "/v1/models"),
     )
     url = server.admin_url
@@ -227,7 +227,7 @@ async def admin_state(server: Server) -> ServerState:
         paused=wire.flag(paused, "is_paused", url),
         sleeping=wire.flag(sleeping, "is_sleeping", url),
         weight_version=wire.text(info, "weight_version", url),
-        in_flight=wire.integer(load, "server_load", url),
+        in_flight=wire.requests_in_flight(load, url),
         loras=wire.lora_names(models, url),
     )
 

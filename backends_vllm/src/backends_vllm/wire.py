@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from backends_core.errors import ResponseParseError
 from backends_core.jsonnode import Node
 from backends_core.routed_experts import align_routed_experts, decode_routed_experts
 from backends_core.types import (
@@ -393,6 +394,24 @@ def lora_names(raw: Any, server_url: str) -> tuple[str, ...]:
 def token_list(raw: Any, server_url: str) -> list[int]:
     """The ``tokens`` of a ``/tokenize`` answer."""
     return list(_ids(Node(raw, "$", server_url).get("tokens")))
+
+
+def requests_in_flight(metrics: str, server_url: str) -> int:
+    """Running + waiting requests from vLLM's Prometheus ``/metrics`` (``/load`` stays 0 unless the server runs
+    with ``--enable-server-load-tracking``, so it cannot be trusted)."""
+    total = 0.0
+    seen = set()
+    for line in metrics.splitlines():
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+            if line.startswith((name + "{", name + " ")):
+                try:
+                    total += float(line.rsplit(" ", 1)[1])
+                except (IndexError, ValueError) as exc:
+                    raise ResponseParseError(f"unreadable metric line {line!r} in /metrics", url=server_url) from exc
+                seen.add(name)
+    if len(seen) != 2:
+        raise ResponseParseError("/metrics lacks vllm:num_requests_running / vllm:num_requests_waiting", url=server_url)
+    return int(total)
 
 
 def abort_id(request_id: str, transport: str) -> str:

@@ -284,6 +284,15 @@ async def test_admin_calls_use_the_captured_routes_and_shapes() -> None:
     ]:
         fake.add(method, path, json=capture(name)["response"]["body"])
     fake.add("POST", "/v1/load_lora_adapter", status=400, json=capture("load_lora_adapter_again")["response"]["body"])
+    busy = (
+        (CAPTURES / "metrics.txt")
+        .read_text()
+        .replace(
+            'vllm:num_requests_running{engine="0",model_name="tiny-qwen3"} 0.0',
+            'vllm:num_requests_running{engine="0",model_name="tiny-qwen3"} 2.0',
+        )
+    )
+    fake.add("GET", "/metrics", content=busy.encode())
     async with Client(
         ClientConfig(backend="vllm", base_url="http://v", model="tiny-qwen3"), transport=fake.transport()
     ) as client:
@@ -291,7 +300,7 @@ async def test_admin_calls_use_the_captured_routes_and_shapes() -> None:
         assert await client.admin.resume() == [True]
         (state,) = await client.admin.state()
         assert state.paused is True and state.sleeping is True and state.weight_version == "default"
-        assert state.loras == ("tiny-lora",) and state.in_flight == 0
+        assert state.loras == ("tiny-lora",) and state.in_flight == 2  # from /metrics: /load says 0 untracked
         assert await client.admin.flush_cache() == [True]
         assert await client.admin.update_weights("/ckpt/step-1", version="step-1") == [True]
         assert await client.admin.abort(["rq-1"]) == [-1]
@@ -349,3 +358,10 @@ def test_a_lora_adapter_takes_its_parents_max_model_len() -> None:
     body = capture("models_with_lora")["response"]["body"]  # the adapter's own max_model_len is null
     assert wire.max_model_len(body, "tiny-lora", "http://v") == (2048, ["tiny-qwen3", "tiny-lora"])
     assert wire.max_model_len(body, "nope", "http://v")[0] == -1
+
+
+def test_in_flight_comes_from_the_request_gauges() -> None:
+    metrics = (CAPTURES / "metrics.txt").read_text()
+    assert wire.requests_in_flight(metrics, "http://v") == 0
+    with pytest.raises(ResponseParseError, match="lacks vllm:num_requests_running"):
+        wire.requests_in_flight("# nothing here\n", "http://v")

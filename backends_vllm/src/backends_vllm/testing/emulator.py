@@ -13,7 +13,8 @@ Routes: ``GET /health /ping /version /load /v1/models``, ``POST /tokenize /detok
 ``POST /inference/v1/generate /inference/v1/abort_requests`` (403 without scale-out), the LoRA routes, and in
 dev mode ``/pause /resume /is_paused /abort_requests /reset_prefix_cache /sleep /wake_up /is_sleeping
 /collective_rpc /weight_info /update_weight_version /get_world_size`` and the weight-transfer routes. Not
-emulated: streaming (``stream: true`` is a 400 saying so), chat completions, render / derender, metrics.
+emulated: streaming (``stream: true`` is a 400 saying so), chat completions, render / derender; ``/metrics`` has only
+the running / waiting request gauges.
 
 Where real vLLM on CPU fails (the weight-transfer routes answer 500 "not configured"), the emulator by default
 implements a plausible successful protocol instead and records it on :attr:`VllmEmulator.weight_transfer`;
@@ -212,6 +213,7 @@ class VllmEmulator:
             ("POST", "/ping", self._empty),
             ("GET", "/version", self._version),
             ("GET", "/load", self._load),
+            ("GET", "/metrics", self._metrics),
             ("GET", "/v1/models", self._models),
             ("POST", "/is_scaling_elastic_ep", self._is_scaling),
             ("POST", "/tokenize", self._tokenize),
@@ -282,7 +284,21 @@ class VllmEmulator:
         return json_response(200, {"version": VERSION})
 
     async def _load(self, request: httpx.Request) -> httpx.Response:
-        return json_response(200, {"server_load": len(self.in_flight)})
+        # vLLM counts only with --enable-server-load-tracking; without it /load stays 0
+        return json_response(200, {"server_load": 0})
+
+    async def _metrics(self, request: httpx.Request) -> httpx.Response:
+        state = self.engine.state()
+        labels = f'{{engine="0",model_name="{self.served_model_name}"}}'
+        text = (
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            f"vllm:num_requests_running{labels} {float(state.in_flight)}\n"
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f"vllm:num_requests_waiting{labels} {float(state.queued)}\n"
+        )
+        return httpx.Response(200, text=text, headers={"content-type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def _is_scaling(self, request: httpx.Request) -> httpx.Response:
         return json_response(200, {"is_scaling_elastic_ep": False})
