@@ -1,4 +1,4 @@
-"""Fuzzing: arbitrary and mutated real captures into every response parser and the routed-experts decoder.
+"""Fuzzing: arbitrary and mutated real captures into every backend's response parsers and the routed-experts decoder.
 Only documented error types may escape, and anything returned must satisfy the result invariants."""
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from backends_core import GenerateRequest, ResponseParseError, SamplingParams, TeacherRequest, decode_routed_experts
 from backends_core.driver import check_result, check_teacher
 from backends_core.reference import wire as reference_wire
+from backends_dynamo import wire as dynamo_wire
+from backends_sglang import wire as sglang_wire
+from backends_sglang.routing import RoutingGeometry
 from backends_vllm import wire as vllm_wire
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "wire"
@@ -158,3 +161,46 @@ def test_routed_experts_decoder(payload, layers, top_k, dtype) -> None:
     assert out.ndim == 3 and out.shape[1:] == (layers, top_k)
     assert out.size == 0 or (int(out.min()) >= 0 and int(out.max()) < 8)
     assert np.issubdtype(out.dtype, np.integer)
+
+
+# -- SGLang and Dynamo ------------------------------------------------------------------------------------
+
+
+def capture(name: str) -> dict[str, Any]:
+    return json.loads((FIXTURES / name).read_text())
+
+
+SGLANG_ROUTED = capture("sglang/moe_generate_routed.json")
+SGLANG_REQUEST = GenerateRequest(
+    prompt_ids=SGLANG_ROUTED["request"]["json"]["input_ids"],
+    sampling=SamplingParams(max_tokens=3),
+    return_routed_experts=True,
+)
+SGLANG_SCORE = capture("sglang/score_max0.json")
+SGLANG_TEACHER = TeacherRequest(token_ids=SGLANG_SCORE["request"]["json"]["input_ids"])
+DYNAMO_ANSWER = capture("dynamo-vllm/chat_nvext_engine_data_logprobs.json")["response"]
+DYNAMO_REQUEST = GenerateRequest(
+    prompt_ids=DYNAMO_ANSWER["nvext"]["engine_data"]["prompt_token_ids"], sampling=SamplingParams(max_tokens=8)
+)
+
+
+@SETTINGS
+@given(raw=mutated(SGLANG_ROUTED["response"]) | json_values)
+def test_sglang_generate_parser(raw) -> None:
+    geometry = RoutingGeometry(num_layers=2, top_k=2, source="test")
+    for result in parse_or_refuse(lambda r: sglang_wire.parse_generate(r, SGLANG_REQUEST, "http://s", geometry), raw):
+        check_result(result, where="fuzz", url=None)
+
+
+@SETTINGS
+@given(raw=mutated(SGLANG_SCORE["response"]) | json_values)
+def test_sglang_teacher_parser(raw) -> None:
+    for result in parse_or_refuse(lambda r: sglang_wire.parse_teacher(r, SGLANG_TEACHER, "http://s"), raw):
+        check_teacher(result, SGLANG_TEACHER, url=None)
+
+
+@SETTINGS
+@given(raw=mutated(DYNAMO_ANSWER) | json_values)
+def test_dynamo_generate_parser(raw) -> None:
+    for result in parse_or_refuse(lambda r: dynamo_wire.parse_generation(r, DYNAMO_REQUEST, "http://d"), raw):
+        check_result(result, where="fuzz", url=None)
