@@ -68,3 +68,11 @@ def vllm_dense_url(vllm_venv: Path, tiny_models: TinyModels, tmp_path_factory: p
 def vllm_moe_url(vllm_venv: Path, tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Base URL of a live vLLM server on the tiny MoE model (no LoRA: vLLM's MoE LoRA path needs Triton)."""
     yield from _serve(vllm_venv, tiny_models.moe, lora=False, name="vllm-moe", tmp_path_factory=tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def vllm_dense_url_2(
+    vllm_venv: Path, tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """A second live vLLM server on the tiny dense model, for fleet tests."""
+    yield from _serve(vllm_venv, tiny_models.dense, lora=True, name="vllm-dense-2", tmp_path_factory=tmp_path_factory)
