@@ -51,6 +51,10 @@ _SLEEPING = "sglang.sleeping"
 _MODES = {"abort": "abort", "wait": "retract", "keep": "in_place"}
 
 
+#: Server.cache key: adapters this client unloaded (SGLang would silently reload them by name).
+_UNLOADED = "sglang.unloaded_loras"
+
+
 @hookimpl
 def validate_backend_options(options: Mapping[str, Any], config: ClientConfig) -> SglangOptions:
     return parse_options(options, config)
@@ -98,6 +102,11 @@ async def _check_length(server: Server, prompt: int, max_tokens: int) -> None:
 async def post_generate(server: Server, request: GenerateRequest, options: SglangOptions) -> Any:
     if options.check_prompt_length:
         await _check_length(server, len(request.prompt_ids), request.sampling.max_tokens)
+    if request.lora is not None and request.lora in server.cache.get(_UNLOADED, ()):
+        # SGLang silently re-loads an evicted adapter by name and answers 200: refuse it here instead
+        raise InvalidRequestError(
+            f"LoRA adapter {request.lora!r} was unloaded from {server.base_url}; load it again first"
+        )
     return await server.request("POST", "/generate", json_body=wire.generate_payload(request))
 
 
@@ -303,6 +312,7 @@ async def admin_load_lora(server: Server, adapter: LoraAdapter, options: SglangO
     body = {"lora_name": adapter.name, "lora_path": adapter.path}
     raw = await control.call(server, options, "POST", "/load_lora_adapter", body)
     control.require_success(server, "/load_lora_adapter", raw)
+    server.cache.setdefault(_UNLOADED, set()).discard(adapter.name)
     return True
 
 
@@ -310,4 +320,5 @@ async def admin_load_lora(server: Server, adapter: LoraAdapter, options: SglangO
 async def admin_unload_lora(server: Server, name: str, options: SglangOptions) -> bool:
     raw = await control.call(server, options, "POST", "/unload_lora_adapter", {"lora_name": name})
     control.require_success(server, "/unload_lora_adapter", raw)
+    server.cache.setdefault(_UNLOADED, set()).add(name)
     return True
