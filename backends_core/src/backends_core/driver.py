@@ -244,8 +244,9 @@ def check_result(result: GenerateResult, *, where: str, url: str | None) -> None
     """Enforce what every backend promises about a sample; raise :class:`ResponseParseError` otherwise."""
     if not isinstance(result, GenerateResult):
         raise ResponseParseError(f"{where}: backend returned {type(result).__name__}, expected GenerateResult", url=url)
-    if not all(type(t) is int and t >= 0 for t in result.completion_ids):
-        bad = next(t for t in result.completion_ids if not (type(t) is int and t >= 0))
+    ids = result.completion_ids
+    if not (set(map(type, ids)) <= {int} and (not ids or min(ids) >= 0)):
+        bad = next(t for t in ids if not (type(t) is int and t >= 0))
         raise ResponseParseError(f"{where}: completion id {bad!r} is not a token id", url=url)
     lp = result.logprobs
     if not isinstance(lp, np.ndarray) or lp.dtype != np.float32 or lp.ndim != 1:

@@ -3,6 +3,9 @@
 Servers send routing as base64, either raw little-endian bytes (SGLang: int32) or a ``.npy`` file (vLLM).
 :func:`decode_routed_experts` base64-decodes once and views the bytes with ``np.frombuffer``: no second
 copy of the payload, whatever its size. The returned array is read-only (it views the decoded bytes).
+The payload may be a ``memoryview`` into the raw response body (``Server.request(large_strings=...)``), so the
+base64 text is never copied either. Decoding uses pybase64's validating SIMD path (~13 GB/s against ~0.8 GB/s for
+``binascii``); what it refuses is handed to ``binascii`` in strict mode, which decides (and words the error).
 :func:`align_routed_experts` checks the row count against the sequence and trims to the requested start
 even when the server ignored it.
 """
@@ -16,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import pybase64
 
 from backends_core.errors import ResponseParseError
 from backends_core.types import RoutedExperts
@@ -27,8 +31,17 @@ ALLOWED_DTYPES = frozenset({np.dtype("uint8"), np.dtype("uint16"), np.dtype("int
 _NPY_MAGIC = b"\x93NUMPY"
 
 
+def _b64decode(payload: str | bytes | memoryview) -> bytes:
+    """Strict base64 decode: pybase64 (validating, SIMD) for what it accepts, ``binascii`` strict mode for the
+    rest (it accepts a few paddings pybase64 refuses, and raises the errors callers have always seen)."""
+    try:
+        return pybase64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError, TypeError):
+        return binascii.a2b_base64(payload, strict_mode=True)
+
+
 def decode_routed_experts(
-    payload: str | bytes,
+    payload: str | bytes | memoryview,
     *,
     num_layers: int | None = None,
     top_k: int | None = None,
@@ -41,7 +54,8 @@ def decode_routed_experts(
     ``.npy`` payloads carry their own dtype and shape; raw payloads use ``dtype`` and need ``num_layers``
     and ``top_k`` to infer the token count.
 
-    :param payload: the base64 text from the JSON body (``str`` is decoded without re-encoding).
+    :param payload: the base64 text from the JSON body (``str`` is decoded without re-encoding; a ``memoryview``
+        of the raw body is decoded in place).
     :param num_layers: expected layers (checked against ``.npy`` shapes too).
     :param top_k: expected experts per token.
     :param dtype: dtype of raw payloads.
@@ -50,10 +64,10 @@ def decode_routed_experts(
     :raises ResponseParseError: bad base64, unsupported dtype, byte count not matching the shape, ids out
         of range.
     """
-    if not isinstance(payload, str | bytes):
+    if not isinstance(payload, str | bytes | memoryview):
         raise ResponseParseError(f"{field} must be a base64 string, got {type(payload).__name__}")
     try:
-        raw = binascii.a2b_base64(payload, strict_mode=True)
+        raw = _b64decode(payload)
     except (binascii.Error, ValueError) as exc:
         raise ResponseParseError(f"{field} is not valid base64: {exc}") from exc
     if raw.startswith(_NPY_MAGIC):

@@ -91,7 +91,9 @@ async def post_generate(server: Server, request: GenerateRequest, config: Client
         path, body = "/inference/v1/generate", wire.generate_payload(request, config.model)
     else:
         path, body = "/v1/completions", wire.completions_payload(request, config.model)
-    return await server.request("POST", path, json_body=body, status_hint=_route_hint(path))
+    # routed experts (base64, megabytes) stay in the raw body as memoryviews: never JSON-scanned nor copied
+    lift = ("routed_experts",) if request.return_routed_experts else ()
+    return await server.request("POST", path, json_body=body, status_hint=_route_hint(path), large_strings=lift)
 
 
 @hookimpl

@@ -1,0 +1,131 @@
+"""Routed-experts decode: MB/s of whole response bodies turned into a numpy ``[tokens, 48, 8]`` uint8 array.
+
+    uv run python bench/bench_decode.py [--rounds 9]
+
+In-process, no HTTP. Bodies: a full ``/inference/v1/generate`` answer (256 completion tokens with logprob
+entries) carrying routed experts of 4,096 and 32,768 rows. Methods, interleaved in every round:
+
+* ``stdlib``: ``json.loads`` + ``base64.b64decode`` + ``np.frombuffer`` (vLLM's string form, ``.npy`` inside);
+* ``renderers``: renderers 0.1.12's splice parser ``parse_generate_response`` (object form, which it needs) +
+  ``base64.b64decode`` of its memoryview + ``np.frombuffer``;
+* ``ours_decode``: ``backends_core._http.loads_lifting`` (the routed-experts string stays a memoryview of the body)
+  + ``decode_routed_experts``;
+* ``ours_full``: the same + the vLLM backend's whole ``parse_generate`` (ids, logprobs, checks): what a generate
+  call really costs after the bytes arrive.
+
+MB = 10^6 bytes of the whole body. Every method's array is checked equal. ``peak alloc`` is the tracemalloc peak
+during one call over the decoded size: 1.0 means exactly one copy of the decoded bytes and nothing else of that size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import statistics
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+import _common as c
+import numpy as np
+
+SIZES = (4096, 32768)
+
+
+def methods(rows: int, tok: Any) -> tuple[dict[str, Callable[[], np.ndarray]], dict[str, int]]:
+    from renderers.client import parse_generate_response
+
+    from backends_core._http import loads_lifting
+    from backends_core.routed_experts import decode_routed_experts
+    from backends_core.types import GenerateRequest
+    from backends_vllm import wire
+
+    completion = c.completion_ids(tok)
+    prompt_tokens = rows + 1 - len(completion)
+    npy_body = c.generate_body(completion, prompt_tokens=prompt_tokens, routed="npy", rows=rows)
+    obj_body = c.generate_body(completion, prompt_tokens=prompt_tokens, routed="object", rows=rows)
+    request = GenerateRequest(prompt_ids=[1] * prompt_tokens, return_routed_experts=True)
+
+    def stdlib() -> np.ndarray:
+        data = json.loads(npy_body)
+        raw = base64.b64decode(data["choices"][0]["routed_experts"])
+        header = int.from_bytes(raw[8:10], "little") + 10
+        return np.frombuffer(raw, np.uint8, offset=header).reshape(rows, c.LAYERS, c.TOP_K)
+
+    def renderers() -> np.ndarray:
+        data = parse_generate_response(obj_body)
+        routed = data["choices"][0]["routed_experts"]
+        return np.frombuffer(base64.b64decode(routed["data"]), np.uint8).reshape(routed["shape"])
+
+    def ours_decode() -> np.ndarray:
+        data = loads_lifting(npy_body, ("routed_experts",))
+        return decode_routed_experts(data["choices"][0]["routed_experts"])
+
+    def ours_full() -> np.ndarray:
+        (result,) = wire.parse_generate(loads_lifting(npy_body, ("routed_experts",)), request, "http://bench")
+        assert result.routed_experts is not None
+        return result.routed_experts.experts
+
+    sizes = {
+        "stdlib": len(npy_body),
+        "renderers": len(obj_body),
+        "ours_decode": len(npy_body),
+        "ours_full": len(npy_body),
+    }
+    return {"stdlib": stdlib, "renderers": renderers, "ours_decode": ours_decode, "ours_full": ours_full}, sizes
+
+
+def peak_ratio(fn: Callable[[], np.ndarray], decoded: int) -> float:
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    out = fn()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    del out
+    return peak / decoded
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+    c.pin(0)
+    tok = c.tokenizer()
+    data: dict[str, Any] = {"machine": c.machine(), "rounds": args.rounds, "sizes": {}}
+    rows_out = []
+    for rows in SIZES:
+        fns, sizes = methods(rows, tok)
+        expected = c.experts_array(rows)
+        for name, fn in fns.items():
+            assert np.array_equal(fn(), expected), name
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        for r in range(args.rounds):
+            for name in c.shuffled(list(fns), r):
+                times[name].append(c.timeit_us(fns[name], min_time=0.3) / 1e3)
+        decoded = expected.nbytes
+        peaks = {name: peak_ratio(fn, decoded) for name, fn in fns.items()}
+        speedup = {name: [times["renderers"][i] / times[name][i] for i in range(args.rounds)] for name in fns}
+        data["sizes"][rows] = {"times_ms": times, "body_bytes": sizes, "peak_over_decoded": peaks}
+        for name in fns:
+            mbs = sizes[name] / 1e6 / (statistics.median(times[name]) / 1e3)
+            rows_out.append(
+                [
+                    f"[{rows},48,8] ({sizes[name] / 1e6:.2f} MB)",
+                    name,
+                    c.summary(times[name], "{:.3f}"),
+                    f"{mbs:.0f}",
+                    c.ratio_summary(speedup[name]),
+                    f"{peaks[name]:.2f}",
+                ]
+            )
+    c.save("decode", data)
+    m = data["machine"]
+    print(f"{m['date']} · {m['cpu']} · {m['cores']} cores · {m['cpu_pressure_at_start']}")
+    print(
+        c.table(["payload (body)", "method", "ms", "MB/s", "speed-up vs renderers", "peak alloc ÷ decoded"], rows_out)
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Multi-turn prompt construction: µs to build turn t's prompt ids at t = 1, 10, 50.
+
+    uv run python bench/bench_multiturn.py [--rounds 5] [--profile]
+
+In-process, the tiny tokenizer (byte-level BPE, Qwen3-style template). A turn is a user message of ~50 tokens and
+an assistant answer of ~200 tokens; turn t's prompt is [u1, a1, …, u(t-1), a(t-1), u(t)] + the generation prompt.
+
+* ``full_render``: ``apply_chat_template`` of the whole conversation + encode (what a client without a bridge pays);
+* ``bridge``: ``backends_core.bridge.extend_prompt`` (what ``Conversation.send`` runs): previous prompt + previous
+  completion ids reused untouched, only the new user message rendered (t = 1: rendering [u1], as the first
+  ``send`` does);
+* ``stateless``: ``TurnCache.prompt_ids`` (``client.generate(messages=…, session=…)``): the whole message list is
+  normalised and matched against the remembered turns, then bridged.
+
+Every method's ids are checked identical to ``full_render`` at every measured turn. With ``--profile``, a cProfile
+summary of ``extend_prompt`` at turn 50 is printed (the bound quoted in bench/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+from typing import Any
+
+import _common as c
+import numpy as np
+
+TURNS = (1, 10, 50)
+
+
+def conversation(tok: Any, turns: int) -> tuple[list[dict[str, str]], list[list[int]]]:
+    """Messages [u1, a1, …, u(turns)] and each assistant turn's completion ids (its text + ``<|im_end|>``)."""
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    messages: list[dict[str, str]] = []
+    completions: list[list[int]] = []
+    for t in range(turns):
+        messages.append({"role": "user", "content": c._text(25, 100 + t)})
+        if t < turns - 1:
+            text = c._text(100, 200 + t)
+            messages.append({"role": "assistant", "content": text})
+            completions.append([*tok.encode(text, add_special_tokens=False), im_end])
+    return messages, completions
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    c.pin(0)
+    from backends_core.bridge import extend_prompt
+    from backends_core.config import StatelessPolicy
+    from backends_core.messages import normalize_messages
+    from backends_core.stateless import TurnCache
+    from backends_core.types import GenerateResult
+
+    tok = c.tokenizer()
+    cases: dict[int, dict[str, Any]] = {}
+    for t in TURNS:
+        messages, completions = conversation(tok, t)
+        full = c.render_ids(tok, messages)
+        if t == 1:
+            fns = {
+                "full_render": lambda m=messages: c.render_ids(tok, m),
+                "bridge": lambda m=messages: c.render_ids(tok, m),
+                "stateless": lambda m=messages: c.render_ids(tok, m),
+            }
+        else:
+            prev_msgs = messages[:-2]
+            prev_prompt = c.render_ids(tok, prev_msgs)
+            prev = GenerateResult(
+                prompt_ids=tuple(prev_prompt),
+                completion_ids=tuple(completions[-1]),
+                logprobs=np.zeros(len(completions[-1]), np.float32),
+                finish_reason="stop",
+            )
+            cache = TurnCache(StatelessPolicy())
+            cache.remember("s", normalize_messages(prev_msgs), prev)
+            fns = {
+                "full_render": lambda m=messages: c.render_ids(tok, m),
+                "bridge": lambda h=prev_msgs, p=prev, m=messages: extend_prompt(
+                    tok, history=h, previous=p, new_messages=m[-1:]
+                ),
+                "stateless": lambda cache=cache, m=messages: cache.prompt_ids(
+                    tok, "s", m, tools=None, chat_template_kwargs=None
+                ),
+            }
+        for name, fn in fns.items():
+            assert fn() == full, (t, name)
+        cases[t] = {"fns": fns, "tokens": len(full)}
+    names = ["full_render", "bridge", "stateless"]
+    times: dict[str, dict[int, list[float]]] = {n: {t: [] for t in TURNS} for n in names}
+    for r in range(args.rounds):
+        for t in TURNS:
+            for name in c.shuffled(names, r * 7 + t):
+                times[name][t].append(c.timeit_us(cases[t]["fns"][name], min_time=0.2))
+    rows = []
+    for name in names:
+        growth = [times[name][50][i] / times[name][1][i] for i in range(args.rounds)]
+        rows.append([name, *[c.summary(times[name][t]) for t in TURNS], c.ratio_summary(growth)])
+    c.save("multiturn", {"machine": c.machine(), "times_us": times, "tokens": {t: cases[t]["tokens"] for t in TURNS}})
+    m = c.machine()
+    print(f"{m['date']} · {m['cpu']} · {m['cores']} cores · {m['cpu_pressure_at_start']}")
+    heads = ["method", *[f"t={t} ({cases[t]['tokens']} tok) µs" for t in TURNS], "t=50 ÷ t=1"]
+    print(c.table(heads, rows))
+    if args.profile:
+        fn = cases[50]["fns"]["bridge"]
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(50):
+            fn()
+        profile.disable()
+        out = io.StringIO()
+        pstats.Stats(profile, stream=out).sort_stats("cumulative").print_stats(18)
+        print("\n".join(line for line in out.getvalue().splitlines() if line.strip()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""The instant server of the benchmarks: a canned vLLM ``/inference/v1/generate`` in its own process.
+
+    uv run python bench/instant.py [--hold] [--admin N] [--admin-delay 0.05]
+
+Prints one JSON line ``{"plain": port, "re": port, "re_obj": port, ...}`` once listening, then serves until killed.
+An ``asyncio.Protocol`` on uvloop (when installed) answering pre-encoded responses, so the server's own cost per
+request stays far below the client's. Ports:
+
+* ``plain``: 256 completion tokens with logprob entries, ``routed_experts: null``;
+* ``re``: the same + ``routed_experts`` for a 1,024-token prompt (1,279 rows × 48 layers × top-8, uint8) as vLLM
+  0.32 sends it (base64 of a ``.npy``), which is what our vLLM backend parses;
+* ``re_obj``: the same routing as ``{"data": base64 raw, "shape", "start", "dtype"}``, the form renderers'
+  splice parser recognises (it falls back to a full ``json.loads`` on the string form);
+* ``hold`` (``--hold``): answers ``plain`` but holds every generate request until ``POST /bench/release`` (on any
+  port; later requests are answered at once until ``POST /bench/hold``): guaranteed in-flight requests;
+* ``admin0``… (``--admin N``): N emulated servers answering vLLM's admin routes after ``--admin-delay`` seconds
+  (and ``plain`` for generate).
+
+Every port answers ``GET /v1/models`` (``max_model_len`` for the client's pre-flight check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import _common as c
+
+
+def response(body: bytes, status: str = "200 OK") -> bytes:
+    head = f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    return head.encode("latin1") + body
+
+
+class State:
+    def __init__(self, admin_delay: float) -> None:
+        self.held: list[tuple[asyncio.Transport, bytes]] = []
+        self.admin_delay = admin_delay
+        self.versions: dict[int, str] = {}
+        self.paused: dict[int, bool] = {}
+        self.requests = 0
+        self.holding = True
+
+
+def admin_answer(state: State, port: int, method: str, path: str, body: bytes) -> bytes | None:
+    route = path.split("?", 1)[0]
+    if route == "/health":
+        return response(b"")
+    if route == "/pause":
+        state.paused[port] = True
+        return response(b'{"status":"paused"}')
+    if route == "/resume":
+        state.paused[port] = False
+        return response(b'{"status":"resumed"}')
+    if route == "/collective_rpc":
+        return response(b'{"results":[null]}')
+    if route == "/update_weight_version":
+        state.versions[port] = json.loads(body)["new_version"]
+        return response(b'{"success":true}')
+    if route == "/reset_prefix_cache":
+        return response(b'{"success":true}')
+    if route == "/is_paused":
+        return response(json.dumps({"is_paused": state.paused.get(port, False)}).encode())
+    if route == "/is_sleeping":
+        return response(b'{"is_sleeping":false}')
+    if route == "/weight_info":
+        return response(json.dumps({"weight_version": state.versions.get(port, "default")}).encode())
+    if route == "/metrics":
+        body = b"".join(b'vllm:num_requests_%s{model_name="tiny-qwen3"} 0.0\n' % k for k in (b"running", b"waiting"))
+        return b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    if route == "/load":
+        return response(b'{"server_load":0}')
+    return None
+
+
+class Protocol(asyncio.Protocol):
+    def __init__(self, state: State, port: int, kind: str, generate: bytes, models: bytes) -> None:
+        self.state, self.port, self.kind = state, port, kind
+        self.generate, self.models = generate, models
+        self.buffer = bytearray()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while True:
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = bytes(self.buffer[:end]).decode("latin1")
+            length = 0
+            for line in head.split("\r\n")[1:]:
+                name, _, value = line.partition(":")
+                if name.strip().lower() == "content-length":
+                    length = int(value)
+            if len(self.buffer) < end + 4 + length:
+                return
+            body = bytes(self.buffer[end + 4 : end + 4 + length])
+            del self.buffer[: end + 4 + length]
+            method, path, _ = head.split(" ", 2)
+            self.handle(method, path, body)
+
+    def handle(self, method: str, path: str, body: bytes) -> None:
+        assert self.transport is not None
+        state = self.state
+        if path.endswith("/inference/v1/generate"):
+            state.requests += 1
+            if self.kind == "hold" and state.holding:
+                state.held.append((self.transport, self.generate))
+            else:
+                self.transport.write(self.generate)
+            return
+        if path.startswith("/v1/models"):
+            self.transport.write(self.models)
+            return
+        if path == "/bench/hold":
+            state.holding = True
+            self.transport.write(response(b"{}"))
+            return
+        if path == "/bench/release":  # answer every held request, and the next ones at once until /bench/hold
+            state.holding = False
+            held, state.held = state.held, []
+            for transport, answer in held:
+                if not transport.is_closing():
+                    transport.write(answer)
+            self.transport.write(response(json.dumps({"released": len(held)}).encode()))
+            return
+        if path == "/bench/stats":
+            self.transport.write(response(json.dumps({"requests": state.requests, "held": len(state.held)}).encode()))
+            return
+        answer = admin_answer(state, self.port, method, path, body)
+        if answer is None:
+            answer = response(b'{"detail":"Not Found"}', "404 Not Found")
+        if state.admin_delay > 0:
+            asyncio.get_running_loop().call_later(state.admin_delay, self._write, answer)
+        else:
+            self.transport.write(answer)
+
+    def _write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hold", action="store_true")
+    parser.add_argument("--admin", type=int, default=0)
+    parser.add_argument("--admin-delay", type=float, default=0.0)
+    parser.add_argument("--no-pin", action="store_true")
+    args = parser.parse_args()
+    if not args.no_pin:
+        c.pin(1)
+    tok = c.tokenizer()
+    completion = c.completion_ids(tok)
+    plain = response(c.generate_body(completion))
+    bodies = {
+        "plain": plain,
+        "re": response(c.generate_body(completion, routed="npy")),
+        "re_obj": response(c.generate_body(completion, routed="object")),
+    }
+    kinds = list(bodies)
+    if args.hold:
+        bodies["hold"] = plain
+        kinds.append("hold")
+    for i in range(args.admin):
+        bodies[f"admin{i}"] = plain
+        kinds.append(f"admin{i}")
+    state = State(args.admin_delay)
+    models = response(c.models_body())
+    loop = asyncio.get_running_loop()
+    ports: dict[str, int] = {}
+    servers = []
+    for kind in kinds:
+        holder: dict[str, int] = {}
+
+        def factory(kind: str = kind, holder: dict[str, int] = holder) -> Protocol:
+            return Protocol(state, holder["port"], kind, bodies[kind], models)
+
+        server = await loop.create_server(factory, "127.0.0.1", 0, backlog=4096)
+        holder["port"] = ports[kind] = server.sockets[0].getsockname()[1]
+        servers.append(server)
+    print(json.dumps(ports), flush=True)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    try:
+        import uvloop
+
+        uvloop.run(main())
+    except ImportError:
+        asyncio.run(main())

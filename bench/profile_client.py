@@ -1,0 +1,77 @@
+"""cProfile of one client's generate calls against the instant server: where the client CPU goes.
+
+    uv run python bench/profile_client.py [--client ours_ids] [--body plain] [--conc 1] [--n 400] [--top 25]
+
+Prints the functions with the most own time (tottime) and cumulative time. Used for the bounds in bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import pstats
+
+import _common as c
+from bench_client import Fixture, make_factory, run_calls
+
+
+def by_package(stats: pstats.Stats, total: float) -> list[tuple[str, float]]:
+    """Own time grouped by where the code lives (site-packages package, our packages, the stdlib, C calls)."""
+    shares: dict[str, float] = {}
+    for (filename, _line, name), value in stats.stats.items():  # type: ignore[attr-defined]
+        if "site-packages/" in filename:
+            package = filename.split("site-packages/", 1)[1].split("/", 1)[0]
+        elif "backends_core" in filename or "backends_vllm" in filename:
+            package = "backends_core" if "backends_core" in filename else "backends_vllm"
+        elif filename == "~":
+            if "socket" in name or "select" in name or "epoll" in name:
+                package = "(socket/epoll syscalls)"
+            elif "orjson" in name:
+                package = "orjson"
+            else:
+                package = "(other C builtins)"
+        elif "/asyncio/" in filename:
+            package = "asyncio (stdlib)"
+        elif "bench/" in filename:
+            package = "(benchmark harness)"
+        else:
+            package = "(other stdlib)"
+        shares[package] = shares.get(package, 0.0) + value[2] / total
+    return sorted(shares.items(), key=lambda kv: -kv[1])
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--client", default="ours_ids")
+    parser.add_argument("--body", default="plain")
+    parser.add_argument("--conc", type=int, default=1)
+    parser.add_argument("--n", type=int, default=400)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--sort", default="tottime")
+    args = parser.parse_args()
+    c.pin(0)
+    fx = Fixture()
+    with c.ServerProcess() as server:
+        port = "re_obj" if args.body == "re" and args.client.startswith("renderers") else args.body
+        call, close = await make_factory(args.client, server.url(port), args.body, fx)()
+        await run_calls(call, 2 * args.conc, args.conc)
+        profile = cProfile.Profile()
+        profile.enable()
+        await run_calls(call, args.n, args.conc)
+        profile.disable()
+        await close()
+    out = io.StringIO()
+    stats = pstats.Stats(profile, stream=out)
+    total = sum(v[2] for v in stats.stats.values())  # type: ignore[attr-defined]
+    print(f"{args.client} {args.body} c={args.conc}: {total / args.n * 1e6:.0f} µs/call of profiled own time")
+    print("own time by package (share of the client's profiled CPU):")
+    for package, share in by_package(stats, total):
+        print(f"  {package:<28} {share * 100:5.1f} %")
+    stats.sort_stats(args.sort).print_stats(args.top)
+    print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:12000])
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

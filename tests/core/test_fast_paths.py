@@ -1,0 +1,179 @@
+"""The fast paths behind the benchmarks give exactly what the slow paths give, and fail the same way:
+pybase64 vs binascii strict mode, orjson vs the stdlib, routed experts lifted out of the raw body as memoryviews,
+and the bulk checks of result ids and prompt ids."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import enum
+import io
+import json
+
+import httpx
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from backends_core import GenerateResult, ResponseParseError, decode_routed_experts
+from backends_core._http import Server, dumps, loads, loads_lifting
+from backends_core.client import _all_token_ints
+from backends_core.driver import check_result
+from backends_core.routed_experts import _b64decode
+
+B64_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+
+
+def strict(payload: bytes) -> bytes | str:
+    try:
+        return binascii.a2b_base64(payload, strict_mode=True)
+    except (binascii.Error, ValueError) as exc:
+        return f"error: {exc}"
+
+
+def fast(payload: bytes) -> bytes | str:
+    try:
+        return _b64decode(payload)
+    except (binascii.Error, ValueError) as exc:
+        return f"error: {exc}"
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet=B64_CHARS + "=\n -_.\x00é", max_size=24))
+def test_base64_decoding_accepts_refuses_and_words_errors_like_binascii_strict(text: str) -> None:
+    payload = text.encode()
+    assert fast(payload) == strict(payload)
+
+
+@pytest.mark.parametrize("payload", [b"", b"QQ==", b"QUJD=", b"QUJD====", b"QQ==QQ==", b"=QQ=", b"QQ", b"Q\nUJD"])
+def test_base64_padding_edge_cases_match_binascii_strict(payload: bytes) -> None:
+    assert fast(payload) == strict(payload)
+
+
+def npy_b64(array: np.ndarray) -> str:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_a_memoryview_payload_decodes_like_the_string_without_copying_the_text() -> None:
+    array = np.random.default_rng(0).integers(0, 128, size=(300, 48, 8), dtype=np.uint8)
+    text = npy_b64(array)
+    body = b'{"x":"' + text.encode() + b'"}'
+    view = memoryview(body)[6:-2]
+    from_view = decode_routed_experts(view)
+    assert np.array_equal(from_view, decode_routed_experts(text)) and np.array_equal(from_view, array)
+    owner = from_view
+    while isinstance(owner, np.ndarray):
+        owner = owner.base
+    assert isinstance(owner, bytes)  # a view of the one decoded buffer
+    raw = base64.b64encode(array.tobytes())
+    from_raw = decode_routed_experts(memoryview(raw), num_layers=48, top_k=8, dtype="uint8")
+    assert np.array_equal(from_raw, array)
+    with pytest.raises(ResponseParseError, match="not valid base64"):
+        decode_routed_experts(memoryview(b"QQ=?"))
+
+
+def routed_body(*payloads: str, spaced: bool = False) -> bytes:
+    sep = ": " if spaced else ":"
+    choices = ",".join(
+        f'{{"index"{sep}{i},"token_ids":[1,2],"routed_experts"{sep}"{p}","logprobs":{{"content":[{{"token_id":1}}]}}}}'
+        for i, p in enumerate(payloads)
+    )
+    return f'{{"request_id":"r","choices":[{choices}],"usage":{{"prompt_tokens":3}}}}'.encode()
+
+
+def plain(value: object) -> object:
+    """``value`` with every memoryview turned back into the str it was cut from."""
+    if isinstance(value, memoryview):
+        return value.tobytes().decode()
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("spaced", [False, True])
+def test_large_strings_come_back_as_views_of_the_body_and_the_rest_parses_as_usual(spaced: bool) -> None:
+    first, second = "A" * 8192, "QUJD" * 3000
+    body = routed_body(first, second, spaced=spaced)
+    parsed = loads_lifting(body, ("routed_experts",))
+    assert [type(ch["routed_experts"]) for ch in parsed["choices"]] == [memoryview, memoryview]
+    assert plain(parsed) == json.loads(body)
+    assert parsed["choices"][0]["routed_experts"].obj is body  # no copy of the base64 text
+
+
+def test_small_escaped_or_absent_strings_are_parsed_as_usual() -> None:
+    small = routed_body("QUJD")
+    assert loads_lifting(small, ("routed_experts",)) == json.loads(small)
+    escaped = routed_body("A\\/" * 3000)  # a JSON escape inside: the parser must see it
+    assert loads_lifting(escaped, ("routed_experts",)) == json.loads(escaped)
+    assert loads_lifting(b'{"routed_experts":null}', ("routed_experts",)) == {"routed_experts": None}
+
+
+def test_a_key_look_alike_inside_a_string_or_a_forged_placeholder_changes_nothing() -> None:
+    inside = json.dumps({"text": '"routed_experts":"' + "A" * 5000, "routed_experts": "B" * 5000}).encode()
+    assert plain(loads_lifting(inside, ("routed_experts",))) == json.loads(inside)
+    forged = json.dumps({"a": "\x00deadbeefdeadbeef:0", "routed_experts": "C" * 5000}).encode()
+    assert plain(loads_lifting(forged, ("routed_experts",))) == json.loads(forged)
+
+
+def test_not_json_still_raises_the_stdlib_error() -> None:
+    for bad in (b'{"routed_experts":"' + b"A" * 5000, b"{", b"\xff\xfe"):
+        with pytest.raises((json.JSONDecodeError, UnicodeDecodeError)):
+            loads_lifting(bad, ("routed_experts",))
+        with pytest.raises((json.JSONDecodeError, UnicodeDecodeError)):
+            loads(bad)
+
+
+def test_what_orjson_refuses_takes_the_stdlib_path() -> None:
+    assert loads(b'{"a": NaN, "b": 123456789012345678901234567890}')["b"] == 123456789012345678901234567890
+    assert np.isnan(loads(b'{"a": NaN}')["a"])
+    assert json.loads(dumps({1: "a", "big": 2**70})) == {"1": "a", "big": 2**70}
+    assert dumps({"ids": (1, 2), "x": 0.5}) == b'{"ids":[1,2],"x":0.5}'
+
+    class Flavour(enum.IntEnum):
+        A = 3
+
+    assert dumps({"k": Flavour.A}) == json.dumps({"k": Flavour.A}, separators=(",", ":")).encode()
+
+
+async def test_server_request_lifts_only_when_asked() -> None:
+    body = routed_body("D" * 6000)
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body, headers={"content-type": "application/json"})
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    server = Server(base_url="http://s", admin_url="http://s", data_client=client, admin_client=client)
+    lifted = await server.request("POST", "/g", json_body={"a": 1}, large_strings=("routed_experts",))
+    assert isinstance(lifted["choices"][0]["routed_experts"], memoryview)
+    assert plain(lifted) == await server.request("POST", "/g", json_body={"a": 1})
+    await client.aclose()
+
+
+def result(ids: tuple[object, ...]) -> GenerateResult:
+    return GenerateResult(
+        prompt_ids=(1,),
+        completion_ids=ids,  # type: ignore[arg-type]
+        logprobs=np.zeros(len(ids), np.float32),
+        finish_reason="stop",
+    )
+
+
+@pytest.mark.parametrize(("ids", "bad"), [((1, True), "True"), ((1, -2), "-2"), ((3, 1.0), "1.0"), ((4, "5"), "'5'")])
+def test_completion_ids_checks_name_the_first_bad_id(ids: tuple[object, ...], bad: str) -> None:
+    with pytest.raises(ResponseParseError, match=f"completion id {bad} is not a token id"):
+        check_result(result(ids), where="sample 0", url=None)
+    check_result(result((0, 5, 7)), where="sample 0", url=None)
+    check_result(result(()), where="sample 0", url=None)
+
+
+def test_prompt_id_check_takes_ints_and_int_subclasses_but_no_bools() -> None:
+    class Token(enum.IntEnum):
+        A = 4
+
+    assert _all_token_ints([1, 2, 3]) and _all_token_ints((Token.A, 5)) and _all_token_ints([])
+    assert not _all_token_ints([1, True]) and not _all_token_ints([1.0]) and not _all_token_ints(["1"])
