@@ -1,0 +1,5 @@
+"""Import-only stand-in for ``torchvision.transforms.functional`` (see ``torchvision/__init__.py``)."""
+
+from torchvision._missing import module_getattr
+
+__getattr__ = module_getattr(__name__)

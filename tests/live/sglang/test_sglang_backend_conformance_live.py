@@ -1,0 +1,23 @@
+"""The sglang backend's conformance suite against real SGLang 0.5.23 on the CPU: dense server (LoRA) and the
+MoE server with routed experts, whose rows the suite checks end to end."""
+
+from __future__ import annotations
+
+import pytest
+
+from backends_core.driver import CAPABILITY_HOOKS
+from backends_core.testing.conformance import BackendConformance
+
+pytestmark = pytest.mark.live
+
+
+class TestSglangLiveConformance(BackendConformance):
+    backend_name = "sglang"
+    expected_capabilities = CAPABILITY_HOOKS - {"tokenize_messages"}
+    supports_routed_experts = True
+    live_moe = True
+    deterministic_seeds = False  # sampling_seed does not reproduce on CPU SGLang without deterministic inference
+
+    @pytest.fixture
+    def live_url(self, model_kind: str, request: pytest.FixtureRequest) -> str:
+        return str(request.getfixturevalue("sglang_moe_url" if model_kind == "moe" else "sglang_dense_url"))
