@@ -11,6 +11,7 @@ class TestSglangConformance(BackendConformance):
     expected_capabilities = frozenset(
         {
             "teacher_logprobs",
+            "tokenize_messages",
             "admin_health",
             "admin_ready",
             "admin_state",

@@ -43,6 +43,7 @@ from backends_core.types import (
     TensorSpec,
 )
 from backends_sglang import control, wire
+from backends_sglang._body import Body
 from backends_sglang.options import SglangOptions, parse_options
 
 _LIMIT = "sglang.max_req_input_len"  # Server.cache: read once from /server_info
@@ -113,6 +114,29 @@ async def post_generate(server: Server, request: GenerateRequest, options: Sglan
 @hookimpl
 def parse_response(raw: Any, request: GenerateRequest, server_url: str, options: SglangOptions) -> list[GenerateResult]:
     return wire.parse_generate(raw, request, server_url, options.routing)
+
+
+@hookimpl
+async def tokenize_messages(
+    server: Server,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    chat_template_kwargs: Mapping[str, Any],
+    add_generation_prompt: bool,
+    config: ClientConfig,
+) -> list[int]:
+    """SGLang's ``/v1/tokenize`` takes the messages form and renders it with the server's chat template (note:
+    it passes tools through its own schema model, which adds ``description``/``defer_loading`` nulls)."""
+    body: dict[str, Any] = {
+        "model": config.model or "default",
+        "messages": [dict(m) for m in messages],
+        "add_generation_prompt": add_generation_prompt,
+        "chat_template_kwargs": dict(chat_template_kwargs),
+    }
+    if tools:
+        body["tools"] = [dict(t) for t in tools]
+    raw = await server.request("POST", "/v1/tokenize", json_body=body)
+    return list(Body(raw, "$", server.base_url).get("tokens").token_ids())
 
 
 @hookimpl

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.live
 
 class TestSglangLiveConformance(BackendConformance):
     backend_name = "sglang"
-    expected_capabilities = CAPABILITY_HOOKS - {"tokenize_messages"}
+    expected_capabilities = CAPABILITY_HOOKS
     supports_routed_experts = True
     live_moe = True
     deterministic_seeds = False  # sampling_seed does not reproduce on CPU SGLang without deterministic inference
