@@ -12,6 +12,7 @@ Fixtures (session-scoped, started lazily by the first test that asks, stopped at
   (``--enable-lora --lora-backend torch_native --max-lora-rank 8``; adapters are loaded with
   ``/load_lora_adapter`` and selected by name in ``lora_path``; note that SGLang silently reloads an
   adapter that was unloaded when a request names it again: only never-loaded names are a 400).
+* ``sglang_dense_url_2``: a second such server, for the fleet tests.
 * ``sglang_moe_url``: the same for ``tiny-qwen3-moe`` (served name ``tiny-qwen3``) with
   ``--enable-return-routed-experts``, without LoRA.
 
@@ -73,6 +74,16 @@ def sglang_dense_url(
 ) -> Iterator[str]:
     """Base URL of a live SGLang server on the tiny dense model, LoRA enabled."""
     yield from _serve(sglang_venv, tiny_models.dense, name="sglang-dense", lora=True, tmp_path_factory=tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def sglang_dense_url_2(
+    sglang_venv: Path, tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """A second live SGLang server on the tiny dense model (LoRA enabled), for fleet tests."""
+    yield from _serve(
+        sglang_venv, tiny_models.dense, name="sglang-dense-2", lora=True, tmp_path_factory=tmp_path_factory
+    )
 
 
 @pytest.fixture(scope="session")
