@@ -7,13 +7,15 @@ an assistant answer of ~200 tokens; turn t's prompt is [u1, a1, …, u(t-1), a(t
 
 * ``full_render``: ``apply_chat_template`` of the whole conversation + encode (what a client without a bridge pays);
 * ``bridge``: ``backends_core.bridge.extend_prompt`` (what ``Conversation.send`` runs): previous prompt + previous
-  completion ids reused untouched, only the new user message rendered (t = 1: rendering [u1], as the first
-  ``send`` does);
+  completion ids reused untouched, only the new user message rendered (t = 1: ``render_text`` + ``encode`` of [u1],
+  the core's default ``render`` hook, which the first ``send`` runs);
 * ``stateless``: ``TurnCache.prompt_ids`` (``client.generate(messages=…, session=…)``): the whole message list is
-  normalised and matched against the remembered turns, then bridged.
+  normalised and matched against the remembered turns, then bridged (t = 1: as ``bridge``).
 
-Every method's ids are checked identical to ``full_render`` at every measured turn. With ``--profile``, a cProfile
-summary of ``extend_prompt`` at turn 50 is printed (the bound quoted in bench/README.md).
+Every method's ids are checked identical to ``full_render`` at every measured turn, on the first call (for the
+bridge: the call that verifies the tail render against a full one) and on a second call (the bridge's steady
+state: a tail render); the bridge's render counts (``tail_renders`` / ``full_renders``) are printed and saved.
+With ``--profile``, a cProfile summary of ``extend_prompt`` at turn 50 is printed (quoted in bench/README.md).
 """
 
 from __future__ import annotations
@@ -44,19 +46,28 @@ def conversation(tok: Any, turns: int) -> tuple[list[dict[str, str]], list[list[
     return messages, completions
 
 
+def _renders_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    full = {k: v - before["full_renders"].get(k, 0) for k, v in after["full_renders"].items()}
+    return {"tail": after["tail_renders"] - before["tail_renders"], "full": {k: v for k, v in full.items() if v}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     c.pin(0)
-    from backends_core.bridge import extend_prompt
+    from backends_core.bridge import BridgeStats, clear_template_cache, extend_prompt
     from backends_core.config import StatelessPolicy
     from backends_core.messages import normalize_messages
+    from backends_core.rendering import encode, render_text
     from backends_core.stateless import TurnCache
     from backends_core.types import GenerateResult
 
     tok = c.tokenizer()
+    clear_template_cache()
+    stats = BridgeStats()
+    ours_first = lambda m: encode(tok, render_text(tok, m))  # noqa: E731 - the core's default render hook
     cases: dict[int, dict[str, Any]] = {}
     for t in TURNS:
         messages, completions = conversation(tok, t)
@@ -64,8 +75,8 @@ def main() -> None:
         if t == 1:
             fns = {
                 "full_render": lambda m=messages: c.render_ids(tok, m),
-                "bridge": lambda m=messages: c.render_ids(tok, m),
-                "stateless": lambda m=messages: c.render_ids(tok, m),
+                "bridge": lambda m=messages: ours_first(m),
+                "stateless": lambda m=messages: ours_first(m),
             }
         else:
             prev_msgs = messages[:-2]
@@ -81,15 +92,17 @@ def main() -> None:
             fns = {
                 "full_render": lambda m=messages: c.render_ids(tok, m),
                 "bridge": lambda h=prev_msgs, p=prev, m=messages: extend_prompt(
-                    tok, history=h, previous=p, new_messages=m[-1:]
+                    tok, history=h, previous=p, new_messages=m[-1:], stats=stats
                 ),
                 "stateless": lambda cache=cache, m=messages: cache.prompt_ids(
-                    tok, "s", m, tools=None, chat_template_kwargs=None
+                    tok, "s", m, tools=None, chat_template_kwargs=None, stats=stats
                 ),
             }
+        before = stats.as_dict()
         for name, fn in fns.items():
-            assert fn() == full, (t, name)
-        cases[t] = {"fns": fns, "tokens": len(full)}
+            for call in ("first", "steady"):
+                assert fn() == full, (t, name, call)
+        cases[t] = {"fns": fns, "tokens": len(full), "renders": _renders_since(before, stats.as_dict())}
     names = ["full_render", "bridge", "stateless"]
     times: dict[str, dict[int, list[float]]] = {n: {t: [] for t in TURNS} for n in names}
     for r in range(args.rounds):
@@ -100,11 +113,16 @@ def main() -> None:
     for name in names:
         growth = [times[name][50][i] / times[name][1][i] for i in range(args.rounds)]
         rows.append([name, *[c.summary(times[name][t]) for t in TURNS], c.ratio_summary(growth)])
-    c.save("multiturn", {"machine": c.machine(), "times_us": times, "tokens": {t: cases[t]["tokens"] for t in TURNS}})
+    renders = {t: cases[t]["renders"] for t in TURNS}
     m = c.machine()
+    c.save(
+        "multiturn",
+        {"machine": m, "times_us": times, "tokens": {t: cases[t]["tokens"] for t in TURNS}, "renders": renders},
+    )
     print(f"{m['date']} · {m['cpu']} · {m['cores']} cores · {m['cpu_pressure_at_start']}")
     heads = ["method", *[f"t={t} ({cases[t]['tokens']} tok) µs" for t in TURNS], "t=50 ÷ t=1"]
     print(c.table(heads, rows))
+    print("bridge + stateless renders during the two checked calls per turn:", renders)
     if args.profile:
         fn = cases[50]["fns"]["bridge"]
         profile = cProfile.Profile()

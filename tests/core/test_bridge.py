@@ -136,7 +136,9 @@ def test_boundary_drift_is_detected(tok) -> None:
 
         def encode(self, text, add_special_tokens=False):
             ids = tok.encode(text, add_special_tokens=False)
-            return [*ids, 0] if text.startswith("<|im_end|>\n<|im_start|>") else ids
+            if text.startswith("<|im_end|>\n<|im_start|>"):  # "\n" and "<|im_start|>" become one token
+                return [ids[0], 0, *ids[3:]]
+            return ids
 
     history, prev = turn(tok, [{"role": "user", "content": "hi"}], "yo<|im_end|>")
     with pytest.raises(BridgeError) as info:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from backends_core import BridgeError, Client, ClientConfig, Event, SamplingParams, hookimpl
+from backends_core.bridge import clear_template_cache
 from backends_core.reference.emulator import ReferenceEmulator
 from backends_core.testing.engine import ReferenceEngine
 
@@ -20,6 +21,13 @@ class Recorder:
     @hookimpl
     def observe(self, event: Event) -> None:
         self.events.append(event)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_verdicts():
+    clear_template_cache()  # the tokenizer is shared between tests: start without cached tail verdicts
+    yield
+    clear_template_cache()
 
 
 @pytest.fixture
@@ -45,9 +53,29 @@ async def test_three_turns_each_extend_the_previous_exact_ids(client: Client) ->
         assert after.prompt_ids[: len(before.token_ids)] == before.token_ids
     assert conv.token_ids == turns[-1].token_ids
     assert [m["role"] for m in conv.messages] == ["user", "assistant", "user", "assistant", "user"]
-    assert client.bridge_stats.as_dict() == {"attempts": 2, "successes": 2, "failures": {}, "rerendered": 0}
+    assert client.bridge_stats.as_dict() == {
+        "attempts": 2,
+        "successes": 2,
+        "failures": {},
+        "rerendered": 0,
+        "tail_renders": 0,  # turn 2: history too short to verify a tail render; turn 3: verified against a full one
+        "full_renders": {"short_history": 1, "verify": 1},
+    }
     bridge_events = [e for e in client.recorder.events if e.kind == "bridge"]  # type: ignore[attr-defined]
     assert len(bridge_events) == 2 and all(e.ok for e in bridge_events)
+
+
+async def test_later_turns_render_only_the_new_messages_and_count_it(client: Client) -> None:
+    conv = client.conversation()
+    sampling = SamplingParams(max_tokens=6, seed=5)
+    turns = [await conv.send([{"role": "user", "content": "hi"}], sampling=sampling)]
+    for i in range(5):
+        turns.append(await conv.send([{"role": "user", "content": f"more {i}"}], sampling=sampling))
+    for before, after in itertools.pairwise(turns):
+        assert after.prompt_ids[: len(before.token_ids)] == before.token_ids
+    stats = client.bridge_stats
+    assert stats.tail_renders == 3 and stats.full_renders == {"short_history": 1, "verify": 1}
+    assert stats.successes == 5 and stats.as_dict()["tail_renders"] == 3
 
 
 async def test_a_truncated_turn_is_closed_and_the_next_turn_continues(client: Client) -> None:

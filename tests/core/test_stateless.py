@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 
 from backends_core import BridgeError, Client, ClientConfig, GenerateResult, SamplingParams, extend_prompt
 from backends_core.config import StatelessPolicy
-from backends_core.messages import normalize_message
+from backends_core.errors import InvalidRequestError
+from backends_core.messages import normalize_message, normalize_messages
 from backends_core.reference.emulator import ReferenceEmulator
 from backends_core.rendering import encode, load_tokenizer, render_text
 from backends_core.testing.engine import ReferenceEngine
@@ -65,7 +66,13 @@ async def test_an_agent_loop_sending_full_lists_reuses_every_turns_exact_ids(mak
             assert result.prompt_ids[: len(previous.token_ids)] == previous.token_ids
         previous = result
         messages = [*messages, reply(client, result), {"role": "tool", "content": f"output {step}"}]
-    assert client.bridge_stats.as_dict() == {"attempts": 3, "successes": 3, "failures": {}, "rerendered": 0}
+    stats = client.bridge_stats.as_dict()
+    assert {k: stats[k] for k in ("attempts", "successes", "failures", "rerendered")} == {
+        "attempts": 3,
+        "successes": 3,
+        "failures": {},
+        "rerendered": 0,
+    }
 
 
 @dataclasses.dataclass
@@ -154,6 +161,36 @@ def test_normalisation_equates_benign_forms_only() -> None:
     )
     assert a == b
     assert normalize_message({"role": "user", "content": "x"}) != normalize_message({"role": "user", "content": "y"})
+
+
+def test_remembered_normal_forms_follow_in_place_edits_and_are_never_shared() -> None:
+    message = {"role": "user", "content": "first", "name": None}
+    first = normalize_message(message)
+    assert first == {"role": "user", "content": "first"}
+    first["content"] = "tampered"  # the caller owns what it gets back
+    assert normalize_message(message) == {"role": "user", "content": "first"}
+    message["content"] = "edited in place"
+    assert normalize_messages([message]) == [{"role": "user", "content": "edited in place"}]
+    message["tool_calls"] = [{"function": {"name": "f", "arguments": '{"a": 1}'}}]
+    assert normalize_message(message)["tool_calls"] == [{"function": {"name": "f", "arguments": {"a": 1}}}]
+    with pytest.raises(InvalidRequestError):
+        normalize_message({"content": "no role"})
+
+
+async def test_a_history_edited_in_place_is_still_a_break(make_client) -> None:
+    client = await make_client()
+    messages: list = [{"role": "user", "content": "list files"}]
+    first = await client.generate(messages=messages, sampling=SamplingParams(max_tokens=4), session="s")
+    messages += [reply(client, first), {"role": "user", "content": "and now?"}]
+    second = await client.generate(messages=messages, sampling=SamplingParams(max_tokens=4), session="s")
+    messages += [reply(client, second), {"role": "user", "content": "again"}]
+    messages[0]["content"] = "list directories"  # the same dict objects, one of them rewritten
+    with pytest.raises(BridgeError) as info:
+        await client.generate(messages=messages, sampling=SamplingParams(max_tokens=4), session="s")
+    assert info.value.reason == "no_prefix"
+    messages[0]["content"] = "list files"  # undone: the history is a prefix again
+    third = await client.generate(messages=messages, sampling=SamplingParams(max_tokens=4), session="s")
+    assert third.prompt_ids[: len(second.token_ids)] == second.token_ids
 
 
 # -- property tests of the bridge itself --------------------------------------------------------------

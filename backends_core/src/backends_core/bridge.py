@@ -8,22 +8,42 @@ turn N it sends ``previous prompt + previous completion + close + delta`` where
   the model did not generate (``"\\n"`` after a sampled ``<|im_end|>``), or all of it when the turn was cut
   short (``length`` / ``abort``), after closing an unclosed ``<think>`` block;
 * ``delta`` is the template's rendering of the new messages plus the generation prompt, taken from a render
-  of the whole conversation in which the previous assistant turn is a sentinel, so every template rule that
-  depends on earlier messages (tool-response grouping, system blocks) still applies.
+  in which the previous assistant turn is a sentinel, so every template rule that looks at the neighbouring
+  messages (tool-response grouping, the generation prompt) applies.
 
-The bridge then *proves* the result: the re-encoded tail ``end-of-turn + delta`` must tokenize exactly to
-``end-of-turn ids + delta ids`` (no token merges across the boundary), and the new prompt must start with
-the previous ids. Anything it cannot prove raises :class:`~backends_core.errors.BridgeError` with a reason;
-nothing falls back to re-rendering or text. Attempts, successes and failures (by reason) are counted in
+**What is rendered.** The *full* way renders the whole history before the sentinel, so rules that depend on
+earlier messages (system blocks, position) apply exactly; its cost grows with the history. The *tail* way
+renders only ``context + sentinel + new messages``, where ``context`` is the history's leading system message
+(if any), optionally followed by one stand-in user message: its cost depends on the new messages only. A tail
+render is used only for a *shape* whose verdict is cached: the first time a template (per tokenizer, chat
+template, tools and template variables) meets a shape — parity of the history length, whether it starts with
+a system message, the role before the previous assistant turn, whether that turn has tool calls, and the
+role, keys and content type of each new message — the bridge renders in full, renders the tail in each candidate
+context, and keeps the first context whose delta is *identical* to the full one (the verdict). Only a history
+at least two messages longer than the context can prove anything (positions must differ), so shorter ones are
+rendered in full without a verdict. A template whose tail never matches (it numbers turns, say) gets the
+verdict *position-dependent* and is rendered in full every turn. Every turn is counted: ``tail_renders``, or
+``full_renders[reason]`` with reason ``verify``, ``short_history``, ``position_dependent``, ``tail_error`` (a
+verified context raised or lost the sentinel on this turn's content), ``uncacheable`` (tools or template
+variables are not JSON, or the tokenizer cannot be weakly referenced) or ``disabled``. The verdict assumes the
+template's rendering of new messages depends on earlier messages only through the features of the shape;
+``extend_prompt(..., tail_render=False)`` renders in full regardless.
+
+The bridge then *proves* the result: the template's end-of-turn text followed by the delta, encoded in one
+piece, must start with exactly the end-of-turn ids (no token merges across the boundary); the delta's ids are
+the rest. Anything it cannot prove raises :class:`~backends_core.errors.BridgeError` with a reason; nothing
+falls back to re-rendering or text. Attempts, successes and failures (by reason) are counted in
 :class:`BridgeStats`.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
+import weakref
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -35,21 +55,30 @@ from backends_core.types import GenerateResult, Message, SamplingParams
 if TYPE_CHECKING:
     from backends_core.client import Client
 
-__all__ = ["BridgeStats", "Conversation", "extend_prompt"]
+__all__ = ["BridgeStats", "Conversation", "clear_template_cache", "extend_prompt"]
 
 _SENTINEL = "\u27e6backends-bridge-sentinel\u27e7"
+_CONTEXT_USER = "\u27e6backends-bridge-context\u27e7"
+_POSITION_DEPENDENT = -1  # verdict: no candidate context reproduces the full render's delta
+_MAX_STATES = 64  # template states (chat template x tools x variables) kept per tokenizer
+_MAX_SHAPES = 1024  # verdicts kept per template state
 
 
 @attrs.define
 class BridgeStats:
     """Counters for multi-turn bridging: ``attempts`` to reuse exact ids, ``successes`` (reused),
-    ``failures`` keyed by :attr:`BridgeError.reason`, and ``rerendered``: breaks the caller chose to
-    re-render in full (``StatelessPolicy.on_break = "rerender"``)."""
+    ``failures`` keyed by :attr:`BridgeError.reason`, ``rerendered``: breaks the caller chose to re-render
+    in full (``StatelessPolicy.on_break = "rerender"``); and how each bridged turn's new messages were
+    rendered: ``tail_renders`` (alone, in a verified minimal context) or ``full_renders`` keyed by why the
+    whole history was rendered around them (``verify``, ``short_history``, ``position_dependent``,
+    ``tail_error``, ``uncacheable``, ``disabled``; see :mod:`backends_core.bridge`)."""
 
     attempts: int = 0
     successes: int = 0
     failures: Counter[str] = attrs.field(factory=Counter)
     rerendered: int = 0
+    tail_renders: int = 0
+    full_renders: Counter[str] = attrs.field(factory=Counter)
 
     @property
     def failed(self) -> int:
@@ -61,7 +90,53 @@ class BridgeStats:
             "successes": self.successes,
             "failures": dict(self.failures),
             "rerendered": self.rerendered,
+            "tail_renders": self.tail_renders,
+            "full_renders": dict(self.full_renders),
         }
+
+
+# -- per-template cache: the end-of-turn probe and the tail verdicts ------------------------------------
+
+
+@attrs.define
+class _TemplateState:
+    """What one template (tokenizer x chat template x tools x template variables) always renders the same."""
+
+    eot: tuple[str, tuple[int, ...]] | None = None
+    verdicts: dict[Hashable, int] = attrs.field(factory=dict)
+
+
+_STATES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, str, str], _TemplateState]] = weakref.WeakKeyDictionary()
+
+
+def clear_template_cache() -> None:
+    """Forget every cached end-of-turn probe and tail verdict (they are rebuilt on the next turns)."""
+    _STATES.clear()
+
+
+def _freeze(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _template_state(
+    tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None, kwargs: Mapping[str, Any]
+) -> _TemplateState | None:
+    """The cached state of this template, ``None`` when it cannot be keyed (non-JSON tools or variables, a
+    tokenizer that cannot be weakly referenced)."""
+    template = getattr(tokenizer, "chat_template", None)
+    try:
+        key = (template if isinstance(template, str) else _freeze(template), _freeze(tools), _freeze(kwargs))
+        per_tokenizer = _STATES.get(tokenizer)
+        if per_tokenizer is None:
+            per_tokenizer = _STATES[tokenizer] = {}
+    except (TypeError, ValueError):
+        return None
+    state = per_tokenizer.get(key)
+    if state is None:
+        if len(per_tokenizer) >= _MAX_STATES:
+            per_tokenizer.clear()
+        state = per_tokenizer[key] = _TemplateState()
+    return state
 
 
 def _end_of_turn(tokenizer: Any, chat_template_kwargs: Mapping[str, Any]) -> str:
@@ -75,6 +150,111 @@ def _end_of_turn(tokenizer: Any, chat_template_kwargs: Mapping[str, Any]) -> str
     if not eot:
         raise BridgeError("no_end_of_turn", "the chat template puts nothing after an assistant message")
     return eot
+
+
+def _message_shape(message: Mapping[str, Any]) -> tuple[Any, ...]:
+    extra = sorted(k for k, v in message.items() if v is not None and k not in ("role", "content", "tool_calls"))
+    return (message.get("role"), type(message.get("content")).__name__, bool(message.get("tool_calls")), *extra)
+
+
+def _shape(history: Sequence[Message], sentinel_turn: Message, new_messages: Sequence[Message]) -> Hashable:
+    """What the verdict of a tail render is keyed by: O(new messages), never the history's contents."""
+    first = history[0].get("role") if history else None
+    before = history[-1].get("role") if history else None
+    return (
+        len(history) % 2,
+        first == "system",
+        before,
+        _message_shape(sentinel_turn),
+        tuple(_message_shape(m) for m in new_messages),
+    )
+
+
+def _contexts(history: Sequence[Message]) -> list[list[Message]]:
+    """Candidate minimal contexts for a tail render, cheapest first: the leading system message (if any),
+    then that plus a stand-in user message."""
+    base: list[Message] = [history[0]] if history and history[0].get("role") == "system" else []
+    return [base, [*base, {"role": "user", "content": _CONTEXT_USER}]]
+
+
+def _delta(text: str, eot: str) -> str:
+    """What the template rendered after the sentinel assistant turn's end of turn."""
+    at = text.rfind(_SENTINEL)
+    if at < 0:
+        raise BridgeError("sentinel_missing", "the chat template dropped the previous assistant turn")
+    eot_at = text.find(eot, at + len(_SENTINEL))
+    if eot_at < 0:
+        raise BridgeError("no_end_of_turn", f"the template did not end the assistant turn with {eot!r}")
+    return text[eot_at + len(eot) :]
+
+
+def _render_delta(
+    tokenizer: Any,
+    state: _TemplateState | None,
+    eot: str,
+    history: Sequence[Message],
+    sentinel_turn: Message,
+    new_messages: Sequence[Message],
+    tools: Sequence[Mapping[str, Any]] | None,
+    kwargs: Mapping[str, Any],
+    tail_render: bool,
+) -> tuple[str, str]:
+    """The delta text and how it was rendered (``"tail"`` or the reason for a full render)."""
+
+    def render(context: Sequence[Message]) -> str:
+        messages = [*context, sentinel_turn, *new_messages]
+        text = render_text(tokenizer, messages, tools=tools, add_generation_prompt=True, chat_template_kwargs=kwargs)
+        return _delta(text, eot)
+
+    shape: Hashable = None
+    if state is None:
+        how = "uncacheable"
+    elif not tail_render:
+        how = "disabled"
+    else:
+        try:
+            shape = _shape(history, sentinel_turn, new_messages)
+        except (AttributeError, TypeError):  # not mappings: the full render reports it
+            how = "uncacheable"
+        else:
+            verdict = state.verdicts.get(shape)
+            if verdict is None:
+                how = "verify"
+            elif verdict == _POSITION_DEPENDENT:
+                how = "position_dependent"
+            else:
+                try:
+                    return render(_contexts(history)[verdict]), "tail"
+                except (RenderError, BridgeError):
+                    how = "tail_error"
+    delta = render(history)
+    if how == "verify":
+        assert state is not None
+        how = _verify(state, shape, history, delta, render)
+    return delta, how
+
+
+def _verify(state: _TemplateState, shape: Hashable, history: Sequence[Message], delta: str, render: Any) -> str:
+    """Find the cheapest candidate context whose tail render reproduces ``delta`` (the full render's) and
+    cache it as the shape's verdict; a history too short to tell positions apart decides nothing."""
+    verdict: int | None = _POSITION_DEPENDENT
+    for index, context in enumerate(_contexts(history)):
+        if len(history) < len(context) + 2:
+            verdict = None
+            continue
+        try:
+            matches = render(context) == delta
+        except (RenderError, BridgeError):
+            matches = False
+        if matches:
+            verdict = index
+            break
+    if verdict is None:
+        return "short_history"
+    if len(state.verdicts) >= _MAX_SHAPES:
+        state.verdicts.clear()
+    state.verdicts[shape] = verdict
+    return "verify"
 
 
 def _unclosed_think_ids(tokenizer: Any, completion_ids: Sequence[int]) -> list[int]:
@@ -95,6 +275,8 @@ def extend_prompt(
     assistant_message: Message | None = None,
     tools: Sequence[Mapping[str, Any]] | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    stats: BridgeStats | None = None,
+    tail_render: bool = True,
 ) -> list[int]:
     """The prompt ids of the next turn, proven to extend ``previous.prompt_ids + previous.completion_ids``.
 
@@ -106,48 +288,48 @@ def extend_prompt(
         see; its content is never re-rendered.
     :param tools: tool schemas of the conversation.
     :param chat_template_kwargs: template variables of the conversation.
+    :param stats: counts how the new messages were rendered (``tail_renders`` / ``full_renders``).
+    :param tail_render: ``False`` renders the whole history around the new messages even where a tail render
+        is verified.
     :raises BridgeError: with ``reason`` one of ``sentinel_missing``, ``no_end_of_turn``,
         ``foreign_stop_token``, ``boundary_drift``, ``template_error``, ``empty_turn``.
     """
     kwargs = dict(chat_template_kwargs or {})
     if not new_messages:
         raise BridgeError("empty_turn", "a new turn needs at least one new message")
+    sentinel_turn: dict[str, Any] = {"role": "assistant", "content": _SENTINEL}
+    if assistant_message is not None and assistant_message.get("tool_calls"):
+        sentinel_turn["tool_calls"] = assistant_message["tool_calls"]
+    state = _template_state(tokenizer, tools, kwargs)
     try:
-        eot = _end_of_turn(tokenizer, kwargs)
-        sentinel_turn: dict[str, Any] = {"role": "assistant", "content": _SENTINEL}
-        if assistant_message is not None and assistant_message.get("tool_calls"):
-            sentinel_turn["tool_calls"] = assistant_message["tool_calls"]
-        full = render_text(
-            tokenizer,
-            [*history, sentinel_turn, *new_messages],
-            tools=tools,
-            add_generation_prompt=True,
-            chat_template_kwargs=kwargs,
+        if state is not None and state.eot is not None:
+            eot, eot_ids = state.eot
+        else:
+            eot = _end_of_turn(tokenizer, kwargs)
+            eot_ids = tuple(encode(tokenizer, eot))
+            if state is not None:
+                state.eot = (eot, eot_ids)
+        delta_text, how = _render_delta(
+            tokenizer, state, eot, history, sentinel_turn, new_messages, tools, kwargs, tail_render
         )
     except RenderError as exc:
         raise BridgeError("template_error", str(exc)) from exc
-    at = full.rfind(_SENTINEL)
-    if at < 0:
-        raise BridgeError("sentinel_missing", "the chat template dropped the previous assistant turn")
-    eot_at = full.find(eot, at + len(_SENTINEL))
-    if eot_at < 0:
-        raise BridgeError("no_end_of_turn", f"the template did not end the assistant turn with {eot!r}")
-    delta_text = full[eot_at + len(eot) :]
-    eot_ids = encode(tokenizer, eot)
-    delta_ids = encode(tokenizer, delta_text)
-    if encode(tokenizer, eot + delta_text) != eot_ids + delta_ids:
+    tail_ids = encode(tokenizer, eot + delta_text)
+    if tuple(tail_ids[: len(eot_ids)]) != eot_ids:
         raise BridgeError("boundary_drift", f"tokens merge across the turn boundary {eot!r} | {delta_text[:40]!r}")
+    delta_ids = tail_ids[len(eot_ids) :]
 
-    completion = list(previous.completion_ids)
+    completion = previous.completion_ids
     generated_eot = 0
     for k in range(min(len(eot_ids), len(completion)), 0, -1):
-        if completion[-k:] == eot_ids[:k]:
+        if tuple(completion[-k:]) == eot_ids[:k]:
             generated_eot = k
             break
+    close: Sequence[int]
     if generated_eot:
         close = eot_ids[generated_eot:]
     elif previous.finish_reason in ("length", "abort"):
-        close = _unclosed_think_ids(tokenizer, completion) + eot_ids
+        close = [*_unclosed_think_ids(tokenizer, completion), *eot_ids]
     else:
         last = completion[-1] if completion else None
         raise BridgeError(
@@ -155,10 +337,13 @@ def extend_prompt(
             f"the previous turn stopped on token {last!r} ({previous.stop_reason!r}), which is not the template's "
             f"end of turn {eot!r}; closing it would invent tokens the template never produces",
         )
-    prompt = list(previous.prompt_ids) + completion + close + delta_ids
-    if prompt[: len(previous.prompt_ids) + len(completion)] != list(previous.token_ids):
-        raise BridgeError("boundary_drift", "the new prompt does not start with the previous ids")
-    return prompt
+    if stats is not None:
+        if how == "tail":
+            stats.tail_renders += 1
+        else:
+            stats.full_renders[how] += 1
+    # one copy of the previous ids (C speed), untouched: the new prompt starts with them by construction
+    return [*previous.prompt_ids, *completion, *close, *delta_ids]
 
 
 class Conversation:
@@ -237,6 +422,7 @@ class Conversation:
                     assistant_message=assistant_message,
                     tools=self.tools,
                     chat_template_kwargs=self.chat_template_kwargs,
+                    stats=stats,
                 )
             except BridgeError as exc:
                 stats.failures[exc.reason] += 1

@@ -37,7 +37,12 @@ def as_plain(message: Any) -> dict[str, Any]:
     raise InvalidRequestError(f"a message must be a mapping or a model object, got {type(message).__name__}")
 
 
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
 def _canonical(value: Any) -> Any:
+    if type(value) in _SCALARS:
+        return value
     if isinstance(value, Mapping):
         return {k: _canonical(v) for k, v in sorted(value.items()) if v is not None}
     if isinstance(value, list | tuple):
@@ -60,9 +65,34 @@ def _arguments(value: Any) -> Any:
     return _canonical(value)
 
 
+# Normal forms of flat string dicts by ``id``: an agent loop re-sends the same dicts every turn. A hit is used only
+# when the dict still equals the snapshot taken then (a mutated or recycled dict is normalised afresh), and only
+# flat dicts of ``str``/``None`` values are remembered, for which equality means identical contents.
+_MEMO: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+_MEMO_MAX = 1 << 15
+
+
+def _flat_strings(message: dict[Any, Any]) -> bool:
+    return "tool_calls" not in message and all(type(v) is str or v is None for v in message.values())
+
+
 def normalize_message(message: Any) -> dict[str, Any]:
     """The canonical form of one message: plain types, no ``None`` values, missing content as ``""``,
     tool-call arguments parsed from JSON."""
+    if type(message) is dict:
+        hit = _MEMO.get(id(message))
+        if hit is not None and hit[0] == message:
+            return dict(hit[1])
+        if _flat_strings(message):
+            # the common case: what the general path below returns for it, without the recursion
+            flat = {k: v for k, v in sorted(message.items()) if v is not None}
+            if not isinstance(flat.get("role"), str):
+                raise InvalidRequestError(f"a message needs a string 'role', got {message!r}")
+            flat.setdefault("content", "")
+            if len(_MEMO) >= _MEMO_MAX:
+                _MEMO.clear()
+            _MEMO[id(message)] = (dict(message), flat)
+            return dict(flat)
     plain: dict[str, Any] = _canonical(as_plain(message))
     if not isinstance(plain.get("role"), str):
         raise InvalidRequestError(f"a message needs a string 'role', got {message!r}")
@@ -88,4 +118,14 @@ def normalize_message(message: Any) -> dict[str, Any]:
 
 
 def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    return [normalize_message(m) for m in messages]
+    """:func:`normalize_message` of each message (remembered flat dicts cost one comparison each)."""
+    out = []
+    get = _MEMO.get
+    for m in messages:
+        if type(m) is dict:
+            hit = get(id(m))
+            if hit is not None and hit[0] == m:
+                out.append(dict(hit[1]))
+                continue
+        out.append(normalize_message(m))
+    return out

@@ -20,7 +20,7 @@ from typing import Any
 
 import attrs
 
-from backends_core.bridge import extend_prompt
+from backends_core.bridge import BridgeStats, extend_prompt
 from backends_core.config import StatelessPolicy
 from backends_core.errors import BridgeError
 from backends_core.messages import normalize_messages
@@ -63,17 +63,12 @@ class TurnCache:
     def match(self, session: str, messages: Sequence[dict[str, Any]]) -> tuple[Turn, int] | None:
         """The longest turn whose messages + one assistant message prefix ``messages``, with the index of
         that assistant message; ``None`` when the session has no such turn."""
-        best: tuple[Turn, int] | None = None
-        for turn in self._sessions.get(session, ()):
+        # longest first: the first match is the answer (one O(n) comparison in the usual case)
+        for turn in sorted(self._sessions.get(session, ()), key=lambda t: len(t.messages), reverse=True):
             n = len(turn.messages)
-            if (
-                n < len(messages)
-                and messages[n]["role"] == "assistant"
-                and list(turn.messages) == list(messages[:n])
-                and (best is None or n > len(best[0].messages))
-            ):
-                best = (turn, n)
-        return best
+            if n < len(messages) and messages[n]["role"] == "assistant" and turn.messages == tuple(messages[:n]):
+                return turn, n
+        return None
 
     def prompt_ids(
         self,
@@ -83,16 +78,18 @@ class TurnCache:
         *,
         tools: Sequence[Mapping[str, Any]] | None,
         chat_template_kwargs: Mapping[str, Any] | None,
+        stats: BridgeStats | None = None,
     ) -> list[int] | None:
-        """Prompt ids reusing an earlier turn, ``None`` for a session's first turn.
+        """Prompt ids reusing an earlier turn, ``None`` for a session's first turn; ``stats`` counts how the
+        tail was rendered (see :func:`~backends_core.bridge.extend_prompt`).
 
         :raises BridgeError: reasons ``no_prefix`` (no remembered turn prefixes the list: history rewritten
             or folded), ``history_rewritten`` (the tail holds an assistant or system message), or any
             :func:`~backends_core.bridge.extend_prompt` reason.
         """
-        normalized = normalize_messages(messages)
         if session not in self._sessions:
             return None
+        normalized = normalize_messages(messages)
         found = self.match(session, normalized)
         if found is None:
             raise BridgeError(
@@ -111,10 +108,11 @@ class TurnCache:
             )
         return extend_prompt(
             tokenizer,
-            history=list(turn.messages),
+            history=turn.messages,
             previous=turn.result,
             new_messages=tail,
             assistant_message=normalized[at],
             tools=tools,
             chat_template_kwargs=chat_template_kwargs,
+            stats=stats,
         )
