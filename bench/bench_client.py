@@ -35,7 +35,16 @@ import _common as c
 Call = Callable[[], Awaitable[Any]]
 Factory = Callable[[], Awaitable[tuple[Call, Callable[[], Awaitable[None]]]]]
 
-CLIENTS = ("floor_raw", "floor_httpx", "ours_ids", "ours_msgs", "renderers_ids", "renderers_msgs")
+CLIENTS = (
+    "floor_raw",
+    "floor_httpx",
+    "floor_lean",
+    "ours_ids",
+    "ours_ids_httpx",
+    "ours_msgs",
+    "renderers_ids",
+    "renderers_msgs",
+)
 
 
 class Fixture:
@@ -96,15 +105,16 @@ def make_factory(name: str, url: str, body: str, fx: Fixture) -> Factory:
 
         return factory
 
-    if name == "floor_httpx":
+    if name in ("floor_httpx", "floor_lean"):
 
         async def factory() -> tuple[Call, Callable[[], Awaitable[None]]]:
             import httpx
 
-            client = httpx.AsyncClient(
-                limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100, keepalive_expiry=3600),
-                timeout=httpx.Timeout(60.0),
-            )
+            from backends_core._transport import LeanTransport
+
+            limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100, keepalive_expiry=3600)
+            mounts = {"http://": LeanTransport(limits=limits)} if name == "floor_lean" else None
+            client = httpx.AsyncClient(limits=limits, mounts=mounts, timeout=httpx.Timeout(60.0))
             target = url + "/inference/v1/generate"
             headers = {"content-type": "application/json"}
 
@@ -121,9 +131,22 @@ def make_factory(name: str, url: str, body: str, fx: Fixture) -> Factory:
         async def factory() -> tuple[Call, Callable[[], Awaitable[None]]]:
             from backends_core import Client, ClientConfig, SamplingParams
 
-            client = Client(ClientConfig(backend="vllm", base_url=url, model=c.MODEL), tokenizer=fx.tok)
+            config = ClientConfig(backend="vllm", base_url=url, model=c.MODEL)
+            transport = None
+            if name == "ours_ids_httpx":  # httpx's default transport with the library-default limits (before)
+                import httpx
+
+                lim = config.limits
+                transport = httpx.AsyncHTTPTransport(
+                    limits=httpx.Limits(
+                        max_connections=lim.max_connections,
+                        max_keepalive_connections=lim.max_keepalive_connections,
+                        keepalive_expiry=lim.keepalive_expiry,
+                    )
+                )
+            client = Client(config, tokenizer=fx.tok, transport=transport)
             sampling = SamplingParams(max_tokens=c.COMPLETION_TOKENS, temperature=1.0, stop_token_ids=fx.stop)
-            if name == "ours_ids":
+            if name.startswith("ours_ids"):
                 kwargs: dict[str, Any] = {"prompt_ids": fx.prompt_ids}
             else:
                 kwargs = {"messages": fx.messages}
@@ -232,6 +255,7 @@ def report(data: dict[str, Any], clients: list[str], bodies: list[str], concs: l
     pairs = [
         ("floor_httpx", "floor"),
         ("floor_raw", "raw"),
+        ("ours_ids_httpx", "ours_httpx"),
         ("renderers_ids", "rend_ids"),
         ("renderers_msgs", "rend_msgs"),
     ]

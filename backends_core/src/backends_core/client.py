@@ -6,6 +6,7 @@ import contextvars
 import logging
 import ssl
 import time
+import urllib.request
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
@@ -14,6 +15,7 @@ import attrs
 import httpx
 
 from backends_core._http import Server
+from backends_core._transport import LeanTransport
 from backends_core.balancer import Balancer
 from backends_core.bridge import BridgeStats, Conversation
 from backends_core.config import ClientConfig
@@ -44,6 +46,18 @@ _SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("backends_
 def _all_token_ints(ids: Sequence[Any]) -> bool:
     """Every id is an ``int`` and none a ``bool``: one C pass over the types for the usual exact ints."""
     return set(map(type, ids)) <= {int} or all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+
+
+def _transport_args(transport: httpx.AsyncBaseTransport | None, limits: httpx.Limits) -> dict[str, Any]:
+    """How an ``httpx.AsyncClient`` reaches the network: the caller's transport (testing seam), else
+    :class:`LeanTransport` mounted for ``http://`` (``https://`` stays on httpx's default transport with the
+    configured ``verify``), else, when the environment sets an HTTP proxy, httpx's default for everything."""
+    if transport is not None:
+        return {"transport": transport}
+    proxies = urllib.request.getproxies()
+    if "http" in proxies or "all" in proxies:
+        return {}
+    return {"mounts": {"http://": LeanTransport(limits=limits)}}
 
 
 class Client:
@@ -85,27 +99,29 @@ class Client:
             if session is not None and session_header:
                 request.headers[session_header] = session
 
+        data_limits = httpx.Limits(
+            max_connections=lim.max_connections,
+            max_keepalive_connections=lim.max_keepalive_connections,
+            keepalive_expiry=lim.keepalive_expiry,
+        )
         self._data = httpx.AsyncClient(
-            transport=transport,
+            **_transport_args(transport, data_limits),
             verify=tls,
             headers=headers,
             event_hooks={"request": [add_session_header]},
             timeout=httpx.Timeout(connect=t.connect, read=t.read, write=t.write, pool=t.pool),
-            limits=httpx.Limits(
-                max_connections=lim.max_connections,
-                max_keepalive_connections=lim.max_keepalive_connections,
-                keepalive_expiry=lim.keepalive_expiry,
-            ),
+            limits=data_limits,
         )
         # every server gets its own small admin pool: control calls never queue behind generation streams
+        admin_limits = httpx.Limits(max_connections=lim.admin_max_connections, keepalive_expiry=lim.keepalive_expiry)
         self._admin_clients = [
             httpx.AsyncClient(
-                transport=transport,
+                **_transport_args(transport, admin_limits),
                 verify=tls,
                 follow_redirects=False,
                 headers=headers,
                 timeout=httpx.Timeout(t.admin, connect=t.connect),
-                limits=httpx.Limits(max_connections=lim.admin_max_connections, keepalive_expiry=lim.keepalive_expiry),
+                limits=admin_limits,
             )
             for _ in config.servers
         ]

@@ -1,0 +1,627 @@
+"""The lean HTTP/1.1 transport against real local servers: keep-alive, pool limits, every timeout kind, resets,
+framing (Content-Length, chunked, read-to-close, no-body answers), malformed answers, hundreds in flight.
+
+Servers are either :func:`backends_core.testing.http_server.serve` (asyncio, the emulators' server) or a
+blocking-socket server in threads (:class:`RawServer`) that writes exact bytes, so faults land at exact points.
+No assertion depends on timing: timeouts are provoked by servers that never answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any, BinaryIO
+
+import httpx
+import pytest
+
+from backends_core import Client, ClientConfig, NetworkError, RetryPolicy, Server, ServerStatusError
+from backends_core._transport import PEEK_AFTER, LeanTransport
+from backends_core.testing.http_server import serve
+
+Handler = Callable[[socket.socket, BinaryIO, int], None]
+
+
+def read_request(f: BinaryIO) -> tuple[str, str, dict[str, str], bytes] | None:
+    line = f.readline()
+    if not line:
+        return None
+    method, target, _ = line.decode().split(" ", 2)
+    headers: dict[str, str] = {}
+    while (h := f.readline()) not in (b"\r\n", b""):
+        name, _, value = h.decode().partition(":")
+        headers[name.strip().lower()] = value.strip()
+    n = int(headers.get("content-length", "0"))
+    return method, target, headers, f.read(n) if n else b""
+
+
+def ok(body: bytes = b"{}", extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+
+
+def reset(sock: socket.socket) -> None:
+    """Close with a TCP RST (SO_LINGER 0)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+class RawServer:
+    """Blocking sockets in threads; ``handle(sock, rfile, connection_index)`` runs per accepted connection."""
+
+    def __init__(self, handle: Handler) -> None:
+        self.handle = handle
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conns: list[socket.socket] = []
+        self.requests = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                s, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(s)
+            threading.Thread(target=self._run, args=(s, len(self.conns) - 1), daemon=True).start()
+
+    def _run(self, s: socket.socket, index: int) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.handle(s, s.makefile("rb"), index)
+
+    def serve_forever(self, s: socket.socket, f: BinaryIO, respond: Callable[[str, bytes], bytes]) -> None:
+        """Answer every request of a connection with ``respond(method, body)``."""
+        while (req := read_request(f)) is not None:
+            self.requests += 1
+            s.sendall(respond(req[0], req[3]))
+
+    def close(self) -> None:
+        self.sock.close()
+        for s in self.conns:
+            with contextlib.suppress(OSError):
+                s.close()
+
+
+@contextlib.contextmanager
+def raw_server(handle: Handler):  # type: ignore[no-untyped-def]
+    server = RawServer(handle)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def lean(**limits: Any) -> tuple[httpx.AsyncClient, LeanTransport]:
+    transport = LeanTransport(limits=httpx.Limits(**limits))
+    timeout = httpx.Timeout(connect=5.0, read=30.0, write=30.0, pool=30.0)
+    return httpx.AsyncClient(mounts={"http://": transport}, timeout=timeout), transport
+
+
+async def eventually(condition: Callable[[], bool]) -> None:
+    """Let the event loop run until ``condition`` holds (bounded by the test's own timeout, not asserted)."""
+    while not condition():  # noqa: ASYNC110 (a condition on sockets and pool counters, not an event)
+        await asyncio.sleep(0.01)
+
+
+# -- keep-alive and pool --------------------------------------------------------------------------------------
+
+
+async def test_keep_alive_reuses_one_connection() -> None:
+    with raw_server(lambda s, f, i: server.serve_forever(s, f, lambda m, b: ok(b'{"n":%d}' % len(b)))) as server:
+        client, _ = lean()
+        async with client:
+            for n in range(5):
+                r = await client.post(server.url + "/x", content=b"a" * n)
+                assert r.json() == {"n": n}
+        assert len(server.conns) == 1 and server.requests == 5
+
+
+@pytest.mark.parametrize("limits", [{"keepalive_expiry": 0}, {"max_keepalive_connections": 0}])
+async def test_no_keep_alive_when_limits_say_so(limits: dict[str, Any]) -> None:
+    with raw_server(lambda s, f, i: server.serve_forever(s, f, lambda m, b: ok())) as server:
+        client, transport = lean(**limits)
+        async with client:
+            for _ in range(3):
+                assert (await client.get(server.url)).status_code == 200
+                await eventually(lambda: transport.connections <= 1)
+        assert len(server.conns) == 3
+
+
+async def test_pool_limit_caps_connections_and_queues_the_rest() -> None:
+    in_flight = 0
+    peak = 0
+    gate = asyncio.Event()
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        if peak == 3:
+            gate.set()
+        await gate.wait()
+        in_flight -= 1
+        return httpx.Response(200, json={"i": int(request.url.params["i"])})
+
+    async with serve(handle) as url:
+        client, transport = lean(max_connections=3)
+        async with client:
+            answers = await asyncio.gather(*(client.get(url, params={"i": i}) for i in range(20)))
+            assert [a.json()["i"] for a in answers] == list(range(20))
+            assert transport.connections == 3
+    assert peak == 3
+
+
+async def test_pool_timeout_when_every_connection_is_busy() -> None:
+    release = threading.Event()
+
+    def handle(s: socket.socket, f: BinaryIO, i: int) -> None:
+        while read_request(f) is not None:
+            release.wait(30)
+            s.sendall(ok())
+
+    with raw_server(handle) as server:
+        transport = LeanTransport(limits=httpx.Limits(max_connections=1))
+        client = httpx.AsyncClient(mounts={"http://": transport}, timeout=httpx.Timeout(30.0, pool=0.2))
+        async with client:
+            first = asyncio.create_task(client.get(server.url))
+            await eventually(lambda: server.conns != [])
+            with pytest.raises(httpx.PoolTimeout):
+                await client.get(server.url)
+            release.set()
+            assert (await first).status_code == 200
+            assert (await client.get(server.url + "/again")).status_code == 200
+        assert len(server.conns) == 1
+
+
+async def test_released_connection_goes_to_a_waiter_of_the_same_origin() -> None:
+    with raw_server(lambda s, f, i: server.serve_forever(s, f, lambda m, b: ok(b))) as server:
+        client, _ = lean(max_connections=1)
+        async with client:
+            answers = await asyncio.gather(*(client.post(server.url, content=b"%d" % i) for i in range(30)))
+            assert [a.content for a in answers] == [b"%d" % i for i in range(30)]
+        assert len(server.conns) == 1
+
+
+async def test_two_origins_share_the_connection_limit() -> None:
+    respond = lambda m, b: ok(b)  # noqa: E731
+    with (
+        raw_server(lambda s, f, i: one.serve_forever(s, f, respond)) as one,
+        raw_server(lambda s, f, i: two.serve_forever(s, f, respond)) as two,
+    ):
+        client, transport = lean(max_connections=1)
+        async with client:
+            for i in range(4):
+                url = (one if i % 2 else two).url
+                assert (await client.post(url, content=b"%d" % i)).content == b"%d" % i
+                assert transport.connections == 1
+        assert len(one.conns) == 2 and len(two.conns) == 2  # the idle one is closed to open the other
+
+
+async def test_hundreds_in_flight() -> None:
+    n = 400
+    arrived = 0
+    everyone = asyncio.Event()
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        nonlocal arrived
+        arrived += 1
+        if arrived == n:
+            everyone.set()
+        await everyone.wait()  # every request is in flight at once before any answer
+        return httpx.Response(200, content=request.content[::-1])
+
+    async with serve(handle) as url:
+        client, transport = lean(max_connections=1000, max_keepalive_connections=1000)
+        async with client:
+            bodies = [os.urandom(64 + i) for i in range(n)]
+            answers = await asyncio.gather(*(client.post(url, content=b) for b in bodies))
+            assert [a.content for a in answers] == [b[::-1] for b in bodies]
+            assert transport.connections == n and transport.idle_connections == n
+            again = await asyncio.gather(*(client.post(url, content=b) for b in bodies[:50]))
+            assert all(a.status_code == 200 for a in again) and transport.connections == n
+
+
+# -- timeouts and connection failures ---------------------------------------------------------------------
+
+
+async def test_connect_error_on_a_closed_port() -> None:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    client, transport = lean()
+    async with client:
+        with pytest.raises(httpx.ConnectError):
+            await client.get(f"http://127.0.0.1:{port}/")
+        assert transport.connections == 0
+
+
+async def test_connect_timeout_when_the_listen_queue_is_full() -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(8):  # never accepted: the queue fills and further SYNs are dropped
+        f = socket.socket()
+        f.setblocking(False)
+        f.connect_ex(("127.0.0.1", port))
+        fillers.append(f)
+    transport = LeanTransport()
+    client = httpx.AsyncClient(mounts={"http://": transport}, timeout=httpx.Timeout(30.0, connect=0.3))
+    try:
+        async with client:
+            with pytest.raises(httpx.ConnectTimeout):
+                await client.get(f"http://127.0.0.1:{port}/")
+            assert transport.connections == 0
+    finally:
+        for f in fillers:
+            f.close()
+        listener.close()
+
+
+async def test_read_timeout_before_the_head_and_inside_the_body() -> None:
+    def handle(s: socket.socket, f: BinaryIO, i: int) -> None:
+        read_request(f)
+        if i == 1:
+            s.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n12345")
+        threading.Event().wait(30)
+
+    with raw_server(handle) as server:
+        transport = LeanTransport()
+        client = httpx.AsyncClient(mounts={"http://": transport}, timeout=httpx.Timeout(30.0, read=0.2))
+        async with client:
+            with pytest.raises(httpx.ReadTimeout):
+                await client.get(server.url)
+            with pytest.raises(httpx.ReadTimeout):
+                await client.get(server.url)
+            assert transport.connections == 0
+
+
+async def test_write_timeout_when_the_server_never_reads() -> None:
+    def handle(s: socket.socket, f: BinaryIO, i: int) -> None:
+        threading.Event().wait(30)
+
+    with raw_server(handle) as server:
+        transport = LeanTransport()
+        client = httpx.AsyncClient(mounts={"http://": transport}, timeout=httpx.Timeout(30.0, write=0.3))
+        async with client:
+            with pytest.raises(httpx.WriteTimeout):
+                await client.post(server.url, content=b"x" * (128 << 20))
+            assert transport.connections == 0
+
+
+async def test_reset_mid_body_is_a_read_error_and_a_clean_close_a_protocol_error() -> None:
+    def handle(s: socket.socket, f: BinaryIO, i: int) -> None:
+        read_request(f)
+        s.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 100000\r\n\r\n" + b"x" * 1000)
+        if i == 0:
+            reset(s)
+        else:
+            s.shutdown(socket.SHUT_RDWR)
+
+    with raw_server(handle) as server:
+        client, transport = lean()
+        async with client:
+            with pytest.raises(httpx.ReadError):
+                await client.get(server.url)
+            with pytest.raises(httpx.RemoteProtocolError, match="complete message body"):
+                await client.get(server.url)
+            assert transport.connections == 0
+
+
+async def test_reset_before_any_answer() -> None:
+    def handle(s: socket.socket, f: BinaryIO, i: int) -> None:
+        read_request(f)
+        if i == 0:
+            reset(s)
+        else:
+            s.shutdown(socket.SHUT_RDWR)
+
+    with raw_server(handle) as server:
+        client, _ = lean()
+        async with client:
+            with pytest.raises(httpx.ReadError):
+                await client.get(server.url)
+            with pytest.raises(httpx.RemoteProtocolError, match="without sending a response"):
+                await client.get(server.url)
+
+
+# -- keep-alive closes ------------------------------------------------------------------------------------
+
+
+async def test_connection_close_answer_opens_a_new_connection() -> None:
+    def handle(s: socket.socket, f: BinaryIO, i: int) -> None:
+        read_request(f)
+        s.sendall(ok(b"%d" % i, b"connection: close\r\n"))
+        s.shutdown(socket.SHUT_WR)
+
+    with raw_server(handle) as server:
+        client, transport = lean()
+        async with client:
+            assert [(await client.get(server.url)).content for _ in range(3)] == [b"0", b"1", b"2"]
+            assert transport.idle_connections == 0
+
+
+async def test_connection_close_request_is_honoured() -> None:
+    with raw_server(lambda s, f, i: server.serve_forever(s, f, lambda m, b: ok())) as server:
+        client, transport = lean()
+        async with client:
+            for _ in range(2):
+                await client.get(server.url, headers={"connection": "close"})
+                assert transport.connections == 0
+        assert len(server.conns) == 2
+
+
+async def test_http10_answer_without_keep_alive_closes() -> None:
+    def handle(s: socket.socket, f: BinaryIO, i: int) -> None:
+        read_request(f)
+        s.sendall(b"HTTP/1.0 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+    with raw_server(handle) as server:
+        client, transport = lean()
+        async with client:
+            assert (await client.get(server.url)).text == "ok"
+            assert transport.connections == 0
+
+
+async def test_server_closing_an_idle_connection_means_reconnect_not_failure() -> None:
+    with raw_server(lambda s, f, i: server.serve_forever(s, f, lambda m, b: ok(b"%d" % len(server.conns)))) as server:
+        client, transport = lean()
+        async with client:
+            assert (await client.get(server.url)).content == b"1"
+            server.conns[0].shutdown(socket.SHUT_RDWR)  # the server's keep-alive timer fired
+            await eventually(lambda: transport.idle_connections == 0)  # the event loop saw the close
+            assert (await client.get(server.url)).content == b"2"
+            assert transport.connections == 1
+
+
+async def test_close_still_in_flight_on_a_long_idle_connection_is_caught_before_reuse() -> None:
+    with raw_server(lambda s, f, i: server.serve_forever(s, f, lambda m, b: ok(b"%d" % len(server.conns)))) as server:
+        client, transport = lean()
+        async with client:
+            assert (await client.get(server.url)).content == b"1"
+            (conn,) = transport._idle[("127.0.0.1", int(server.url.rsplit(":", 1)[1]))]
+            conn.idle_since -= PEEK_AFTER + 1  # idle long enough to be checked
+            server.conns[0].shutdown(socket.SHUT_RDWR)
+            # no await in between: the event loop has not seen the FIN yet, the zero-timeout select does
+            assert (await client.get(server.url)).content == b"2"
+
+
+async def test_expired_idle_connection_is_not_reused() -> None:
+    with raw_server(lambda s, f, i: server.serve_forever(s, f, lambda m, b: ok())) as server:
+        client, transport = lean(keepalive_expiry=3600)
+        async with client:
+            await client.get(server.url)
+            (conn,) = transport._idle[("127.0.0.1", int(server.url.rsplit(":", 1)[1]))]
+            conn.idle_since -= 3601
+            await client.get(server.url)
+        assert len(server.conns) == 2
+
+
+# -- framing ----------------------------------------------------------------------------------------------
+
+
+async def test_large_bodies_both_ways() -> None:
+    async def echo(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=request.content)
+
+    async with serve(echo) as url:
+        client, _ = lean()
+        async with client:
+            for size in (0, 1, 65_535, 1 << 20, 9 << 20):
+                body = os.urandom(size)
+                assert (await client.post(url, content=body)).content == body
+
+
+async def test_chunked_body_with_extensions_trailers_and_odd_splits() -> None:
+    payload = [os.urandom(n) for n in (1, 300, 70_000, 5)]
+
+    def handle(s: socket.socket, f: BinaryIO, i: int) -> None:
+        while read_request(f) is not None:
+            wire = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+            wire += b"".join(b"%X;ext=1\r\n%s\r\n" % (len(p), p) for p in payload) + b"0\r\nx-trailer: 1\r\n\r\n"
+            for at in range(0, len(wire), 7001):  # boundaries inside size lines, data and CRLFs
+                s.sendall(wire[at : at + 7001])
+
+    with raw_server(handle) as server:
+        client, _ = lean()
+        async with client:
+            for _ in range(2):
+                assert (await client.get(server.url)).content == b"".join(payload)
+        assert len(server.conns) == 1  # the connection survived the chunked body
+
+
+async def test_chunked_body_streams_as_it_arrives() -> None:
+    second = threading.Event()
+
+    def handle(s: socket.socket, f: BinaryIO, i: int) -> None:
+        read_request(f)
+        s.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        s.sendall(b"b\r\ndata: one\n\n\r\n")
+        second.wait(30)  # only after the client has seen the first event
+        s.sendall(b"b\r\ndata: two\n\n\r\n0\r\n\r\n")
+
+    with raw_server(handle) as server:
+        client, _ = lean()
+        async with client, client.stream("GET", server.url) as response:
+            events = []
+            async for piece in response.aiter_bytes():
+                events.append(piece)
+                second.set()
+        assert events == [b"data: one\n\n", b"data: two\n\n"]
+
+
+async def test_read_to_close_body() -> None:
+    def handle(s: socket.socket, f: BinaryIO, i: int) -> None:
+        read_request(f)
+        s.sendall(b"HTTP/1.1 200 OK\r\n\r\npart one, ")
+        s.sendall(b"part two")
+        s.shutdown(socket.SHUT_RDWR)
+
+    with raw_server(handle) as server:
+        client, transport = lean()
+        async with client:
+            assert (await client.get(server.url)).content == b"part one, part two"
+            assert transport.connections == 0
+
+
+@pytest.mark.parametrize(("method", "status"), [("HEAD", 200), ("GET", 204), ("GET", 304)])
+async def test_no_body_answers_keep_the_connection_usable(method: str, status: int) -> None:
+    def handle(s: socket.socket, f: BinaryIO, i: int) -> None:
+        req = read_request(f)
+        assert req is not None
+        s.sendall(b"HTTP/1.1 %d X\r\ncontent-length: 100\r\n\r\n" % status)  # a length, but no body follows
+        read_request(f)
+        s.sendall(ok(b"next"))
+
+    with raw_server(handle) as server:
+        client, _ = lean()
+        async with client:
+            first = await client.request(method, server.url)
+            assert first.status_code == status and first.content == b""
+            assert (await client.get(server.url)).content == b"next"
+        assert len(server.conns) == 1
+
+
+async def test_interim_100_continue_is_skipped() -> None:
+    def handle(s: socket.socket, f: BinaryIO, i: int) -> None:
+        read_request(f)
+        s.sendall(b"HTTP/1.1 100 Continue\r\n\r\n" + ok(b"done", b"x-a: b\r\n"))
+
+    with raw_server(handle) as server:
+        client, _ = lean()
+        async with client:
+            r = await client.get(server.url)
+            assert (r.status_code, r.content, r.headers["x-a"], r.reason_phrase) == (200, b"done", "b", "OK")
+
+
+@pytest.mark.parametrize(
+    ("answer", "match"),
+    [
+        (b"HTTP/2 200 OK\r\n\r\n", "status line"),
+        (b"HTTP/1.1 2x0 OK\r\n\r\n", "status line"),
+        (b"garbage\r\n\r\n", "status line"),
+        (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "header line"),
+        (b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n", "Content-Length"),
+        (b"HTTP/1.1 200 OK\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\nab", "Content-Length"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n", "Transfer-Encoding"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", "chunk size"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0x1\r\na\r\n", "chunk size"),
+        (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nabc\r\n", "CRLF"),
+        (b"HTTP/1.1 200 OK\r\nx: " + b"y" * 200_000, "too large"),
+    ],
+)
+async def test_malformed_answers_are_protocol_errors(answer: bytes, match: str) -> None:
+    def handle(s: socket.socket, f: BinaryIO, i: int) -> None:
+        read_request(f)
+        s.sendall(answer)
+        threading.Event().wait(30)
+
+    with raw_server(handle) as server:
+        client, transport = lean()
+        async with client:
+            with pytest.raises(httpx.RemoteProtocolError, match=match):
+                await client.get(server.url)
+            assert transport.connections == 0
+
+
+async def test_header_injection_is_refused_before_sending() -> None:
+    with raw_server(lambda s, f, i: server.serve_forever(s, f, lambda m, b: ok())) as server:
+        client, _ = lean()
+        async with client:
+            request = client.build_request("GET", server.url)
+            request.headers["x-evil"] = "a\r\nx-injected: 1"
+            with pytest.raises(httpx.LocalProtocolError):
+                await client.send(request)
+        assert server.requests == 0
+
+
+async def test_https_is_not_this_transports_job() -> None:
+    client, _ = lean()
+    async with client:
+        with pytest.raises(httpx.UnsupportedProtocol):
+            await LeanTransport().handle_async_request(httpx.Request("GET", "https://127.0.0.1:1/"))
+
+
+async def test_cancelled_request_frees_its_slot() -> None:
+    def handle(s: socket.socket, f: BinaryIO, i: int) -> None:
+        if i == 0:
+            read_request(f)
+            threading.Event().wait(30)
+        else:
+            server.serve_forever(s, f, lambda m, b: ok())
+
+    with raw_server(handle) as server:
+        client, transport = lean(max_connections=1)
+        async with client:
+            task = asyncio.create_task(client.get(server.url))
+            await eventually(lambda: server.conns != [])
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert transport.connections == 0
+            assert (await client.get(server.url)).status_code == 200
+
+
+# -- through the client -----------------------------------------------------------------------------------
+
+
+async def test_client_uses_it_for_http_unless_a_proxy_is_configured(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    async with Client(ClientConfig(backend="vllm", base_url="http://127.0.0.1:1", model="m")) as client:
+        assert isinstance(client._data._transport_for_url(httpx.URL("http://127.0.0.1:1/x")), LeanTransport)
+        https = client._data._transport_for_url(httpx.URL("https://127.0.0.1:1/x"))
+        assert isinstance(https, httpx.AsyncHTTPTransport)
+        admin = client._admin_clients[0]._transport_for_url(httpx.URL("http://127.0.0.1:1/x"))
+        assert isinstance(admin, LeanTransport)
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
+    async with Client(ClientConfig(backend="vllm", base_url="http://127.0.0.1:1", model="m")) as client:
+        assert not isinstance(client._data._transport_for_url(httpx.URL("http://127.0.0.1:1/x")), LeanTransport)
+
+
+async def test_5xx_then_reset_is_retried_once_on_a_fresh_connection() -> None:
+    """The choke point's rule for servers that answer 5xx and then reset that keep-alive connection."""
+
+    def handle(s: socket.socket, f: BinaryIO, i: int) -> None:
+        if i == 0:
+            read_request(f)
+            s.sendall(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 4\r\n\r\nboom")
+            read_request(f)  # the next request arrives on the same connection: reset it
+            reset(s)
+        else:
+            server.serve_forever(s, f, lambda m, b: ok(b'{"fine":true}'))
+
+    with raw_server(handle) as server:
+        client, _ = lean()
+        async with client:
+            srv = Server(
+                base_url=server.url,
+                admin_url=server.url,
+                data_client=client,
+                admin_client=client,
+                retry=RetryPolicy(attempts=1),
+            )
+            with pytest.raises(ServerStatusError):
+                await srv.request("POST", "/g", json_body={})
+            assert await srv.request("POST", "/g", json_body={}) == {"fine": True}
+            # without a 5xx before it, a reset is a NetworkError (the server may have acted)
+            server.conns.clear()
+
+    def reset_all(s: socket.socket, f: BinaryIO, i: int) -> None:
+        read_request(f)
+        reset(s)
+
+    with raw_server(reset_all) as server:
+        client, _ = lean()
+        async with client:
+            srv = Server(base_url=server.url, admin_url=server.url, data_client=client, admin_client=client)
+            with pytest.raises(NetworkError, match="ReadError") as info:
+                await srv.request("POST", "/g", json_body={})
+            assert info.value.maybe_processed
