@@ -51,8 +51,10 @@ class WithTemplate:
         self._tok = tok
         self.chat_template = template
         self.unk_token_id = tok.unk_token_id
+        self.rendered: list[list[str]] = []  # the roles of each rendered message list
 
     def apply_chat_template(self, messages: Any, **kw: Any) -> Any:
+        self.rendered.append([m["role"] for m in messages])
         return self._tok.apply_chat_template(messages, chat_template=self.chat_template, **kw)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -178,26 +180,45 @@ def test_a_template_that_numbers_turns_is_detected_and_rendered_in_full_every_tu
     assert "<|im_start|>user 13\nQuestion 6?" in numbered._tok.decode(chat.ids)
 
 
+def test_the_new_messages_alone_are_rendered_when_that_is_verified(tok) -> None:
+    plain = WithTemplate(tok, "{%- for m in messages -%}" + TURN + "{%- endfor -%}" + GENERATION_PROMPT)
+    chat = Chat(plain, [{"role": "user", "content": "Question 0?"}])
+    plain_turns(chat, 5)
+    assert chat.stats.full_renders == {"short_history": 1, "verify": 1} and chat.stats.tail_renders == 3
+    plain.rendered.clear()
+    chat.answer("Fine.<|im_end|>", {"role": "assistant", "content": "Fine."})
+    chat.send([{"role": "user", "content": "Last one?"}])
+    # the bridge rendered one message (the new one); the full method, for comparison, all 13 around a sentinel
+    assert plain.rendered == [["user"], [*["user", "assistant"] * 6, "user"]]
+
+
 def test_a_template_requiring_alternating_roles_gets_the_stand_in_user_context(tok) -> None:
+    # user turns after the first are marked: the new message alone (a first message) renders differently, and
+    # the sentinel turn first breaks the alternation; a stand-in user message before it satisfies both
     alternating = WithTemplate(
         tok,
         "{%- for m in messages -%}{%- if (m.role == 'user') != (loop.index0 % 2 == 0) -%}"
         "{{- raise_exception('roles must alternate user/assistant') -}}{%- endif -%}"
-        + TURN
+        r"{{- '<|im_start|>' + m.role + (' again' if m.role == 'user' and not loop.first else '') + '\n' -}}"
+        + TURN_BODY
         + "{%- endfor -%}"
         + GENERATION_PROMPT,
     )
     chat = Chat(alternating, [{"role": "user", "content": "Question 0?"}])
     plain_turns(chat, 5)
-    assert chat.stats.full_renders == {"short_history": 1, "verify": 1}
-    assert chat.stats.tail_renders == 3
+    assert chat.stats.full_renders == {"short_history": 1, "verify": 1} and chat.stats.tail_renders == 3
+    alternating.rendered.clear()
+    chat.answer("Fine.<|im_end|>", {"role": "assistant", "content": "Fine."})
+    chat.send([{"role": "user", "content": "Last one?"}])
+    assert alternating.rendered[0] == ["user", "assistant", "user"]  # stand-in, sentinel, the new message
+    assert "<|im_start|>user again\nLast one?" in tok.decode(chat.ids)
 
 
 def test_a_verified_context_that_fails_on_some_content_falls_back_to_the_full_render_counted(tok) -> None:
-    # the template refuses "boom" only when the conversation starts with an assistant turn: the minimal context
+    # the template refuses "boom" in a conversation of one message: the verified context (the new message alone)
     picky = WithTemplate(
         tok,
-        "{%- if messages[0].role == 'assistant' and messages[-1].content == 'boom' -%}"
+        "{%- if messages | length == 1 and messages[-1].content == 'boom' -%}"
         "{{- raise_exception('boom') -}}{%- endif -%}"
         "{%- for m in messages -%}" + TURN + "{%- endfor -%}" + GENERATION_PROMPT,
     )

@@ -13,20 +13,22 @@ turn N it sends ``previous prompt + previous completion + close + delta`` where
 
 **What is rendered.** The *full* way renders the whole history before the sentinel, so rules that depend on
 earlier messages (system blocks, position) apply exactly; its cost grows with the history. The *tail* way
-renders only ``context + sentinel + new messages``, where ``context`` is the history's leading system message
-(if any), optionally followed by one stand-in user message: its cost depends on the new messages only. A tail
-render is used only for a *shape* whose verdict is cached: the first time a template (per tokenizer, chat
-template, tools and template variables) meets a shape — parity of the history length, whether it starts with
-a system message, the role before the previous assistant turn, whether that turn has tool calls, and the
-role, keys and content type of each new message — the bridge renders in full, renders the tail in each candidate
-context, and keeps the first context whose delta is *identical* to the full one (the verdict). Only a history
-at least two messages longer than the context can prove anything (positions must differ), so shorter ones are
-rendered in full without a verdict. A template whose tail never matches (it numbers turns, say) gets the
-verdict *position-dependent* and is rendered in full every turn. Every turn is counted: ``tail_renders``, or
-``full_renders[reason]`` with reason ``verify``, ``short_history``, ``position_dependent``, ``tail_error`` (a
-verified context raised or lost the sentinel on this turn's content), ``uncacheable`` (tools or template
-variables are not JSON, or the tokenizer cannot be weakly referenced) or ``disabled``. The verdict assumes the
-template's rendering of new messages depends on earlier messages only through the features of the shape;
+renders the new messages in a minimal context — alone (the whole render is the delta), or after the sentinel
+preceded by the history's leading system message (if any), or by that and one stand-in user message — so its
+cost depends on the new messages only. A tail render is used only for a *shape* whose verdict is cached: the
+first time a template (per tokenizer, chat template, tools and template variables) meets a shape — parity of
+the history length, whether it starts with a system message, the role before the previous assistant turn,
+whether that turn has tool calls, and the role, keys and content type of each new message — the bridge renders
+in full, renders the tail in each candidate context, cheapest first, and keeps the first whose delta is
+*identical* to the full one (the verdict). Only a history at least two messages longer than the context can
+prove anything (positions must differ), so shorter ones are rendered in full without a verdict. A template
+whose tail never matches (it numbers turns, say) gets the verdict *position-dependent* and is rendered in full
+every turn. Every turn is counted: ``tail_renders``, or ``full_renders[reason]`` with reason ``verify``,
+``short_history``, ``position_dependent``, ``tail_error`` (a verified context raised or lost the sentinel on
+this turn's content), ``uncacheable`` (tools or template variables are not JSON, the tokenizer cannot be weakly
+referenced, or a new message is not a mapping) or ``disabled``. The verdict assumes the template renders new
+messages differently after different histories only through the features of the shape (a template that
+changes its output past, say, the 40th message would be caught only by a verification past it);
 ``extend_prompt(..., tail_render=False)`` renders in full regardless.
 
 The bridge then *proves* the result: the template's end-of-turn text followed by the delta, encoded in one
@@ -125,7 +127,11 @@ def _template_state(
     tokenizer that cannot be weakly referenced)."""
     template = getattr(tokenizer, "chat_template", None)
     try:
-        key = (template if isinstance(template, str) else _freeze(template), _freeze(tools), _freeze(kwargs))
+        key = (
+            template if isinstance(template, str) else _freeze(template),
+            _freeze(tools) if tools else "",
+            _freeze(kwargs) if kwargs else "",
+        )
         per_tokenizer = _STATES.get(tokenizer)
         if per_tokenizer is None:
             per_tokenizer = _STATES[tokenizer] = {}
@@ -170,11 +176,12 @@ def _shape(history: Sequence[Message], sentinel_turn: Message, new_messages: Seq
     )
 
 
-def _contexts(history: Sequence[Message]) -> list[list[Message]]:
-    """Candidate minimal contexts for a tail render, cheapest first: the leading system message (if any),
-    then that plus a stand-in user message."""
+def _contexts(history: Sequence[Message]) -> list[list[Message] | None]:
+    """Candidate minimal contexts for a tail render, cheapest first: ``None`` (the new messages alone, without
+    the sentinel turn: the whole render is the delta), the leading system message (if any) before the
+    sentinel, then that plus a stand-in user message."""
     base: list[Message] = [history[0]] if history and history[0].get("role") == "system" else []
-    return [base, [*base, {"role": "user", "content": _CONTEXT_USER}]]
+    return [None, base, [*base, {"role": "user", "content": _CONTEXT_USER}]]
 
 
 def _delta(text: str, eot: str) -> str:
@@ -201,10 +208,10 @@ def _render_delta(
 ) -> tuple[str, str]:
     """The delta text and how it was rendered (``"tail"`` or the reason for a full render)."""
 
-    def render(context: Sequence[Message]) -> str:
-        messages = [*context, sentinel_turn, *new_messages]
+    def render(context: Sequence[Message] | None) -> str:
+        messages = list(new_messages) if context is None else [*context, sentinel_turn, *new_messages]
         text = render_text(tokenizer, messages, tools=tools, add_generation_prompt=True, chat_template_kwargs=kwargs)
-        return _delta(text, eot)
+        return text if context is None else _delta(text, eot)
 
     shape: Hashable = None
     if state is None:
@@ -239,7 +246,7 @@ def _verify(state: _TemplateState, shape: Hashable, history: Sequence[Message], 
     cache it as the shape's verdict; a history too short to tell positions apart decides nothing."""
     verdict: int | None = _POSITION_DEPENDENT
     for index, context in enumerate(_contexts(history)):
-        if len(history) < len(context) + 2:
+        if len(history) < len(context or ()) + 2:
             verdict = None
             continue
         try:

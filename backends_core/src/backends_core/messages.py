@@ -17,7 +17,7 @@ import attrs
 
 from backends_core.errors import InvalidRequestError
 
-__all__ = ["as_plain", "normalize_message", "normalize_messages"]
+__all__ = ["as_plain", "normal_forms", "normalize_message", "normalize_messages"]
 
 
 def as_plain(message: Any) -> dict[str, Any]:
@@ -119,13 +119,19 @@ def normalize_message(message: Any) -> dict[str, Any]:
 
 def normalize_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     """:func:`normalize_message` of each message (remembered flat dicts cost one comparison each)."""
+    return [dict(m) for m in normal_forms(messages)]
+
+
+def normal_forms(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """Like :func:`normalize_messages`, but remembered normal forms are returned themselves, not copies: for
+    callers that only read them (comparing histories, rendering)."""
     out = []
     get = _MEMO.get
     for m in messages:
         if type(m) is dict:
             hit = get(id(m))
             if hit is not None and hit[0] == m:
-                out.append(dict(hit[1]))
+                out.append(hit[1])
                 continue
         out.append(normalize_message(m))
     return out

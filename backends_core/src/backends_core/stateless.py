@@ -23,7 +23,7 @@ import attrs
 from backends_core.bridge import BridgeStats, extend_prompt
 from backends_core.config import StatelessPolicy
 from backends_core.errors import BridgeError
-from backends_core.messages import normalize_messages
+from backends_core.messages import normal_forms
 from backends_core.types import GenerateResult
 
 __all__ = ["Turn", "TurnCache"]
@@ -89,7 +89,7 @@ class TurnCache:
         """
         if session not in self._sessions:
             return None
-        normalized = normalize_messages(messages)
+        normalized = normal_forms(messages)  # read only here: remembered forms are shared, not copied
         found = self.match(session, normalized)
         if found is None:
             raise BridgeError(
