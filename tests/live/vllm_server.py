@@ -12,6 +12,8 @@ x86_64 machine (Python 3.11, torch 2.13.0+cpu from the local wheel):
 * ``--kv-cache-memory-bytes 64M`` keeps a server at about 1.5 GB; without it the CPU worker sizes its KV
   cache from RAM. ``--enable-scale-out`` registers ``/inference/v1/generate`` (token in / token out).
   ``VLLM_SERVER_DEV_MODE=1`` registers the admin routes (pause, collective_rpc, ...).
+* ``--enable-prompt-tokens-details``: answers carry ``usage.prompt_tokens_details.cached_tokens`` (prefix-cache
+  hits), which the fleet tests use to prove that cache salting isolates weight versions.
 * ``--enforce-eager``: without it the MoE server spends 18-50 s in torch.compile warm-up at every start
   (the LoRA-enabled dense server never compiles); the numbers do not change.
 * MoE + ``--enable-lora`` kills the engine at the first request (the MoE LoRA path is Triton-only), so the
@@ -121,6 +123,7 @@ def server_command(venv: Path, model_dir: Path, *, lora: bool) -> list[str]:
         "--kv-cache-memory-bytes",
         "64M",
         "--enable-scale-out",
+        "--enable-prompt-tokens-details",
         "--enforce-eager",
     ]
     if lora:

@@ -112,6 +112,31 @@ def dynamo_mocker(
     deployment.stop()
 
 
+def _vllm_deployment(
+    name: str, timing: str, venv_info: dynamo_server.VenvInfo, tiny_models: TinyModels, factory: pytest.TempPathFactory
+) -> Iterator[dynamo_server.DynamoDeployment]:
+    venv = venv_info.path
+    workdir = factory.mktemp(name)
+    log_dir = factory.getbasetemp() / "live-logs"
+
+    def make_worker(index: int, port: int | None) -> Any:
+        return dynamo_server.vllm_worker_process(
+            venv, workdir, tiny_models.dense, log_path=log_dir / f"{name}-worker{index}.log", port=port
+        )
+
+    deployment = dynamo_server.deployment(
+        name,
+        workdir,
+        frontend_venv=venv,
+        make_worker=make_worker,
+        start_timeout=dynamo_server.VLLM_START_TIMEOUT_S,
+        log_dir=log_dir,
+    )
+    deployment.extra.update(model_dir=tiny_models.dense, lora_dir=tiny_models.lora)
+    yield _run(deployment, timing, factory)
+    deployment.stop()
+
+
 @pytest.fixture(scope="session")
 def dynamo_vllm(
     dynamo_worker_venv: dynamo_server.VenvInfo, tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
@@ -121,26 +146,15 @@ def dynamo_vllm(
     ``extra["model_dir"]`` is the served checkpoint, ``extra["lora_dir"]`` the tiny adapter (load it as
     :data:`dynamo_server.LORA_NAME` with ``/engine/load_lora``).
     """
-    venv = dynamo_worker_venv.path
-    workdir = tmp_path_factory.mktemp("dynamo-vllm")
-    log_dir = tmp_path_factory.getbasetemp() / "live-logs"
+    yield from _vllm_deployment("dynamo-vllm", "setup_vllm", dynamo_worker_venv, tiny_models, tmp_path_factory)
 
-    def make_worker(index: int, port: int | None) -> Any:
-        return dynamo_server.vllm_worker_process(
-            venv, workdir, tiny_models.dense, log_path=log_dir / f"dynamo-vllm-worker{index}.log", port=port
-        )
 
-    deployment = dynamo_server.deployment(
-        "dynamo-vllm",
-        workdir,
-        frontend_venv=venv,
-        make_worker=make_worker,
-        start_timeout=dynamo_server.VLLM_START_TIMEOUT_S,
-        log_dir=log_dir,
-    )
-    deployment.extra.update(model_dir=tiny_models.dense, lora_dir=tiny_models.lora)
-    yield _run(deployment, "setup_vllm", tmp_path_factory)
-    deployment.stop()
+@pytest.fixture(scope="session")
+def dynamo_vllm_2(
+    dynamo_worker_venv: dynamo_server.VenvInfo, tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dynamo_server.DynamoDeployment]:
+    """A second, independent set-up (2) deployment (its own frontend and worker), for fleet tests."""
+    yield from _vllm_deployment("dynamo-vllm-2", "setup_vllm_2", dynamo_worker_venv, tiny_models, tmp_path_factory)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -153,7 +167,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             v = _TIMINGS[key]
             state = "built" if v["built_now"] else "cached"
             write(f"{key}: {state} in {v['seconds']}s, {v['size_mb']} MB ({v['path']})")
-    for key in ("setup_mocker", "setup_vllm"):
+    for key in ("setup_mocker", "setup_vllm", "setup_vllm_2"):
         if key in _TIMINGS:
             s = _TIMINGS[key]
             write(
