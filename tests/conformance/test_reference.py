@@ -8,5 +8,9 @@ from backends_core.testing.conformance import BackendConformance
 
 class TestReferenceConformance(BackendConformance):
     backend_name = "reference"
-    expected_capabilities = CAPABILITY_HOOKS - {"admin_init_weight_transfer", "admin_update_weights_distributed"}
+    expected_capabilities = CAPABILITY_HOOKS - {
+        "admin_init_weight_transfer",
+        "admin_update_weights_distributed",
+        "admin_destroy_weight_transfer",
+    }
     supports_routed_experts = True

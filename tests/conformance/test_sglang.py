@@ -21,6 +21,7 @@ class TestSglangConformance(BackendConformance):
             "admin_abort",
             "admin_update_weights",
             "admin_init_weight_transfer",
+            "admin_destroy_weight_transfer",
             "admin_update_weights_distributed",
             "admin_load_lora",
             "admin_unload_lora",

@@ -23,7 +23,11 @@ class ReferenceSuite(BackendConformance):
     """The reference backend's suite, not collected (no ``Test`` prefix): its tests are called directly."""
 
     backend_name = "reference"
-    expected_capabilities = CAPABILITY_HOOKS - {"admin_init_weight_transfer", "admin_update_weights_distributed"}
+    expected_capabilities = CAPABILITY_HOOKS - {
+        "admin_init_weight_transfer",
+        "admin_update_weights_distributed",
+        "admin_destroy_weight_transfer",
+    }
 
 
 def ignoring(emulator: ReferenceEmulator, *, abort: bool = False, pause_mode: str | None = None) -> httpx.MockTransport:

@@ -57,6 +57,7 @@ INFRASTRUCTURE_HOOKS = frozenset({"render", "prepare_request", "observe", "valid
 
 __all__ = [
     "admin_abort",
+    "admin_destroy_weight_transfer",
     "admin_flush_cache",
     "admin_health",
     "admin_init_weight_transfer",
@@ -355,6 +356,29 @@ async def admin_init_weight_transfer(
     :param options: the validated backend options.
     :returns: ``True`` once the server joined.
     Raises: request errors.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+async def admin_destroy_weight_transfer(
+    server: Server, group_name: str, config: ClientConfig, options: Any
+) -> bool | None:
+    """Leave a weight-transfer group joined with :func:`admin_init_weight_transfer` and free its resources.
+
+    Not idempotent on every engine: SGLang refuses a group it does not have (also one already destroyed), so
+    the fleet never retries it; an engine with a single, unnamed transfer engine per server (vLLM) ignores the
+    name and confirms even when nothing was joined.
+
+    :param server: the server that leaves.
+    :param group_name: the group to leave (``DistributedGroup.group_name``).
+    :param config: the client's configuration.
+    :param options: the validated backend options.
+    :returns: ``True`` once the server confirmed it left the group.
+    Raises: :class:`~backends_core.errors.ServerStatusError` or
+        :class:`~backends_core.errors.ServerRefusedError` when the server refuses (no such group, a weight
+        update in progress, no transfer support); other request errors.
 
     .. versionadded:: 0.1
     """

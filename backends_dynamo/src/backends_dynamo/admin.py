@@ -22,6 +22,7 @@ from backends_dynamo.workers import BACKEND, at, engine_call, frontend, gather_a
 
 __all__ = [
     "admin_abort",
+    "admin_destroy_weight_transfer",
     "admin_flush_cache",
     "admin_health",
     "admin_init_weight_transfer",
@@ -177,6 +178,21 @@ async def admin_init_weight_transfer(server: Server, group: DistributedGroup, op
         "backend": group.backend,
     }
     await on_workers(server, options, "init_weights_update_group", body, operation="admin_init_weight_transfer")
+    return True
+
+
+@hookimpl
+async def admin_destroy_weight_transfer(server: Server, group_name: str, options: DynamoOptions) -> bool:
+    """``/engine/destroy_weights_update_group`` on every worker: Dynamo forwards the body as the keyword
+    arguments of the worker's ``destroy_broadcaster`` RPC (stock vLLM workers lack it: ``"status": "error"``,
+    a :class:`ServerRefusedError`)."""
+    await on_workers(
+        server,
+        options,
+        "destroy_weights_update_group",
+        {"group_name": group_name},
+        operation="admin_destroy_weight_transfer",
+    )
     return True
 
 

@@ -24,6 +24,7 @@ from backends_dynamo import wire
 # The admin hooks: importing them here registers them with this entry point module.
 from backends_dynamo.admin import (
     admin_abort,
+    admin_destroy_weight_transfer,
     admin_flush_cache,
     admin_health,
     admin_init_weight_transfer,
@@ -45,6 +46,7 @@ from backends_dynamo.tracking import REQUEST_ID_HEADER, Tracker, dynamo_request_
 
 __all__ = [
     "admin_abort",
+    "admin_destroy_weight_transfer",
     "admin_flush_cache",
     "admin_health",
     "admin_init_weight_transfer",

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from backends_core import Server, hookimpl
+from backends_core._http import StatusHint
 from backends_core.config import ClientConfig
 from backends_core.errors import InvalidRequestError, ServerStatusError
 from backends_core.types import (
@@ -285,6 +286,30 @@ async def admin_init_weight_transfer(server: Server, group: DistributedGroup, op
     }
     raw = await control.call(server, options, "POST", "/init_weights_update_group", body)
     control.require_success(server, "/init_weights_update_group", raw)
+    return True
+
+
+def _destroy_hint(group_name: str) -> StatusHint:
+    def hint(status: int, body: Any) -> str | None:
+        if status == 400 and isinstance(body, Mapping) and "does not exist" in str(body.get("message")):
+            return (
+                f"this server has no weight-update group {group_name!r}: it was never joined "
+                "(init_weight_transfer) or was already destroyed"
+            )
+        return control._hint("/destroy_weights_update_group")(status, body)
+
+    return hint
+
+
+@hookimpl
+async def admin_destroy_weight_transfer(server: Server, group_name: str, options: SglangOptions) -> bool:
+    """``/destroy_weights_update_group``: SGLang answers 400 ``{"success": false, "message": "The group to be
+    destroyed does not exist."}`` for a name it does not have (also the second time)."""
+    path = "/destroy_weights_update_group"
+    raw = await control.call(
+        server, options, "POST", path, {"group_name": group_name}, status_hint=_destroy_hint(group_name)
+    )
+    control.require_success(server, path, raw)
     return True
 
 

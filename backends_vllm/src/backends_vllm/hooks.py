@@ -269,6 +269,15 @@ async def admin_init_weight_transfer(server: Server, group: DistributedGroup) ->
 
 
 @hookimpl
+async def admin_destroy_weight_transfer(server: Server) -> bool:
+    """``/shutdown_weight_transfer_engine`` (no body): vLLM has one unnamed transfer engine per server, so the
+    group name is not sent, and it confirms even when nothing was joined (or weight transfer is not configured,
+    as on the CPU build). It refuses (500) while a weight update is in progress."""
+    await _admin(server, "POST", "/shutdown_weight_transfer_engine")
+    return True
+
+
+@hookimpl
 async def admin_update_weights_distributed(server: Server, tensors: Sequence[TensorSpec], version: str | None) -> bool:
     await _admin(server, "POST", "/start_weight_update", body={})
     await _admin(

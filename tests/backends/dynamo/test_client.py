@@ -25,8 +25,11 @@ from backends_core import (
     ServerStatusError,
     UnsupportedOperationError,
 )
+from backends_core.testing.engine import ReferenceEngine
+from backends_core.testing.tinymodel import TinyModels
 from backends_core.types import GenerateRequest
 from backends_dynamo.checks import check_generation
+from backends_dynamo.testing import WORKER_URL, DynamoEmulator
 from backends_dynamo.tracking import REQUEST_ID_HEADER, dynamo_request_id
 
 from ._captures import FIXTURES, capture, sse_text
@@ -393,3 +396,60 @@ async def test_distributed_transfer_is_forwarded_and_its_refusal_surfaces(deploy
     async with client(deployment) as c:
         with pytest.raises(AdminError, match="2 workers but a DistributedGroup gives one rank_offset per server"):
             await c.admin.init_weight_transfer(group)
+
+
+async def test_destroy_weight_transfer_reaches_every_worker_with_the_group_name(deployment: Deployment) -> None:
+    # the handler's own success answer (dynamo/vllm/handlers.py destroy_weights_update_group)
+    for w in WORKERS:
+        deployment.add(
+            w,
+            "POST",
+            "/engine/destroy_weights_update_group",
+            json_body={"status": "ok", "message": "Weight update group destroyed"},
+        )
+    async with client(deployment) as c:
+        assert await c.admin.destroy_weight_transfer("trainer-7") == [True]
+    for w in WORKERS:
+        sent = deployment.to(w, "/engine/destroy_weights_update_group")
+        assert [s.body for s in sent] == [{"group_name": "trainer-7"}]
+    assert deployment.to(FRONTEND) == []
+
+
+async def test_destroy_weight_transfer_refused_by_one_worker_names_it_and_the_route(deployment: Deployment) -> None:
+    deployment.add(
+        W1, "POST", "/engine/destroy_weights_update_group", json_body={"status": "ok", "message": "destroyed"}
+    )
+    on_workers(deployment, "destroy_weights_update_group", "engine_destroy_weights_update_group", workers=(W2,))
+    async with client(deployment) as c:
+        with pytest.raises(AdminError) as info:
+            await c.admin.destroy_weight_transfer()
+    assert info.value.operation == "admin_destroy_weight_transfer"
+    error = info.value.results[0].error
+    assert isinstance(error, ServerRefusedError)
+    assert error.url == f"{W2}/engine/destroy_weights_update_group"
+    assert "'CPUWorker' object has no attribute 'destroy_broadcaster'" in str(error)
+    assert [s.body for s in deployment.to(W2)] == [{"group_name": "weight_sync"}]  # sent once: never retried
+
+
+async def test_destroy_weight_transfer_without_the_rl_routes_is_unsupported(deployment: Deployment) -> None:
+    async with client(deployment, backend_options={"worker_urls": [W1]}) as c:  # W1 answers a worker 404
+        with pytest.raises(AdminError) as info:
+            await c.admin.destroy_weight_transfer()
+    error = info.value.results[0].error
+    assert isinstance(error, UnsupportedOperationError)
+    assert error.operation == "admin_destroy_weight_transfer" and "destroy_weights_update_group" in str(error)
+
+
+async def test_destroy_weight_transfer_on_the_emulated_cpu_worker_is_refused(tiny_models: TinyModels) -> None:
+    emulator = DynamoEmulator(ReferenceEngine(tiny_models.dense))
+    config = ClientConfig(
+        backend="dynamo", base_url=FRONTEND, model="tiny-qwen3", backend_options={"worker_urls": [WORKER_URL]}
+    )
+    try:
+        async with Client(config, transport=emulator.transport()) as c:
+            with pytest.raises(AdminError, match="no attribute 'destroy_broadcaster'") as info:
+                await c.admin.destroy_weight_transfer("g")
+    finally:
+        await emulator.aclose()
+    assert isinstance(info.value.results[0].error, ServerRefusedError)
+    assert f"{WORKER_URL}/engine/destroy_weights_update_group" in str(info.value)

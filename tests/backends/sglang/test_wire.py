@@ -517,6 +517,79 @@ async def test_weight_updates_flush_only_when_idle_and_wrap_distributed_updates(
     assert order == ["/begin_weight_update", "/update_weights_from_distributed", "/end_weight_update"]
 
 
+async def test_destroy_weight_transfer_sends_the_group_name_and_a_missing_group_is_refused_once() -> None:
+    dist = capture("update_weights_from_distributed")
+    fake = fake_sglang()
+    fake.add("POST", "/destroy_weights_update_group", json=dist["destroy_weights_update_group"]["response"])
+    async with client(fake) as c:
+        assert await c.admin.destroy_weight_transfer() == [True]
+        assert await c.admin.destroy_weight_transfer("trainer-7") == [True]
+        fake.add(
+            "POST",
+            "/destroy_weights_update_group",
+            status=dist["destroy_again"]["status"],
+            json=dist["destroy_again"]["response"],
+        )
+        with pytest.raises(AdminError) as info:
+            await c.admin.destroy_weight_transfer("trainer-7")
+    sent = [r.json for r in fake.requests if r.path == "/destroy_weights_update_group"]
+    assert sent == [{"group_name": "weight_sync"}, {"group_name": "trainer-7"}, {"group_name": "trainer-7"}]
+    assert info.value.operation == "admin_destroy_weight_transfer"
+    error = info.value.results[0].error
+    assert isinstance(error, ServerStatusError) and error.status_code == 400
+    assert error.url == f"{URL}/destroy_weights_update_group"
+    assert "does not exist" in str(error) and "no weight-update group 'trainer-7'" in str(error)
+    assert URL in str(info.value)
+
+
+async def test_destroy_weight_transfer_refused_in_a_2xx_answer_raises() -> None:
+    fake = fake_sglang()
+    refusal = {"success": False, "message": "Failed to destroy custom process group: boom."}
+    fake.add("POST", "/destroy_weights_update_group", json=refusal)
+    async with client(fake) as c:
+        with pytest.raises(AdminError) as info:
+            await c.admin.destroy_weight_transfer("g")
+    error = info.value.results[0].error
+    assert isinstance(error, ServerRefusedError) and error.body == refusal
+    assert error.url == f"{URL}/destroy_weights_update_group" and "boom" in str(error)
+
+
+@pytest.mark.parametrize("name", ["", None, 7])
+async def test_destroy_weight_transfer_refuses_a_bad_group_name_before_sending(name: Any) -> None:
+    fake = fake_sglang()
+    async with client(fake) as c:
+        with pytest.raises(InvalidRequestError, match="group_name must be a non-empty string"):
+            await c.admin.destroy_weight_transfer(name)
+    assert fake.requests == []
+
+
+async def test_destroy_weight_transfer_is_never_retried_after_a_5xx() -> None:
+    fake = fake_sglang()
+    fake.add("POST", "/destroy_weights_update_group", status=503, json={"detail": "busy"})
+    async with client(fake) as c:
+        with pytest.raises(AdminError):
+            await c.admin.destroy_weight_transfer("g")
+    assert [r.path for r in fake.requests].count("/destroy_weights_update_group") == 1
+
+
+async def test_destroy_weight_transfer_through_the_emulator_leaves_the_group_once(
+    make_emulator: Callable[..., Any],
+) -> None:
+    emulator = make_emulator()
+    config = ClientConfig(backend="sglang", base_url=URL, model="tiny-qwen3")
+    group = DistributedGroup(
+        master_address="127.0.0.1", master_port=29555, world_size=2, rank_offset=1, group_name="g1", backend="gloo"
+    )
+    async with Client(config, transport=emulator.transport()) as c:
+        with pytest.raises(AdminError, match="does not exist"):
+            await c.admin.destroy_weight_transfer("g1")
+        assert await c.admin.init_weight_transfer(group) == [True]
+        assert await c.admin.destroy_weight_transfer("g1") == [True]
+        with pytest.raises(AdminError, match="does not exist"):
+            await c.admin.destroy_weight_transfer("g1")
+        assert await c.admin.init_weight_transfer(group) == [True]  # the name is free again
+
+
 async def test_a_failed_distributed_update_still_closes_the_session() -> None:
     fake = fake_sglang()
     fake.add(

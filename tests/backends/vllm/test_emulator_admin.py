@@ -13,8 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
+from backends_core import AdminError, Client, ClientConfig
 from backends_core.testing.engine import ReferenceEngine
 from backends_core.testing.tinymodel import TinyModels, write_perturbed_weights
+from backends_core.types import DistributedGroup
 from backends_vllm.testing import VllmEmulator
 
 CAPTURES = Path(__file__).resolve().parents[2] / "fixtures" / "wire" / "vllm"
@@ -283,6 +285,40 @@ async def test_weight_transfer_protocol(client: httpx.AsyncClient, emulator: Vll
         "/start_weight_update",
         "/init_weight_transfer_engine",
     ]
+
+
+async def test_shutdown_is_confirmed_without_an_engine_and_refused_during_an_update(
+    client: httpx.AsyncClient, emulator: VllmEmulator
+) -> None:
+    never = await client.post("/shutdown_weight_transfer_engine")  # nothing joined: vLLM still confirms
+    assert (never.status_code, never.json()) == (200, captured("shutdown_weight_transfer_engine"))
+    init_info = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2}
+    assert (await client.post("/init_weight_transfer_engine", json={"init_info": init_info})).status_code == 200
+    assert (await client.post("/start_weight_update")).status_code == 200
+    busy = await client.post("/shutdown_weight_transfer_engine")
+    assert busy.status_code == 500
+    assert "Cannot release a trainer connection during a weight update" in busy.json()["error"]["message"]
+    assert emulator.weight_transfer.initialized and emulator.weight_transfer.updating  # nothing was released
+    assert (await client.post("/finish_weight_update", json={})).status_code == 200
+    assert (await client.post("/shutdown_weight_transfer_engine")).status_code == 200
+    assert not emulator.weight_transfer.initialized
+
+
+async def test_destroy_weight_transfer_through_the_client(emulator: VllmEmulator) -> None:
+    config = ClientConfig(backend="vllm", base_url="http://vllm.test", model="tiny-qwen3")
+    group = DistributedGroup(master_address="127.0.0.1", master_port=29500, world_size=2, rank_offset=1)
+    async with Client(config, transport=emulator.transport()) as c:
+        assert await c.admin.init_weight_transfer(group) == [True]
+        assert emulator.weight_transfer.initialized
+        assert await c.admin.destroy_weight_transfer(group.group_name) == [True]
+        assert not emulator.weight_transfer.initialized
+        assert await c.admin.destroy_weight_transfer(group.group_name) == [True]  # vLLM confirms a second one
+        await c.admin.init_weight_transfer(group)
+        emulator.weight_transfer.updating = True  # a trainer-driven update is running
+        with pytest.raises(AdminError, match="during a weight update") as info:
+            await c.admin.destroy_weight_transfer(group.group_name)
+    assert "/shutdown_weight_transfer_engine" in str(info.value)
+    assert emulator.weight_transfer.initialized
 
 
 @pytest.mark.parametrize(

@@ -321,6 +321,34 @@ async def test_admin_calls_use_the_captured_routes_and_shapes() -> None:
     }
 
 
+async def test_destroy_weight_transfer_shuts_the_engine_down_and_a_refusal_names_server_and_route() -> None:
+    fake = FakeServer()
+    shut_down = capture("shutdown_weight_transfer_engine")["response"]["body"]
+    fake.add("POST", "/shutdown_weight_transfer_engine", json=shut_down)
+    config = ClientConfig(backend="vllm", base_url="http://v", model="tiny-qwen3")
+    async with Client(config, transport=fake.transport()) as client:
+        assert await client.admin.destroy_weight_transfer("trainer-7") == [True]
+        refusal = {
+            "error": {
+                "message": "Call to collective_rpc method failed: Worker failed with error 'Cannot release a trainer "
+                "connection during a weight update', please check the stack trace above for the root cause",
+                "type": "InternalServerError",
+                "param": None,
+                "code": 500,
+            }
+        }
+        fake.add("POST", "/shutdown_weight_transfer_engine", status=500, json=refusal)
+        with pytest.raises(AdminError) as info:
+            await client.admin.destroy_weight_transfer("trainer-7")
+    sent = [(r.method, r.json) for r in fake.requests if r.path == "/shutdown_weight_transfer_engine"]
+    assert sent == [("POST", None), ("POST", None)]  # no body: vLLM has one unnamed engine; never retried
+    assert info.value.operation == "admin_destroy_weight_transfer"
+    error = info.value.results[0].error
+    assert isinstance(error, ServerStatusError) and error.status_code == 500
+    assert error.url == "http://v/shutdown_weight_transfer_engine"
+    assert "during a weight update" in str(info.value) and "http://v" in str(info.value)
+
+
 async def test_check_tokenizer_compares_local_rendering_with_the_servers(tiny_models) -> None:
     from backends_core.rendering import load_tokenizer
 

@@ -26,6 +26,7 @@ import httpx
 import numpy as np
 import pytest
 
+from backends_core import AdminError, Client, ClientConfig, ServerRefusedError
 from backends_core.testing.engine import EngineRequest, ReferenceEngine
 from backends_core.testing.tinymodel import TOKENIZER_SIZE, write_perturbed_weights
 
@@ -507,6 +508,22 @@ async def test_vllm_distributed_weight_routes_answer_with_the_cpu_limitation(
     assert init["status"] == "error" and "init_broadcaster" in init["message"], init
     destroy = await _admin(http, dynamo_vllm, "destroy_weights_update_group", {})
     assert destroy["status"] == "error" and "destroy_broadcaster" in destroy["message"], destroy
+    named = await _admin(http, dynamo_vllm, "destroy_weights_update_group", {"group_name": "weight_sync"})
+    assert named == destroy, named  # the backend's body: the same refusal (the RPC is missing, not the group)
+    # through the dynamo backend: a typed refusal naming the worker's route, never a silent success
+    config = ClientConfig(
+        backend="dynamo",
+        base_url=dynamo_vllm.frontend_url,
+        model=dynamo_vllm.model,
+        backend_options={"worker_urls": list(dynamo_vllm.worker_system_urls)},
+    )
+    async with Client(config) as client:
+        with pytest.raises(AdminError) as refused:
+            await client.admin.destroy_weight_transfer()
+    error = refused.value.results[0].error
+    assert isinstance(error, ServerRefusedError), repr(error)
+    assert error.url == f"{dynamo_vllm.worker_system_urls[0]}/engine/destroy_weights_update_group"
+    assert "'CPUWorker' object has no attribute 'destroy_broadcaster'" in str(error), str(error)
     tensor = await _admin(http, dynamo_vllm, "update_weights_from_tensor", {})
     assert tensor == {"status": "error", "message": "update_weights_from_tensor is not implemented"}
     assert (await _admin(http, dynamo_vllm, "liveness_probe"))["alive"] is True

@@ -17,10 +17,11 @@ have is *accepted* by SGLang (``Qwen3ForCausalLM.load_weights`` only logs "Param
 version moves although no weight changed: a trap, pinned here so a change of behaviour is noticed.
 
 The server is shared with the rest of the session: every test leaves the original weights, the original
-version and no group behind (``/destroy_weights_update_group`` is not part of the backend contract: it is
-called with httpx here). A hang cannot wedge the run: the trainer has a hard deadline and is killed in
-teardown, which also fails the server's pending gloo receive instead of leaving it to the group's 30-minute
-timeout.
+version and no group behind: the fixture leaves the group with ``client.admin.destroy_weight_transfer(name)``
+(``/destroy_weights_update_group``), then checks that a second teardown of the same name is refused as SGLang
+refuses it (400 "does not exist": a typed ``AdminError`` naming the server and the route). A hang cannot wedge
+the run: the trainer has a hard deadline and is killed in teardown, which also fails the server's pending
+gloo receive instead of leaving it to the group's 30-minute timeout.
 """
 
 from __future__ import annotations
@@ -36,14 +37,13 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import numpy.typing as npt
 import pytest
 from safetensors.numpy import load_file, save_file
 
 from backends_core import Client, ClientConfig, SamplingParams
-from backends_core.errors import AdminError
+from backends_core.errors import AdminError, ServerStatusError
 from backends_core.testing.engine import EngineRequest, ReferenceEngine
 from backends_core.testing.tinymodel import TOKENIZER_SIZE, TinyModels, write_perturbed_weights
 from backends_core.types import DistributedGroup, TensorSpec
@@ -237,7 +237,8 @@ async def gloo_group(
     request: pytest.FixtureRequest, client: Client, sglang_venv: Path, sglang_dense_url: str, tmp_path: Path
 ) -> AsyncIterator[Group]:
     """Trainer started, server joined through ``client.admin.init_weight_transfer`` (gloo); afterwards the
-    trainer leaves (or is killed) and the server's group is destroyed (asserted when the join succeeded)."""
+    trainer leaves (or is killed) and the server leaves the group through ``client.admin.destroy_weight_transfer``
+    (asserted when the join succeeded; a second destroy of the name must be refused)."""
     name = f"backends-live-{request.node.name}"
     port = _free_port()
     trainer = await Trainer.start(
@@ -258,11 +259,13 @@ async def gloo_group(
     finally:
         await trainer.close()
         if joined:
-            async with httpx.AsyncClient(timeout=60.0, trust_env=False) as http:
-                response = await http.post(
-                    f"{sglang_dense_url}/destroy_weights_update_group", json={"group_name": name}
-                )
-            assert response.status_code == 200 and response.json()["success"] is True, response.text
+            assert await client.admin.destroy_weight_transfer(name) == [True]
+            with pytest.raises(AdminError) as gone:
+                await client.admin.destroy_weight_transfer(name)
+            error = gone.value.results[0].error
+            assert isinstance(error, ServerStatusError) and error.status_code == 400, repr(error)
+            assert error.url == f"{sglang_dense_url}/destroy_weights_update_group"
+            assert "The group to be destroyed does not exist." in str(error), str(error)
 
 
 @pytest.fixture

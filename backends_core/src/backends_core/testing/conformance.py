@@ -186,6 +186,7 @@ class BackendConformance:
             "admin_flush_cache": client.admin.flush_cache,
             "admin_update_weights": lambda: client.admin.update_weights("/nonexistent"),
             "admin_init_weight_transfer": lambda: client.admin.init_weight_transfer(None),  # type: ignore[arg-type]
+            "admin_destroy_weight_transfer": lambda: client.admin.destroy_weight_transfer("g"),
             "admin_update_weights_distributed": lambda: client.admin.update_weights_distributed("g", []),
             "admin_load_lora": lambda: client.admin.load_lora(LoraAdapter(name="x", path="/x")),
             "admin_unload_lora": lambda: client.admin.unload_lora("x"),

@@ -500,10 +500,14 @@ class VllmEmulator:
         return json_response(200, {"message": "Weight update finished", "weight_version": self.engine.weight_version})
 
     async def _shutdown_weight_transfer(self, request: httpx.Request) -> httpx.Response:
+        """Confirmed whether or not the engine was initialized (and when transfer is not configured: the
+        captured 200); refused while an update runs (``Worker.shutdown_weight_transfer_engine``)."""
         if self.weight_transfer_configured:
             state = self.weight_transfer
             state.calls.append((request.url.path, None))
-            state.initialized = state.updating = False
+            if state.updating:
+                raise worker_error("Cannot release a trainer connection during a weight update")
+            state.initialized = False
         return json_response(200, {"message": "Weight transfer shut down"})
 
     # -- LoRA --------------------------------------------------------------------------------------------
