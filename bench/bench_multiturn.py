@@ -10,7 +10,11 @@ an assistant answer of ~200 tokens; turn t's prompt is [u1, a1, …, u(t-1), a(t
   completion ids reused untouched, only the new user message rendered (t = 1: ``render_text`` + ``encode`` of [u1],
   the core's default ``render`` hook, which the first ``send`` runs);
 * ``stateless``: ``TurnCache.prompt_ids`` (``client.generate(messages=…, session=…)``): the whole message list is
-  normalised and matched against the remembered turns, then bridged (t = 1: as ``bridge``).
+  normalised (the prefix the session sent last turn by one comparison, the two new dicts afresh) and matched
+  against the remembered turns, then bridged (t = 1: as ``bridge``).
+
+Each round times t = 1, 10 and 50 of one method with their calls interleaved (≥ 0.6 s), so a round's t=50 ÷ t=1
+compares calls made under the same load; the machine is shared and noisy.
 
 Every method's ids are checked identical to ``full_render`` at every measured turn, on the first call (for the
 bridge: the call that verifies the tail render against a full one) and on a second call (the bridge's steady
@@ -24,6 +28,7 @@ import argparse
 import cProfile
 import io
 import pstats
+import time
 from typing import Any
 
 import _common as c
@@ -49,6 +54,25 @@ def conversation(tok: Any, turns: int) -> tuple[list[dict[str, str]], list[list[
 def _renders_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     full = {k: v - before["full_renders"].get(k, 0) for k, v in after["full_renders"].items()}
     return {"tail": after["tail_renders"] - before["tail_renders"], "full": {k: v for k, v in full.items() if v}}
+
+
+def _interleaved_us(fns: dict[int, Any], *, min_time: float, seed: int) -> dict[int, float]:
+    """Mean µs per call of each turn's function, calls of the turns interleaved (shuffled order each pass), so
+    the t=50 ÷ t=1 ratio of one round compares calls made under the same load."""
+    for fn in fns.values():
+        fn()
+    total = dict.fromkeys(fns, 0.0)
+    calls = dict.fromkeys(fns, 0)
+    started = time.perf_counter()
+    passes = 0
+    while passes < 3 or time.perf_counter() - started < min_time:
+        for t in c.shuffled(list(fns), seed * 1000 + passes):
+            t0 = time.perf_counter()
+            fns[t]()
+            total[t] += time.perf_counter() - t0
+            calls[t] += 1
+        passes += 1
+    return {t: total[t] / calls[t] * 1e6 for t in fns}
 
 
 def main() -> None:
@@ -89,14 +113,20 @@ def main() -> None:
             )
             cache = TurnCache(StatelessPolicy())
             cache.remember("s", normalize_messages(prev_msgs), prev)
+            cache._normalize("s", prev_msgs)  # what turn t-1's call left in the session
+            seen = cache._seen["s"]  # the session saw turn t-1's list; every timed call starts from there
+
+            def stateless(cache: TurnCache = cache, m: list[Any] = messages, seen: Any = seen) -> Any:
+                cache._seen["s"] = (list(seen[0]), list(seen[1]))
+                new = [*m[:-2], *map(dict, m[-2:])]  # the caller appends two new dicts (assistant, user)
+                return cache.prompt_ids(tok, "s", new, tools=None, chat_template_kwargs=None, stats=stats)
+
             fns = {
                 "full_render": lambda m=messages: c.render_ids(tok, m),
                 "bridge": lambda h=prev_msgs, p=prev, m=messages: extend_prompt(
                     tok, history=h, previous=p, new_messages=m[-1:], stats=stats
                 ),
-                "stateless": lambda cache=cache, m=messages: cache.prompt_ids(
-                    tok, "s", m, tools=None, chat_template_kwargs=None, stats=stats
-                ),
+                "stateless": stateless,
             }
         before = stats.as_dict()
         for name, fn in fns.items():
@@ -106,9 +136,10 @@ def main() -> None:
     names = ["full_render", "bridge", "stateless"]
     times: dict[str, dict[int, list[float]]] = {n: {t: [] for t in TURNS} for n in names}
     for r in range(args.rounds):
-        for t in TURNS:
-            for name in c.shuffled(names, r * 7 + t):
-                times[name][t].append(c.timeit_us(cases[t]["fns"][name], min_time=0.2))
+        for name in c.shuffled(names, r):
+            per_turn = _interleaved_us({t: cases[t]["fns"][name] for t in TURNS}, min_time=0.6, seed=r)
+            for t in TURNS:
+                times[name][t].append(per_turn[t])
     rows = []
     for name in names:
         growth = [times[name][50][i] / times[name][1][i] for i in range(args.rounds)]

@@ -193,6 +193,24 @@ async def test_a_history_edited_in_place_is_still_a_break(make_client) -> None:
     assert third.prompt_ids[: len(second.token_ids)] == second.token_ids
 
 
+async def test_a_tool_call_edited_in_place_deep_in_the_history_is_still_a_break(make_client) -> None:
+    client = await make_client()
+    sampling = SamplingParams(max_tokens=4)
+    call = {"type": "function", "function": {"name": "ls", "arguments": {"path": "src"}}}
+    messages: list = [{"role": "user", "content": "list files"}]
+    await client.generate(messages=messages, sampling=sampling, tools=TOOLS, session="s")
+    messages += [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": "a.py"}]
+    second = await client.generate(messages=messages, sampling=sampling, tools=TOOLS, session="s")
+    messages += [reply(client, second), {"role": "user", "content": "thanks"}]
+    call["function"]["arguments"]["path"] = "lib"  # nested, in place, in an object the caller already sent
+    with pytest.raises(BridgeError) as info:
+        await client.generate(messages=messages, sampling=sampling, tools=TOOLS, session="s")
+    assert info.value.reason == "history_rewritten"  # only turn 1 is still a prefix: an assistant follows it
+    call["function"]["arguments"]["path"] = "src"
+    third = await client.generate(messages=messages, sampling=sampling, tools=TOOLS, session="s")
+    assert third.prompt_ids[: len(second.token_ids)] == second.token_ids
+
+
 # -- property tests of the bridge itself --------------------------------------------------------------
 
 text = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",), exclude_characters="<>"), max_size=20)

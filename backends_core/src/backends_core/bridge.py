@@ -1,15 +1,16 @@
 """Multi-turn token-in/token-out: turn N extends turn N-1's exact ids and renders only the new messages.
 
 Re-rendering a conversation from messages silently changes tokens (BPE drift, dropped reasoning, tool-call
-formatting), which corrupts RL training data. A :class:`Conversation` therefore never re-renders history. For
-turn N it sends ``previous prompt + previous completion + close + delta`` where
+formatting), which corrupts RL training data. A :class:`Conversation` therefore never re-tokenizes history.
+For turn N it sends ``previous prompt + previous completion + close + delta`` where
 
 * ``close`` finishes the previous assistant turn with the template's own end-of-turn tokens: only the part
   the model did not generate (``"\\n"`` after a sampled ``<|im_end|>``), or all of it when the turn was cut
   short (``length`` / ``abort``), after closing an unclosed ``<think>`` block;
 * ``delta`` is the template's rendering of the new messages plus the generation prompt, taken from a render
-  in which the previous assistant turn is a sentinel, so every template rule that looks at the neighbouring
-  messages (tool-response grouping, the generation prompt) applies.
+  in which the previous assistant turn is a sentinel (so every template rule that looks at the neighbouring
+  messages, tool-response grouping say, applies), or from a render of the new messages alone where that is
+  verified to give the same text.
 
 **What is rendered.** The *full* way renders the whole history before the sentinel, so rules that depend on
 earlier messages (system blocks, position) apply exactly; its cost grows with the history. The *tail* way

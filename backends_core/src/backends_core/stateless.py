@@ -14,6 +14,7 @@ assistant message in the tail, context folding, a branched sub-agent) or no turn
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,7 +24,7 @@ import attrs
 from backends_core.bridge import BridgeStats, extend_prompt
 from backends_core.config import StatelessPolicy
 from backends_core.errors import BridgeError
-from backends_core.messages import normal_forms
+from backends_core.messages import _flat_strings, normal_forms
 from backends_core.types import GenerateResult
 
 __all__ = ["Turn", "TurnCache"]
@@ -45,6 +46,10 @@ class TurnCache:
     def __init__(self, policy: StatelessPolicy) -> None:
         self.policy = policy
         self._sessions: OrderedDict[str, list[Turn]] = OrderedDict()
+        # per session, the last message list seen: a deep snapshot of each dict and its normal form, so the
+        # next list (the same messages, fresh copies, plus a few new ones) is normalised by one C-level
+        # comparison of its prefix instead of message by message
+        self._seen: dict[str, tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {}
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -58,7 +63,31 @@ class TurnCache:
         del turns[: -self.policy.max_turns]
         self._sessions.move_to_end(session)
         while len(self._sessions) > self.policy.max_sessions:
-            self._sessions.popitem(last=False)
+            forgotten, _ = self._sessions.popitem(last=False)
+            self._seen.pop(forgotten, None)
+
+    def _normalize(self, session: str, messages: Sequence[Any]) -> list[dict[str, Any]]:
+        """Normal forms of ``messages`` (read only): the prefix equal to the session's last list is not
+        normalised again. Equal raw dicts have equal normal forms, and the snapshots are deep copies, so an
+        earlier message edited in place is normalised afresh (and breaks the prefix as before)."""
+        snapshots, forms = self._seen.get(session, ([], []))
+        k = len(snapshots)
+        if k and len(messages) >= k and list(messages[:k]) == snapshots:
+            rest = messages[k:]
+            normalized = [*forms, *normal_forms(rest)]
+        else:
+            snapshots, forms, rest = [], [], messages
+            normalized = normal_forms(messages)
+        for m, form in zip(rest, normalized[len(forms) :], strict=True):
+            if type(m) is not dict:
+                break  # objects are compared through their normal forms, from here on every time
+            try:
+                snapshots.append(dict(m) if _flat_strings(m) else copy.deepcopy(m))
+            except Exception:  # an uncopyable value: compared through normal forms from here on
+                break
+            forms.append(form)
+        self._seen[session] = (snapshots, forms)
+        return normalized
 
     def match(self, session: str, messages: Sequence[dict[str, Any]]) -> tuple[Turn, int] | None:
         """The longest turn whose messages + one assistant message prefix ``messages``, with the index of
@@ -89,7 +118,7 @@ class TurnCache:
         """
         if session not in self._sessions:
             return None
-        normalized = normal_forms(messages)  # read only here: remembered forms are shared, not copied
+        normalized = self._normalize(session, messages)
         found = self.match(session, normalized)
         if found is None:
             raise BridgeError(
