@@ -28,7 +28,10 @@ import argparse
 import cProfile
 import io
 import pstats
+import subprocess
+import sys
 import time
+import types
 from typing import Any
 
 import _common as c
@@ -56,6 +59,24 @@ def _renders_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, A
     return {"tail": after["tail_renders"] - before["tail_renders"], "full": {k: v for k, v in full.items() if v}}
 
 
+def _load_before(rev: str) -> tuple[Any, Any, Any]:
+    """``bridge``, ``stateless`` and ``messages`` as of git revision ``rev``, loaded as private modules next to
+    today's (the rest of the package is today's)."""
+    modules = {}
+    for name in ("messages", "bridge", "stateless"):
+        path = f"backends_core/src/backends_core/{name}.py"
+        code = subprocess.run(
+            ["git", "show", f"{rev}:{path}"], capture_output=True, text=True, check=True, cwd=c.HERE.parent
+        ).stdout
+        for dep in ("messages", "bridge"):
+            code = code.replace(f"from backends_core.{dep} import", f"from _before_{dep} import")
+        module = types.ModuleType(f"_before_{name}")
+        sys.modules[module.__name__] = module
+        exec(compile(code, f"{rev}:{path}", "exec"), module.__dict__)  # our own file at REV
+        modules[name] = module
+    return modules["bridge"], modules["stateless"], modules["messages"]
+
+
 def _interleaved_us(fns: dict[int, Any], *, min_time: float, seed: int) -> dict[int, float]:
     """Mean µs per call of each turn's function, calls of the turns interleaved (shuffled order each pass), so
     the t=50 ÷ t=1 ratio of one round compares calls made under the same load."""
@@ -79,6 +100,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--before", metavar="REV", help="also time the bridge and the stateless cache as of git revision REV"
+    )
     args = parser.parse_args()
     c.pin(0)
     from backends_core.bridge import BridgeStats, clear_template_cache, extend_prompt
@@ -134,6 +158,33 @@ def main() -> None:
                 assert fn() == full, (t, name, call)
         cases[t] = {"fns": fns, "tokens": len(full), "renders": _renders_since(before, stats.as_dict())}
     names = ["full_render", "bridge", "stateless"]
+    if args.before:
+        names += [f"bridge @{args.before}", f"stateless @{args.before}"]
+        old_bridge, old_stateless, old_messages = _load_before(args.before)
+        for t in TURNS:
+            messages, completions = conversation(tok, t)
+            full = c.render_ids(tok, messages)
+            fns = cases[t]["fns"]
+            if t == 1:
+                fns[names[3]] = fns[names[4]] = lambda m=messages: ours_first(m)
+            else:
+                prev_msgs = messages[:-2]
+                prev = GenerateResult(
+                    prompt_ids=tuple(c.render_ids(tok, prev_msgs)),
+                    completion_ids=tuple(completions[-1]),
+                    logprobs=np.zeros(len(completions[-1]), np.float32),
+                    finish_reason="stop",
+                )
+                old_cache = old_stateless.TurnCache(StatelessPolicy())
+                old_cache.remember("s", old_messages.normalize_messages(prev_msgs), prev)
+                fns[names[3]] = lambda h=prev_msgs, p=prev, m=messages: old_bridge.extend_prompt(
+                    tok, history=h, previous=p, new_messages=m[-1:]
+                )
+                fns[names[4]] = lambda cache=old_cache, m=messages: cache.prompt_ids(
+                    tok, "s", [*m[:-2], *map(dict, m[-2:])], tools=None, chat_template_kwargs=None
+                )
+            for name in names[3:]:
+                assert fns[name]() == full, (t, name)
     times: dict[str, dict[int, list[float]]] = {n: {t: [] for t in TURNS} for n in names}
     for r in range(args.rounds):
         for name in c.shuffled(names, r):
