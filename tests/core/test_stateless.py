@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from backends_core import BridgeError, Client, ClientConfig, GenerateResult, SamplingParams, extend_prompt
+from backends_core.bridge import clear_template_cache
 from backends_core.config import StatelessPolicy
 from backends_core.errors import InvalidRequestError
 from backends_core.messages import normalize_message, normalize_messages
@@ -20,6 +21,13 @@ from backends_core.rendering import encode, load_tokenizer, render_text
 from backends_core.testing.engine import ReferenceEngine
 
 TOOLS = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_verdicts():
+    clear_template_cache()  # the tokenizer is shared between tests: start without cached tail verdicts
+    yield
+    clear_template_cache()
 
 
 @pytest.fixture
@@ -66,12 +74,14 @@ async def test_an_agent_loop_sending_full_lists_reuses_every_turns_exact_ids(mak
             assert result.prompt_ids[: len(previous.token_ids)] == previous.token_ids
         previous = result
         messages = [*messages, reply(client, result), {"role": "tool", "content": f"output {step}"}]
-    stats = client.bridge_stats.as_dict()
-    assert {k: stats[k] for k in ("attempts", "successes", "failures", "rerendered")} == {
+    # step 2: [system, user] is too short to verify a tail render; step 3 verifies it; step 4 renders the tail
+    assert client.bridge_stats.as_dict() == {
         "attempts": 3,
         "successes": 3,
         "failures": {},
         "rerendered": 0,
+        "tail_renders": 1,
+        "full_renders": {"short_history": 1, "verify": 1},
     }
 
 

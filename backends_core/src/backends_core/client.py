@@ -273,7 +273,7 @@ class Client:
         started = time.perf_counter()
         try:
             ids = self._turns.prompt_ids(
-                self.tokenizer, session, messages, tools=tools, chat_template_kwargs=chat_template_kwargs
+                self.tokenizer, session, messages, tools=tools, chat_template_kwargs=chat_template_kwargs, stats=stats
             )
         except BridgeError as exc:
             stats.failures[exc.reason] += 1
