@@ -34,18 +34,31 @@ def make_client(urls: list[str]) -> Any:
 
 
 async def fan_out(urls: list[str], rounds: int) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {"pause_update_resume": [], "weight_sync": []}
-    async with make_client(urls) as client:
+    """Wall seconds of each operation, and the client's CPU seconds during it (``cpu_…``); ``construct``: wall
+    seconds to build the ``Client`` (one admin pool per server)."""
+    out: dict[str, list[float]] = {
+        "pause_update_resume": [],
+        "weight_sync": [],
+        "cpu_pause_update_resume": [],
+        "cpu_weight_sync": [],
+        "construct": [],
+    }
+    started = time.perf_counter()
+    client = make_client(urls)
+    out["construct"].append(time.perf_counter() - started)
+    async with client:
         await client.admin.health()  # connections up
         for r in range(rounds):
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             await client.admin.pause(mode="wait")
             await client.admin.update_weights("/ckpt/step", version=f"v{r}")
             await client.admin.resume()
             out["pause_update_resume"].append(time.perf_counter() - started)
-            started = time.perf_counter()
+            out["cpu_pause_update_resume"].append(time.process_time() - cpu)
+            started, cpu = time.perf_counter(), time.process_time()
             await client.admin.weight_sync(path="/ckpt/step", version=f"w{r}", mode="wait")
             out["weight_sync"].append(time.perf_counter() - started)
+            out["cpu_weight_sync"].append(time.process_time() - cpu)
     return out
 
 
@@ -66,7 +79,12 @@ async def under_load(url: str, streams: int, rounds: int, fx_ids: list[int]) -> 
 
     out: dict[str, Any] = {"idle": [], "load": [], "in_flight_on_server": []}
     sampling = SamplingParams(max_tokens=c.COMPLETION_TOKENS)
-    async with make_client([url]) as client, httpx.AsyncClient() as control:
+    # the control client's connection stays open (a new one may wait long while 1,024 generation connections open)
+    control_limits = httpx.Limits(keepalive_expiry=3600)
+    async with (
+        make_client([url]) as client,
+        httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=control_limits) as control,
+    ):
         await client.admin.health()
         for _ in range(rounds):
             await control.post(url + "/bench/release")
@@ -104,15 +122,16 @@ async def main() -> None:
     data: dict[str, Any] = {"machine": c.machine(), "args": vars(args)}
     with c.ServerProcess("--admin", str(args.servers), "--admin-delay", str(args.delay)) as fleet:
         urls = [fleet.url(f"admin{i}") for i in range(args.servers)]
-        one: dict[str, list[float]] = {"pause_update_resume": [], "weight_sync": []}
-        many: dict[str, list[float]] = {"pause_update_resume": [], "weight_sync": []}
+        one: dict[str, list[float]] = {}
+        many: dict[str, list[float]] = {}
         for r in range(args.rounds):  # alternate, so both see the same machine
             for key, value in (await fan_out(urls[:1], 1)).items():
-                one[key] += value
+                one.setdefault(key, []).extend(value)
             for key, value in (await fan_out(urls, 1)).items():
-                many[key] += value
+                many.setdefault(key, []).extend(value)
             print(f"fan-out round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     data["fan_out"] = {"one": one, "many": many}
+    c.save("fleet", data)  # kept even if the load part fails
     with c.ServerProcess("--hold") as server:
         data["load"] = await under_load(server.url("hold"), args.streams, args.rounds, ids)
     c.save("fleet", data)
@@ -130,6 +149,12 @@ async def main() -> None:
             ]
         )
     print(c.table(["operation (50 ms per call)", "1 server ms", f"{args.servers} servers ms", "ratio"], rows))
+    calls = {"pause_update_resume": 4, "weight_sync": 10}  # admin HTTP calls per server (vLLM: state is 5 GETs)
+    for key, per_server in calls.items():
+        cpu = [x / (per_server * args.servers) * 1e6 for x in many["cpu_" + key]]
+        print(f"client CPU per admin call during {key} over {args.servers} servers: {c.summary(cpu)} µs")
+    build, build_one = (c.summary([x * 1e3 for x in d["construct"]]) for d in (many, one))
+    print(f"Client(...) with {args.servers} servers built in {build} ms (1 server: {build_one} ms)")
     load = data["load"]
     rows = []
     for op in ("health", "state"):
