@@ -167,3 +167,24 @@ async def test_admin_redirects_are_not_followed() -> None:
     with pytest.raises(ServerStatusError) as info:
         await server.request("POST", "/pause", plane="admin", retry=False)
     assert info.value.status_code == 307
+
+
+def test_the_ca_bundle_is_loaded_once_for_all_pools(monkeypatch: pytest.MonkeyPatch) -> None:
+    """64 servers used to build 65 verifying SSL contexts (one per admin pool, ~50 ms each: seconds at start-up)."""
+    import ssl
+
+    from backends_core import Client, ClientConfig
+
+    built: list[object] = []
+    create = ssl.create_default_context
+
+    def counting(*args: Any, **kwargs: Any) -> ssl.SSLContext:
+        built.append(kwargs.get("cafile"))
+        return create(*args, **kwargs)
+
+    monkeypatch.setattr(ssl, "create_default_context", counting)
+    urls = [f"http://127.0.0.1:{9000 + i}" for i in range(8)]
+    client = Client(ClientConfig(backend="reference", base_url=urls))
+    assert len(built) == 1
+    contexts = {id(c._transport._pool._ssl_context) for c in [client._data, *client._admin_clients]}  # type: ignore[attr-defined]
+    assert len(contexts) == 1
