@@ -437,6 +437,29 @@ async def test_chunked_body_with_extensions_trailers_and_odd_splits() -> None:
         assert len(server.conns) == 1  # the connection survived the chunked body
 
 
+async def test_streamed_request_body_is_sent_chunked() -> None:
+    received: list[bytes] = []
+
+    def handle(s: socket.socket, f: BinaryIO, i: int) -> None:
+        req = read_request(f)
+        assert req is not None and req[2].get("transfer-encoding") == "chunked"
+        while (size := int(f.readline().strip(), 16)) > 0:
+            received.append(f.read(size))
+            f.readline()
+        f.readline()
+        s.sendall(ok(b"got"))
+
+    async def pieces():  # type: ignore[no-untyped-def]
+        for piece in (b"one", b"", b"two" * 1000):
+            yield piece
+
+    with raw_server(handle) as server:
+        client, _ = lean()
+        async with client:
+            assert (await client.post(server.url, content=pieces())).content == b"got"
+    assert received == [b"one", b"two" * 1000]
+
+
 async def test_chunked_body_streams_as_it_arrives() -> None:
     second = threading.Event()
 
