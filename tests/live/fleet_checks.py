@@ -1,6 +1,7 @@
-"""Fleet guarantees checked on real servers, shared by every backend's live fleet tests.
+"""Fleet guarantees checked on real servers: :class:`FleetChecks`, the tests every backend's live fleet module
+runs by subclassing it.
 
-Each check takes a :class:`FleetTarget`: two live servers of one backend (serving the tiny dense model as
+Each test takes a :class:`FleetTarget` fixture: two live servers of one backend (serving the tiny dense model as
 ``tiny-qwen3``) and how to configure a client for them. The checks leave the servers as they found them
 (resumed, base weights, no salt left behind in the servers' state).
 """
@@ -76,115 +77,114 @@ class FleetTarget:
         return ClientConfig(**fields)
 
 
-async def balancing_stickiness_and_failover(target: FleetTarget) -> None:
-    """Concurrent requests spread over both live servers; the dead address is tried, taken out and failed over
-    (nothing lost); a session key and a conversation each stay on one server; in-flight counts return to 0."""
-    live = list(target.urls)
-    async with Client(target.config([*live, dead_url()])) as client:
-        sampling = SamplingParams(max_tokens=8, ignore_eos=True, seed=1)
-        results = await asyncio.gather(
-            *(client.generate(prompt_ids=[1, 2, 3, i], sampling=sampling) for i in range(24))
-        )
-        per_server = Counter(r.server for r in results)
-        assert set(per_server) == set(live), per_server  # all 24 answered, by the live servers only
-        assert min(per_server.values()) >= 6, f"least-in-flight balancing left a server idle: {per_server}"
-        dead = client.balancer.load[2]
-        assert dead.failures >= 1 and dead.completed == 0
-
-        sticky = [
-            await client.generate(prompt_ids=[4, 5, 6], sampling=SamplingParams(max_tokens=2), session="s-1")
-            for _ in range(4)
-        ]
-        assert len({r.server for r in sticky}) == 1, "a session key moved between servers"
-
-        conv = client.conversation()
-        turns = [await conv.send([{"role": "user", "content": "hi"}], sampling=SamplingParams(max_tokens=4, seed=2))]
-        for text in ("more", "again"):
-            turns.append(await conv.send([{"role": "user", "content": text}], sampling=SamplingParams(max_tokens=4)))
-        assert len({t.server for t in turns}) == 1, "a conversation moved between servers"
-        assert [load.in_flight for load in client.balancer.load] == [0, 0, 0]
-
-
-async def weight_sync_resumes_on_failure_then_syncs(target: FleetTarget, tmp_path: Path) -> None:
-    """A failing update resumes every paused server and sets no version; a real update reaches both servers,
-    changes their outputs identically, is visible in ``state()`` and salts new requests; the base weights come
-    back the same way."""
-    ids = [7, 8, 9, 10, 11, 12]
-    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    async with Client(target.config(list(target.urls))) as client:
-        before = [await client.generate(prompt_ids=ids, sampling=greedy, server=i) for i in (0, 1)]
-        with pytest.raises(AdminError, match="weight_sync: update") as info:
-            await client.admin.weight_sync(path=str(tmp_path / "missing"), version="broken", mode="wait")
-        assert [o.ok for o in info.value.phases["resume"]] == [True, True]  # resumed in finally, on both
-        assert [s.paused for s in await client.admin.state()] == [False, False]
-        assert client.weight_version is None
-        new = write_perturbed_weights(target.weights, tmp_path / "v9", seed=9, scale=0.2)
-        try:
-            report = await client.admin.weight_sync(path=str(new), version="v9", mode="wait")
-            assert report.ok and [s.weight_version for s in await client.admin.state()] == ["v9", "v9"]
-            after = [await client.generate(prompt_ids=ids, sampling=greedy, server=i) for i in (0, 1)]
-            assert after[0].completion_ids == after[1].completion_ids  # both servers run the same new weights
-            assert not all(
-                a.completion_ids == b.completion_ids and a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
-                for a, b in zip(after, before, strict=True)
-            ), "the update did not change the outputs"
-            assert all(r.weight_version in ("v9", None) for r in after)
-        finally:
-            await client.admin.weight_sync(path=str(target.weights), version="base", mode="wait")
-        restored = [await client.generate(prompt_ids=ids, sampling=greedy, server=i) for i in (0, 1)]
-        assert [r.completion_ids for r in restored] == [r.completion_ids for r in before]
-
-
 def cached(result: GenerateResult) -> int:
     """The prefix-cache hits a server reported for ``result`` (it must report them)."""
     assert result.usage is not None and result.usage.cached_tokens is not None, "no cached-token count"
     return result.usage.cached_tokens
 
 
-async def salt_isolates_the_prefix_cache_across_a_sync(target: FleetTarget) -> None:
-    """After a weight sync a client salts its requests with the new version: they never hit prefix-cache
-    entries made without it (by another client still on the old version), and they share their own."""
-    if not target.cached_tokens:
-        raise AssertionError(f"{target.backend}: the servers do not report cached tokens")
-    ids = list(range(40, 360))  # 320 prompt tokens: two or more cache blocks on every engine here (vLLM CPU: 128)
-    sampling = SamplingParams(max_tokens=1)
-    config = target.config([target.urls[0]])
-    async with Client(config) as synced, Client(config) as stale:
-        await synced.admin.weight_sync(path=str(target.weights), version="salted", mode="wait")
-        try:
-            assert synced.weight_version == "salted" and stale.weight_version is None
-            await stale.generate(prompt_ids=ids, sampling=sampling)
-            warm = await stale.generate(prompt_ids=ids, sampling=sampling)
-            assert cached(warm), "the second identical request was not a prefix-cache hit"
-            first = await synced.generate(prompt_ids=ids, sampling=sampling)
-            assert cached(first) == 0, "a request of the new version hit a cache entry of the old one"
-            again = await synced.generate(prompt_ids=ids, sampling=sampling)
-            assert cached(again), "requests of the new version do not share their cache entries"
-        finally:
-            await synced.admin.weight_sync(path=str(target.weights), version="base", mode="wait")
+class FleetChecks:
+    """The fleet tests every live backend runs: subclass it as ``Test<Backend>Fleet`` with a ``target`` fixture
+    returning a :class:`FleetTarget` over two live servers."""
 
+    async def test_balancing_stickiness_and_failover(self, target: FleetTarget) -> None:
+        """Concurrent requests spread over both live servers; the dead address is tried, taken out and failed over
+        (nothing lost); a session key and a conversation each stay on one server; in-flight counts return to 0."""
+        live = list(target.urls)
+        async with Client(target.config([*live, dead_url()])) as client:
+            sampling = SamplingParams(max_tokens=8, ignore_eos=True, seed=1)
+            results = await asyncio.gather(
+                *(client.generate(prompt_ids=[1, 2, 3, i], sampling=sampling) for i in range(24))
+            )
+            per_server = Counter(r.server for r in results)
+            assert set(per_server) == set(live), per_server  # all 24 answered, by the live servers only
+            assert min(per_server.values()) >= 6, f"least-in-flight balancing left a server idle: {per_server}"
+            dead = client.balancer.load[2]
+            assert dead.failures >= 1 and dead.completed == 0
 
-async def partial_failure_reports_every_server(target: FleetTarget) -> None:
-    """With one server unreachable, a weight sync fails at the pause, says so per server, and resumes the
-    server it did pause; nothing is reported as done."""
-    missing = dead_url()
-    async with Client(target.config([target.urls[0], missing])) as client:
-        with pytest.raises(AdminError, match="weight_sync: pause") as info:
-            await client.admin.weight_sync(path=str(target.weights), version="never", mode="wait")
-        pause = info.value.phases["pause"]
-        assert pause[0].ok and isinstance(pause[1].error, NetworkError)
-        assert [o.ok for o in info.value.phases["resume"]] == [True]  # only the paused one, resumed
-        (outcome,) = await client.admin.run("state", servers=[client.servers[0]])
-        state = outcome.value
-        assert state is not None and state.paused is False and state.weight_version != "never"
-        assert client.weight_version is None
+            sticky = [
+                await client.generate(prompt_ids=[4, 5, 6], sampling=SamplingParams(max_tokens=2), session="s-1")
+                for _ in range(4)
+            ]
+            assert len({r.server for r in sticky}) == 1, "a session key moved between servers"
 
+            conv = client.conversation()
+            short = SamplingParams(max_tokens=4)
+            turns = [await conv.send([{"role": "user", "content": text}], sampling=short) for text in ("hi", "more")]
+            assert len({t.server for t in turns}) == 1, "a conversation moved between servers"
+            assert [load.in_flight for load in client.balancer.load] == [0, 0, 0]
 
-async def deadlines_fail_per_server(target: FleetTarget) -> None:
-    """A deadline too short for any server fails every server with a timeout and reports all of them."""
-    config = target.config(list(target.urls), admin=AdminPolicy(deadlines={"state": 1e-4}, retries=0))
-    async with Client(config) as client:
-        with pytest.raises(AdminError) as info:
-            await client.admin.state()
-    assert len(info.value.results) == 2
-    assert all(isinstance(o.error, RequestTimeout) for o in info.value.results)
+    async def test_weight_sync_resumes_on_failure_then_syncs(self, target: FleetTarget, tmp_path: Path) -> None:
+        """A failing update resumes every paused server and sets no version; a real update reaches both servers,
+        changes their outputs identically, is visible in ``state()`` and salts new requests; the base weights come
+        back the same way."""
+        ids = [7, 8, 9, 10, 11, 12]
+        greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        async with Client(target.config(list(target.urls))) as client:
+            before = [await client.generate(prompt_ids=ids, sampling=greedy, server=i) for i in (0, 1)]
+            with pytest.raises(AdminError, match="weight_sync: update") as info:
+                await client.admin.weight_sync(path=str(tmp_path / "missing"), version="broken", mode="wait")
+            assert [o.ok for o in info.value.phases["resume"]] == [True, True]  # resumed in finally, on both
+            assert [s.paused for s in await client.admin.state()] == [False, False]
+            assert client.weight_version is None
+            new = write_perturbed_weights(target.weights, tmp_path / "v9", seed=9, scale=0.2)
+            try:
+                report = await client.admin.weight_sync(path=str(new), version="v9", mode="wait")
+                assert report.ok and [s.weight_version for s in await client.admin.state()] == ["v9", "v9"]
+                after = [await client.generate(prompt_ids=ids, sampling=greedy, server=i) for i in (0, 1)]
+                assert after[0].completion_ids == after[1].completion_ids  # both servers run the same new weights
+                assert not all(
+                    a.completion_ids == b.completion_ids and a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+                    for a, b in zip(after, before, strict=True)
+                ), "the update did not change the outputs"
+                assert all(r.weight_version in ("v9", None) for r in after)
+            finally:
+                await client.admin.weight_sync(path=str(target.weights), version="base", mode="wait")
+            restored = [await client.generate(prompt_ids=ids, sampling=greedy, server=i) for i in (0, 1)]
+            assert [r.completion_ids for r in restored] == [r.completion_ids for r in before]
+
+    async def test_salt_isolates_the_prefix_cache_across_a_sync(self, target: FleetTarget) -> None:
+        """After a weight sync a client salts its requests with the new version: they never hit prefix-cache
+        entries made without it (by another client still on the old version), and they share their own."""
+        if not target.cached_tokens:
+            raise AssertionError(f"{target.backend}: the servers do not report cached tokens")
+        ids = list(range(40, 360))  # 320 prompt tokens: two or more cache blocks on every engine here (vLLM CPU: 128)
+        sampling = SamplingParams(max_tokens=1)
+        config = target.config([target.urls[0]])
+        async with Client(config) as synced, Client(config) as stale:
+            await synced.admin.weight_sync(path=str(target.weights), version="salted", mode="wait")
+            try:
+                assert synced.weight_version == "salted" and stale.weight_version is None
+                await stale.generate(prompt_ids=ids, sampling=sampling)
+                warm = await stale.generate(prompt_ids=ids, sampling=sampling)
+                assert cached(warm), "the second identical request was not a prefix-cache hit"
+                first = await synced.generate(prompt_ids=ids, sampling=sampling)
+                assert cached(first) == 0, "a request of the new version hit a cache entry of the old one"
+                again = await synced.generate(prompt_ids=ids, sampling=sampling)
+                assert cached(again), "requests of the new version do not share their cache entries"
+            finally:
+                await synced.admin.weight_sync(path=str(target.weights), version="base", mode="wait")
+
+    async def test_partial_failure_reports_every_server(self, target: FleetTarget) -> None:
+        """With one server unreachable, a weight sync fails at the pause, says so per server, and resumes the
+        server it did pause; nothing is reported as done."""
+        missing = dead_url()
+        async with Client(target.config([target.urls[0], missing])) as client:
+            with pytest.raises(AdminError, match="weight_sync: pause") as info:
+                await client.admin.weight_sync(path=str(target.weights), version="never", mode="wait")
+            pause = info.value.phases["pause"]
+            assert pause[0].ok and isinstance(pause[1].error, NetworkError)
+            assert [o.ok for o in info.value.phases["resume"]] == [True]  # only the paused one, resumed
+            (outcome,) = await client.admin.run("state", servers=[client.servers[0]])
+            state = outcome.value
+            assert state is not None and state.paused is False and state.weight_version != "never"
+            assert client.weight_version is None
+
+    async def test_deadlines_fail_per_server(self, target: FleetTarget) -> None:
+        """A deadline too short for any server fails every server with a timeout and reports all of them."""
+        config = target.config(list(target.urls), admin=AdminPolicy(deadlines={"state": 1e-4}, retries=0))
+        async with Client(config) as client:
+            with pytest.raises(AdminError) as info:
+                await client.admin.state()
+        assert len(info.value.results) == 2
+        assert all(isinstance(o.error, RequestTimeout) for o in info.value.results)

@@ -164,6 +164,21 @@ class Admin:
     async def init_weight_transfer(self, group: DistributedGroup) -> list[bool]:
         return await self._all("init_weight_transfer", group=group)
 
+    async def destroy_weight_transfer(self, group_name: str = "weight_sync") -> list[bool]:
+        """Every server leaves the transfer group ``group_name`` joined with :meth:`init_weight_transfer`.
+
+        Not idempotent, so never retried: a destroy that landed before a lost answer would be repeated on a
+        group that is gone (SGLang refuses that). It runs under ``AdminPolicy.deadlines["destroy_weight_transfer"]``
+        (else ``timeouts.admin``).
+
+        :param group_name: ``DistributedGroup.group_name`` of the group (its default).
+        :raises InvalidRequestError: ``group_name`` is not a non-empty string (nothing is sent).
+        :raises AdminError: a server refused (e.g. it has no such group) or failed; successes are listed too.
+        """
+        if not isinstance(group_name, str) or not group_name:
+            raise InvalidRequestError(f"group_name must be a non-empty string, got {group_name!r}")
+        return await self._all("destroy_weight_transfer", group_name=group_name)
+
     async def update_weights_distributed(
         self, group_name: str, tensors: Sequence[TensorSpec], *, version: str | None = None
     ) -> list[bool]:
