@@ -648,3 +648,27 @@ async def test_5xx_then_reset_is_retried_once_on_a_fresh_connection() -> None:
             with pytest.raises(NetworkError, match="ReadError") as info:
                 await srv.request("POST", "/g", json_body={})
             assert info.value.maybe_processed
+
+
+def test_runs_on_uvloop_too() -> None:
+    """uvloop's transports are not ``asyncio.Transport`` subclasses; the protocol only uses their common API."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def echo(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=request.content)
+
+    async def main() -> None:
+        async with serve(echo) as url:
+            client, transport = lean(max_connections=20)
+            async with client:
+                for size in (0, 10, 3 << 20):
+                    body = os.urandom(size)
+                    assert (await client.post(url, content=body)).content == body
+                bodies = [os.urandom(i) for i in range(100)]
+                answers = await asyncio.gather(*(client.post(url, content=b) for b in bodies))
+                assert [a.content for a in answers] == bodies and transport.connections == 20
+                for conn in list(transport._conns):
+                    conn.idle_since -= PEEK_AFTER + 1  # every reuse goes through the zero-timeout check
+                assert (await client.post(url, content=b"x")).content == b"x"
+
+    uvloop.run(main())

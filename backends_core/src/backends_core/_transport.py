@@ -34,7 +34,7 @@ import collections
 import re
 import select
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import httpx
 
@@ -85,10 +85,9 @@ class _Conn(asyncio.Protocol):
     # -- asyncio.Protocol -----------------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio.Transport subclasses
         # pause as soon as anything is left unsent: "written" then means handed to the kernel, as in httpcore
-        transport.set_write_buffer_limits(high=0, low=0)
+        self.transport.set_write_buffer_limits(high=0, low=0)
 
     def data_received(self, data: bytes) -> None:
         self.chunks.append(data)
