@@ -75,6 +75,8 @@ def _token_id_of(node: Node) -> int:
 def _openai_logprobs(choice: Node, ids: tuple[int, ...], *, chat: bool) -> list[Node]:
     """The per-token logprob nodes of the OpenAI channel, checked to belong to ``ids`` one to one."""
     block = choice.get("logprobs", required=False)
+    if block.value is None and not ids:
+        return []  # a request aborted before its first token: nothing to align (seen live on the completions route)
     if block.value is None:
         raise block.fail(
             "no logprobs: the answer has neither nvext.engine_data.completion_logprobs nor OpenAI logprobs "

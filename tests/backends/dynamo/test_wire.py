@@ -477,3 +477,21 @@ def test_results_carry_worker_ids_and_timing_as_metadata() -> None:
     (result,) = wire.parse_generation(body, request, "http://frontend")
     assert result.metadata["worker_id"].decode_worker_id == 17251580120541680439
     assert result.metadata["timing"].total_time_ms == pytest.approx(10467.152843)
+
+
+def test_an_abort_before_the_first_token_needs_no_logprobs() -> None:
+    """Seen live on /v1/completions: aborted before its first token, the answer has no ids, no engine logprobs
+    and ``logprobs: null``; that is an empty aborted completion, while ids without logprobs stay an error."""
+    cap = vllm("completions_token_prompt_logprobs")
+    body = copy.deepcopy(cap["response"])
+    del body["nvext"]["engine_data"]
+    body["nvext"]["completion_token_ids"] = []
+    body["choices"][0]["logprobs"] = None
+    body["choices"][0]["finish_reason"] = "stop"
+    body["usage"]["completion_tokens"] = 0
+    (result,) = wire.parse_generation(body, request_for(cap), URL)
+    assert result.completion_ids == () and result.logprobs.shape == (0,) and result.finish_reason == "abort"
+    body["nvext"]["completion_token_ids"] = [5]
+    body["usage"]["completion_tokens"] = 1
+    with pytest.raises(ResponseParseError, match="no logprobs"):
+        wire.parse_generation(body, request_for(cap), URL)

@@ -83,6 +83,9 @@ COMMON_ENV: dict[str, str | None] = {
     "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
     "DYN_EVENT_PLANE_HOST": "127.0.0.1",
     "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "0",  # a stopped worker leaves discovery, then exits at once
+    # the frontend gives a worker 5 s to take a request over the TCP request plane, then answers 504 "Request
+    # deadline exceeded"; a worker busy on this loaded 2-core machine (seen right after a LoRA load) missed it once
+    "DYN_TCP_REQUEST_TIMEOUT": "60",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
