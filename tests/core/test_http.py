@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import httpx
 import pytest
 
@@ -82,7 +84,7 @@ async def test_transport_errors_map_to_the_most_specific_class_without_retry(exc
 
 
 async def test_connect_errors_and_retry_statuses_are_retried_within_the_bound() -> None:
-    answers = iter([httpx.ConnectError("refused"), httpx.Response(503, json={}), httpx.Response(200, json=[1])])
+    answers = iter([httpx.ConnectError("refused"), httpx.Response(502, json={}), httpx.Response(200, json=[1])])
 
     def handler(request: httpx.Request) -> httpx.Response:
         answer = next(answers)
@@ -91,6 +93,52 @@ async def test_connect_errors_and_retry_statuses_are_retried_within_the_bound() 
         return answer
 
     assert await make_server(handler).request("GET", "/x") == [1]
+
+
+def counting(status: int) -> tuple[list[str], Callable[[httpx.Request], httpx.Response]]:
+    """A handler answering ``status`` to every request, and the list of requests it saw."""
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        return httpx.Response(status, json={"detail": "from the gateway"})
+
+    return seen, handler
+
+
+@pytest.mark.parametrize("status", [502, 504, 500])
+async def test_a_generation_answered_by_a_gateway_error_is_sent_once(status: int) -> None:
+    """A 502/504 may come after the engine ran the request: re-sending it would sample twice."""
+    seen, handler = counting(status)
+    with pytest.raises(ServerStatusError) as info:
+        await make_server(handler).request("POST", "/generate", json_body={})
+    assert info.value.status_code == status
+    assert seen == ["/generate"]
+
+
+@pytest.mark.parametrize("status", [503, 429])
+async def test_a_generation_the_server_refused_is_retried(status: int) -> None:
+    seen, handler = counting(status)
+    with pytest.raises(ServerStatusError):
+        await make_server(handler).request("POST", "/generate", json_body={})
+    assert seen == ["/generate"] * 3
+
+
+@pytest.mark.parametrize("status", [502, 504])
+async def test_requests_safe_to_repeat_are_retried_on_gateway_errors(status: int) -> None:
+    seen, handler = counting(status)
+    with pytest.raises(ServerStatusError):
+        await make_server(handler).request("POST", "/score", json_body={}, idempotent=True)
+    with pytest.raises(ServerStatusError):
+        await make_server(handler).request("GET", "/v1/models")
+    assert seen == ["/score"] * 3 + ["/v1/models"] * 3
+
+
+async def test_resending_generation_on_gateway_errors_is_an_opt_in() -> None:
+    seen, handler = counting(504)
+    with pytest.raises(ServerStatusError):
+        await make_server(handler, retry=RetryPolicy(backoff=0, resend_generation=True)).request("POST", "/generate")
+    assert seen == ["/generate"] * 3
 
 
 async def test_retries_stop_at_the_attempt_limit() -> None:
@@ -122,9 +170,9 @@ async def test_after_a_5xx_a_reset_connection_is_retried_once_on_a_fresh_one() -
     answers = iter(
         [
             httpx.Response(500, json={"error": "boom"}),
-            httpx.ReadError("connection reset"),
+            httpx.RemoteProtocolError("Server disconnected without sending a response."),
             httpx.Response(200, json={"ok": 1}),
-            httpx.ReadError("connection reset"),
+            httpx.RemoteProtocolError("Server disconnected without sending a response."),
         ]
     )
 
@@ -140,6 +188,31 @@ async def test_after_a_5xx_a_reset_connection_is_retried_once_on_a_fresh_one() -
     assert await server.request("POST", "/resume", plane="admin", retry=False) == {"ok": 1}
     with pytest.raises(NetworkError):  # without a preceding 5xx a reset is a real failure
         await server.request("POST", "/resume", plane="admin", retry=False)
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        httpx.ReadError("connection reset"),  # the transport cannot say whether the answer had started
+        httpx.RemoteProtocolError("peer closed connection without sending complete message body"),
+    ],
+)
+async def test_after_a_5xx_a_request_whose_answer_had_started_is_never_resent(failure: Exception) -> None:
+    seen: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        if len(seen) == 1:
+            return httpx.Response(500, json={"error": "boom"})
+        raise failure
+
+    server = make_server(handler)
+    with pytest.raises(ServerStatusError):
+        await server.request("POST", "/generate", json_body={})
+    with pytest.raises(NetworkError) as info:
+        await server.request("POST", "/generate", json_body={})
+    assert info.value.maybe_processed
+    assert seen == ["/generate", "/generate"]
 
 
 async def test_per_request_headers_are_sent() -> None:

@@ -650,6 +650,32 @@ async def test_5xx_then_reset_is_retried_once_on_a_fresh_connection() -> None:
             assert info.value.maybe_processed
 
 
+@pytest.mark.parametrize("close", [reset, socket.socket.close], ids=["reset", "clean close"])
+async def test_after_a_5xx_an_answer_cut_off_midway_is_never_resent(close: Callable[[socket.socket], None]) -> None:
+    """The status line and part of the body arrived: the engine ran the request, so it is not sent again."""
+    generations: list[int] = []
+
+    def handle(s: socket.socket, f: BinaryIO, i: int) -> None:
+        if i == 0:
+            read_request(f)
+            s.sendall(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 4\r\n\r\nboom")
+        read_request(f)
+        generations.append(i)
+        s.sendall(b'HTTP/1.1 200 OK\r\ncontent-length: 400\r\n\r\n{"completion_ids": [1, 2')
+        close(s)
+
+    with raw_server(handle) as server:
+        client, _ = lean()
+        async with client:
+            srv = Server(base_url=server.url, admin_url=server.url, data_client=client, admin_client=client)
+            with pytest.raises(ServerStatusError):
+                await srv.request("POST", "/g", json_body={})
+            with pytest.raises(NetworkError) as info:
+                await srv.request("POST", "/g", json_body={})
+    assert info.value.maybe_processed
+    assert generations == [0]
+
+
 def test_runs_on_uvloop_too() -> None:
     """uvloop's transports are not ``asyncio.Transport`` subclasses; the protocol only uses their common API."""
     uvloop = pytest.importorskip("uvloop")

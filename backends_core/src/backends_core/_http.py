@@ -5,7 +5,8 @@ Backends never build an ``httpx`` client or map an ``httpx`` exception: they get
 chained: timeouts as :class:`RequestTimeout`, connection trouble as :class:`NetworkError`, non-2xx as
 :class:`ServerStatusError` carrying the server's own error body, a non-JSON 2xx body as
 :class:`ResponseParseError`. Retries follow the client's :class:`RetryPolicy` and only cover failures where
-the server certainly did not act (connect errors) or said "not now" (the policy's statuses).
+the server certainly did not act (connect errors), said "not now" (the policy's refused statuses), or, for a
+request that is safe to repeat (``idempotent``), answered one of the policy's retry statuses.
 
 JSON goes through orjson both ways (2-3x faster than the stdlib on these bodies); whatever orjson refuses (NaN
 literals, integers beyond 64 bits, non-UTF-8 encodings, non-string keys) takes the stdlib path, so what is
@@ -15,7 +16,8 @@ into it, so they are neither scanned by the JSON parser nor copied into a ``str`
 
 Some servers (uvicorn behind vLLM's admin routes) answer a 5xx and then reset that keep-alive connection, so the
 *next* request on the pooled connection dies with a connection error although the server never saw it. After a
-5xx the next request's connection-level failure is therefore retried once, immediately, on a fresh connection.
+5xx the next request's connection-level failure is therefore retried once, immediately, on a fresh connection,
+but only when no byte of an answer had arrived: once the answer started, the server certainly ran the request.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ class Server:
         plane: Plane = "data",
         expect: Literal["json", "text", "none"] = "json",
         retry: bool = True,
+        idempotent: bool | None = None,
         status_hint: StatusHint | None = None,
         headers: Mapping[str, str] | None = None,
         large_strings: Sequence[str] = (),
@@ -93,6 +96,9 @@ class Server:
         :param plane: ``"data"`` or ``"admin"`` (separate connection pool and timeout).
         :param expect: ``"json"`` decodes JSON, ``"text"`` returns text, ``"none"`` ignores the body.
         :param retry: allow the client's retry policy (turn off for non-idempotent admin calls).
+        :param idempotent: running the request twice is harmless (reads, scoring): retried on every status of
+            ``RetryPolicy.retry_statuses``; otherwise (generation) only on ``refused_statuses``. Default: true
+            for ``GET`` and ``HEAD``.
         :param status_hint: turns a failing status into advice appended to the error.
         :param headers: extra headers for this request (e.g. an admin key), on top of the client's.
         :param large_strings: object keys whose large string values come back as ``memoryview`` objects of the raw
@@ -105,6 +111,7 @@ class Server:
         url = self.url(path, plane=plane)
         client = self._admin if plane == "admin" else self._data
         attempts = self._retry.attempts if retry else 1
+        statuses = self._retry.statuses(idempotent=method in ("GET", "HEAD") if idempotent is None else idempotent)
         extra: dict[str, Any] = {}
         if plane == "admin":
             extra["timeout"] = httpx.Timeout(self._admin_timeout)
@@ -131,7 +138,8 @@ class Server:
                     continue
                 raise _map_transport(exc, method, url) from exc
             except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as exc:
-                if plane in self._reset_suspected:  # the server reset the connection after its last 5xx
+                # the server reset the connection after its last 5xx, before answering this request
+                if plane in self._reset_suspected and not answer_started(exc):
                     self._reset_suspected.discard(plane)
                     attempt -= 1
                     continue
@@ -148,12 +156,27 @@ class Server:
                 except ResponseParseError as exc:
                     exc.args = (_redact(str(exc), self.secrets),)
                     raise
-            if response.status_code in self._retry.retry_statuses and attempt < attempts:
+            if response.status_code in statuses and attempt < attempts:
                 await asyncio.sleep(self._retry.delay(attempt))
                 continue
             body = _redact(_error_body(response), self.secrets)
             hint = status_hint(response.status_code, body) if status_hint else None
             raise ServerStatusError(method=method, url=url, status_code=response.status_code, body=body, hint=hint)
+
+
+#: httpcore's words for a connection closed before any byte of the answer (its transport marks nothing else).
+_NO_ANSWER = "Server disconnected without sending a response."
+
+
+def answer_started(exc: httpx.TransportError) -> bool:
+    """Whether any byte of the answer may have arrived before ``exc``: false only when that is certain (the
+    request was not fully written, or the transport says the connection closed before any answer byte)."""
+    if isinstance(exc, httpx.WriteError | httpx.WriteTimeout | httpx.ConnectError | httpx.ConnectTimeout):
+        return False
+    marked = getattr(exc, "answer_started", None)
+    if marked is not None:
+        return bool(marked)
+    return not str(exc).startswith(_NO_ANSWER)
 
 
 async def _send_admin(

@@ -553,6 +553,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
 
     async def _response(self, conn: _Conn, request: httpx.Request, read: float | None) -> httpx.Response:
         scanned = 0
+        interim = False
         while True:  # skips interim 1xx answers
             data = conn.joined()
             end = data.find(b"\r\n\r\n", max(0, scanned - 3))
@@ -561,12 +562,15 @@ class LeanTransport(httpx.AsyncBaseTransport):
                     raise httpx.RemoteProtocolError("response head too large", request=request)
                 scanned = len(data)
                 if not await conn.fill(scanned + 1, read, request):
+                    started = bool(scanned) or interim
                     what = (
-                        "Server disconnected without sending a response."
-                        if not scanned
-                        else "peer closed connection in the middle of the response head"
+                        "peer closed connection in the middle of the response head"
+                        if started
+                        else "Server disconnected without sending a response."
                     )
-                    raise _eof_error(conn, what, request)
+                    error = _eof_error(conn, what, request)
+                    error.answer_started = started  # type: ignore[attr-defined]  # read by the retry rule in _http
+                    raise error
                 data = conn.joined()
                 end = data.find(b"\r\n\r\n", max(0, scanned - 3))
             status, reason, version, headers, length, chunked, close = _parse_head(data[:end], request)
@@ -576,6 +580,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
                     raise httpx.RemoteProtocolError("unexpected 101 Switching Protocols", request=request)
                 conn.consume(data, start)
                 scanned = 0
+                interim = True
                 continue
             break
         keep = not close and b"close" not in request.headers.get("connection", "").encode().lower()

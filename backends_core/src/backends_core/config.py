@@ -100,19 +100,34 @@ class Limits:
 
 @attrs.frozen(kw_only=True)
 class RetryPolicy:
-    """Bounded retries for failures where the server certainly did not act on the request
-    (connection refused, connect timeout) and for the listed statuses.
+    """Bounded retries, only where a retry cannot make an engine run a request twice.
+
+    A request that never reached the server (connection refused, connect timeout) is always retried. An answered
+    status is retried depending on what the request does:
+
+    * requests safe to repeat (reads, teacher scoring, idempotent admin calls) on every ``retry_statuses``;
+    * generation (and any other request that must not run twice) only on ``refused_statuses``, answers that
+      say the request was not taken. A 502 or 504 comes from a gateway whose upstream may already have run the
+      request: it is raised, unless ``resend_generation`` opts in to retrying it (duplicates possible).
 
     :param attempts: total attempts, at least 1 (1 disables retries).
     :param backoff: seconds before the first retry; doubles each time.
     :param max_backoff: cap on one wait.
-    :param retry_statuses: statuses worth retrying (the server said "not now").
+    :param retry_statuses: statuses retried for requests that are safe to repeat.
+    :param refused_statuses: statuses that mean "not taken, try again": retried for every request.
+    :param resend_generation: also retry generation on ``retry_statuses`` (it may then run twice on an engine).
     """
 
     attempts: int = attrs.field(default=3, validator=_at_least(1))
     backoff: float = attrs.field(default=0.2, validator=_at_least(0))
     max_backoff: float = attrs.field(default=5.0, validator=_at_least(0))
-    retry_statuses: tuple[int, ...] = (502, 503, 504)
+    retry_statuses: tuple[int, ...] = attrs.field(default=(429, 502, 503, 504), converter=tuple)
+    refused_statuses: tuple[int, ...] = attrs.field(default=(429, 503), converter=tuple)
+    resend_generation: bool = False
+
+    def statuses(self, *, idempotent: bool) -> tuple[int, ...]:
+        """The answered statuses a request is retried on."""
+        return self.retry_statuses if idempotent or self.resend_generation else self.refused_statuses
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait before retry number ``attempt`` (1-based)."""

@@ -174,7 +174,9 @@ async def teacher_logprobs(
     rid = dynamo_request_id(request.request_id)
     flight = track.begin(rid, request.request_id)
     try:
-        raw = await server.request("POST", path, json_body=body, headers={REQUEST_ID_HEADER: rid}, status_hint=_hint)
+        raw = await server.request(
+            "POST", path, json_body=body, headers={REQUEST_ID_HEADER: rid}, idempotent=True, status_hint=_hint
+        )
     finally:
         _, version = track.end(flight)
     return wire.parse_teacher(raw, request, server.base_url, weight_version=version)
@@ -195,5 +197,5 @@ async def tokenize_messages(
             "Dynamo's chat route always renders the generation prompt: add_generation_prompt=False cannot be checked"
         )
     path, body = wire.tokenize_payload(messages, tools, chat_template_kwargs, served_name(config.model))
-    raw = await server.request("POST", path, json_body=body, status_hint=_hint)
+    raw = await server.request("POST", path, json_body=body, idempotent=True, status_hint=_hint)
     return wire.parse_prompt_ids(raw, server.base_url)

@@ -136,7 +136,7 @@ async def tokenize_messages(
     }
     if tools:
         body["tools"] = [dict(t) for t in tools]
-    raw = await server.request("POST", "/v1/tokenize", json_body=body)
+    raw = await server.request("POST", "/v1/tokenize", json_body=body, idempotent=True)
     return list(Body(raw, "$", server.base_url).get("tokens").token_ids())
 
 
@@ -144,7 +144,7 @@ async def tokenize_messages(
 async def teacher_logprobs(server: Server, request: TeacherRequest, options: SglangOptions) -> TeacherLogprobs:
     if options.check_prompt_length:
         await _check_length(server, len(request.token_ids), 0)
-    raw = await server.request("POST", "/generate", json_body=wire.teacher_payload(request))
+    raw = await server.request("POST", "/generate", json_body=wire.teacher_payload(request), idempotent=True)
     return wire.parse_teacher(raw, request, server.base_url)
 
 

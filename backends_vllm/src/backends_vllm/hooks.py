@@ -108,7 +108,7 @@ async def teacher_logprobs(
     server: Server, request: TeacherRequest, config: ClientConfig, options: VllmOptions
 ) -> TeacherLogprobs:
     path, body = wire.teacher_payload(request, config.model, transport=options.transport)
-    raw = await server.request("POST", path, json_body=body, status_hint=_route_hint(path))
+    raw = await server.request("POST", path, json_body=body, idempotent=True, status_hint=_route_hint(path))
     return wire.parse_prompt_logprobs(raw, request, server.base_url, transport=options.transport)
 
 
@@ -129,7 +129,9 @@ async def tokenize_messages(
     }
     if tools:
         body["tools"] = [dict(t) for t in tools]
-    raw = await server.request("POST", "/tokenize", json_body=body, status_hint=_route_hint("/tokenize"))
+    raw = await server.request(
+        "POST", "/tokenize", json_body=body, idempotent=True, status_hint=_route_hint("/tokenize")
+    )
     return wire.token_list(raw, server.base_url)
 
 

@@ -40,7 +40,7 @@ def parse_response(raw: Any, request: GenerateRequest, server_url: str) -> list[
 
 @hookimpl
 async def teacher_logprobs(server: Server, request: TeacherRequest, config: ClientConfig) -> TeacherLogprobs:
-    raw = await server.request("POST", "/score", json_body=wire.score_payload(request, config.model))
+    raw = await server.request("POST", "/score", json_body=wire.score_payload(request, config.model), idempotent=True)
     return wire.parse_score(raw, request, server.base_url)
 
 
@@ -56,6 +56,7 @@ async def tokenize_messages(
     raw = await server.request(
         "POST",
         "/tokenize",
+        idempotent=True,
         json_body={
             "model": config.model,
             "messages": [dict(m) for m in messages],
