@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 
 import httpx
@@ -13,9 +14,15 @@ from backends_core import (
     AdminPolicy,
     Client,
     ClientConfig,
+    DistributedGroup,
+    InvalidRequestError,
+    LoraAdapter,
     NetworkError,
     RequestTimeout,
     SamplingParams,
+    ServerStatusError,
+    TensorSpec,
+    WeightVersionMismatch,
 )
 from backends_core.balancer import Balancer
 from backends_core.reference.emulator import ReferenceEmulator
@@ -169,8 +176,6 @@ async def test_cache_salt_follows_the_weight_version_this_client_set(fleet, tiny
         await client.admin.update_weights(str(new), version="step-9")
         await client.generate(prompt_ids=[1, 2])
         await client.generate(prompt_ids=[1, 2], cache_salt="mine")
-    import json
-
     salts = [json.loads(r.content)["cache_salt"] for r in seen if r.url.path == "/generate"]
     assert salts == [None, "weights:step-9", "mine"]
 
@@ -238,3 +243,156 @@ async def test_fleet_state_reports_an_unreachable_server(fleet, tiny_models) -> 
     assert [r.reachable for r in reports] == [True, False, True]
     assert isinstance(reports[1].error, NetworkError)
     assert reports[0].ready is True and reports[0].state is not None
+
+
+async def test_a_generation_a_gateway_answered_502_or_504_reaches_the_engine_once(fleet, tiny_models) -> None:
+    """The gateway's upstream may have run it: sampling it again would put two samples where one was asked."""
+    calls: list[str] = []
+
+    async def gateway(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        await fleet["s0"].handle(request)  # the engine behind the gateway runs it
+        return httpx.Response(504, json={"error": "upstream timed out"})
+
+    handlers = dict.fromkeys(HOSTS, gateway)
+    async with Client(config(tiny_models), transport=routed(handlers)) as client:
+        with pytest.raises(ServerStatusError) as info:
+            await client.generate(prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=2))
+    assert info.value.status_code == 504 and info.value.maybe_processed
+    assert calls == ["/generate"]
+
+
+# -- bad admin arguments never leave the client -----------------------------------------------------------
+
+BLANK = ["", "   ", "\t\n"]
+
+
+@pytest.mark.parametrize("blank", BLANK)
+async def test_blank_admin_arguments_are_refused_before_anything_is_sent(fleet, tiny_models, blank) -> None:
+    seen: list[httpx.Request] = []
+    async with Client(config(tiny_models), transport=routed({h: e.handle for h, e in fleet.items()}, seen)) as client:
+        calls: list[Callable[[], Awaitable[object]]] = [
+            lambda: client.admin.update_weights(blank),
+            lambda: client.admin.update_weights(str(tiny_models.dense), version=blank),
+            lambda: client.admin.weight_sync(path=blank, version="v1"),
+            lambda: client.admin.weight_sync(path=str(tiny_models.dense), version=blank),
+            lambda: client.admin.weight_sync(
+                group_name=blank, tensors=[TensorSpec(name="w", dtype="f", shape=[1])], version="v1"
+            ),
+            lambda: client.admin.update_weights_distributed(blank, [TensorSpec(name="w", dtype="f", shape=[1])]),
+            lambda: client.admin.update_weights_distributed("g", []),
+            lambda: client.admin.unload_lora(blank),
+            lambda: client.admin.destroy_weight_transfer(blank),
+            lambda: client.admin.abort([blank]),
+        ]
+        for call in calls:
+            with pytest.raises(InvalidRequestError):
+                await call()
+        for make in (
+            lambda: LoraAdapter(name=blank, path=str(tiny_models.lora)),
+            lambda: LoraAdapter(name="a", path=blank),
+            lambda: DistributedGroup(master_address="h", master_port=1, world_size=2, rank_offset=1, group_name=blank),
+            lambda: TensorSpec(name=blank, dtype="f", shape=[1]),
+        ):
+            with pytest.raises(InvalidRequestError):
+                make()
+    assert seen == []
+    assert client.weight_version is None
+
+
+# -- every AdminError names the servers concerned ---------------------------------------------------------
+
+
+async def test_a_pause_that_fails_somewhere_names_the_servers_it_left_paused(fleet, tiny_models) -> None:
+    async def refuses_pause(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/pause":
+            return httpx.Response(400, json={"error": "cannot pause now"})
+        return await fleet["s1"].handle(request)
+
+    handlers = {h: e.handle for h, e in fleet.items()} | {"s1": refuses_pause}
+    async with Client(config(tiny_models), transport=routed(handlers)) as client:
+        try:
+            with pytest.raises(AdminError) as info:
+                await client.admin.pause("wait")
+            states = await client.admin.state()
+        finally:
+            await client.admin.run("resume")
+    err = info.value
+    assert [s.paused for s in states] == [True, False, True]
+    assert err.failed == ["http://s1"] and err.succeeded == ["http://s0", "http://s2"]
+    assert "left paused: http://s0, http://s2" in str(err)
+
+
+def test_the_cli_names_the_servers_a_failed_pause_left_paused(capsys) -> None:
+    from backends_core.cli import EXIT_FAILED, main
+    from backends_core.fleet import ServerOutcome
+
+    error = AdminError(
+        "admin_pause",
+        [
+            ServerOutcome(server="http://a", value=True),
+            ServerOutcome(server="http://b", error=NetworkError("refused", method="POST", url="http://b/pause")),
+        ],
+        state="left paused: http://a (resume them with admin.resume())",
+    )
+
+    class Broken:
+        def __call__(self, args: object) -> int:
+            raise error
+
+    import argparse
+    from unittest import mock
+
+    with mock.patch("backends_core.cli.build_parser") as parser:
+        parser.return_value.parse_args.return_value = argparse.Namespace(func=Broken())
+        assert main(["pause"]) == EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "left paused: http://a" in err
+    assert "http://a: ok" in err and "http://b: FAILED: NetworkError" in err
+
+
+async def test_a_weight_sync_whose_version_is_not_visible_names_the_server_and_keeps_its_phases(
+    fleet, tiny_models, tmp_path
+) -> None:
+    from backends_core.testing.tinymodel import write_perturbed_weights
+
+    new = write_perturbed_weights(tiny_models.dense, tmp_path / "w4", seed=6, scale=0.1)
+
+    async def stale_state(request: httpx.Request) -> httpx.Response:
+        response = await fleet["s2"].handle(request)
+        if request.url.path == "/state":
+            body = json.loads(response.content) | {"weight_version": "old"}
+            return httpx.Response(200, json=body)
+        return response
+
+    handlers = {h: e.handle for h, e in fleet.items()} | {"s2": stale_state}
+    async with Client(config(tiny_models), transport=routed(handlers)) as client:
+        with pytest.raises(AdminError) as info:
+            await client.admin.weight_sync(path=str(new), version="v4")
+    err = info.value
+    assert err.failed == ["http://s2"]
+    assert "http://s2" in str(err) and "'old'" in str(err) and "failed on 1 of 3" in str(err)
+    assert isinstance(err.results[2].error, WeightVersionMismatch)
+    assert list(err.phases) == ["pause", "update", "flush", "resume", "verify"]
+    assert all(o.ok for o in err.phases["resume"])
+
+
+async def test_a_weight_sync_whose_update_fails_somewhere_states_the_mixed_fleet(fleet, tiny_models, tmp_path) -> None:
+    from backends_core.testing.tinymodel import write_perturbed_weights
+
+    new = write_perturbed_weights(tiny_models.dense, tmp_path / "w5", seed=7, scale=0.1)
+
+    async def broken_update(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/update_weights":
+            return httpx.Response(500, json={"error": "disk on fire"})
+        return await fleet["s1"].handle(request)
+
+    handlers = {h: e.handle for h, e in fleet.items()} | {"s1": broken_update}
+    async with Client(config(tiny_models), transport=routed(handlers)) as client:
+        with pytest.raises(AdminError) as info:
+            await client.admin.weight_sync(path=str(new), version="v5")
+    err = info.value
+    assert err.failed == ["http://s1"] and err.succeeded == ["http://s0", "http://s2"]
+    assert "mixed weights: http://s0, http://s2 switched to" in str(err) and "no version was recorded" in str(err)
+    assert list(err.phases) == ["pause", "update", "resume"]
+    assert client.weight_version is None

@@ -30,6 +30,7 @@ from backends_core.errors import (
     ServerStatusError,
     TransportError,
     UnsupportedOperationError,
+    WeightVersionMismatch,
 )
 from backends_core.events import Event
 from backends_core.fleet import ServerOutcome, ServerReport, SyncReport
@@ -103,6 +104,7 @@ __all__ = [
     "TransportError",
     "UnsupportedOperationError",
     "Usage",
+    "WeightVersionMismatch",
     "WeightVersionSpan",
     "align_routed_experts",
     "available_backends",

@@ -24,7 +24,7 @@ import numpy as np
 from backends_core.client import Client
 from backends_core.config import ClientConfig
 from backends_core.driver import CAPABILITY_HOOKS
-from backends_core.errors import BackendError, ConfigError, InvalidRequestError
+from backends_core.errors import AdminError, BackendError, ConfigError, InvalidRequestError
 from backends_core.plugins import available_backends, implemented_hooks, make_plugin_manager
 from backends_core.types import GenerateResult, LoraAdapter, SamplingParams
 
@@ -460,6 +460,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, InvalidRequestError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except AdminError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        for outcome in exc.results:
+            verdict = "ok" if outcome.ok else f"FAILED: {type(outcome.error).__name__}: {outcome.error}"
+            print(f"  {outcome.server}: {verdict}", file=sys.stderr)
+        if exc.state:
+            print(f"  state: {exc.state}", file=sys.stderr)
+        return EXIT_FAILED
     except BackendError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -22,8 +22,9 @@
     │   ├── ServerStatusError                     non-2xx answer; ``.status_code``, ``.body`` (server's words)
     │   └── ServerRefusedError                    2xx answer that reports failure (``{"success": false}``); ``.body``
     ├── ResponseParseError (ValueError)           a 2xx body does not match the wire shape; ``.url``, ``.detail``
-    └── AdminError                                an admin operation failed on one or more servers;
-                                                  ``.results`` holds every server's outcome
+    ├── AdminError                                an admin operation failed on one or more servers;
+    │                                             ``.results`` every server's outcome, ``.phases``, ``.state``
+    └── WeightVersionMismatch                     a server reports another weight version than the one set
 
 Backends raise :class:`RenderError`, :class:`ResponseParseError`, :class:`InvalidRequestError`,
 :class:`ServerRefusedError` and :class:`ConfigError` themselves; HTTP failures are mapped to
@@ -34,7 +35,7 @@ them.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ __all__ = [
     "ServerStatusError",
     "TransportError",
     "UnsupportedOperationError",
+    "WeightVersionMismatch",
 ]
 
 #: The umbrella distribution's extras, used for the install hint of an unknown backend.
@@ -235,16 +237,59 @@ class ResponseParseError(BackendError, ValueError):
 class AdminError(BackendError):
     """An admin operation failed on at least one server.
 
+    The message names every server concerned: those that failed (with their error), those where the operation
+    took effect, and, when the operation left the fleet in a state the caller must act on (servers left
+    paused, mixed weights), that state.
+
     :ivar operation: the admin operation's name.
     :ivar results: every server's :class:`~backends_core.fleet.ServerOutcome`, successes included.
     :ivar phases: for a multi-step operation (``weight_sync``), every phase's outcomes, including the
         resume that ran after the failure.
+    :ivar state: what the failure left behind and what to do about it, or ``None``.
     """
 
-    def __init__(self, operation: str, results: Sequence[ServerOutcome[Any]]) -> None:
+    def __init__(
+        self,
+        operation: str,
+        results: Sequence[ServerOutcome[Any]],
+        *,
+        phases: Mapping[str, Sequence[ServerOutcome[Any]]] | None = None,
+        state: str | None = None,
+    ) -> None:
         self.operation = operation
         self.results = list(results)
-        self.phases: dict[str, list[ServerOutcome[Any]]] = {}
+        self.phases: dict[str, list[ServerOutcome[Any]]] = {k: list(v) for k, v in (phases or {}).items()}
+        self.state = state
         failed = [r for r in self.results if r.error is not None]
-        lines = [f"{r.server}: {type(r.error).__name__}: {r.error}" for r in failed]
-        super().__init__(f"{operation} failed on {len(failed)} of {len(self.results)} server(s): " + " | ".join(lines))
+        succeeded = [r.server for r in self.results if r.error is None]
+        message = f"{operation} failed on {len(failed)} of {len(self.results)} server(s): " + " | ".join(
+            f"{r.server}: {type(r.error).__name__}: {r.error}" for r in failed
+        )
+        if succeeded:
+            message += f"; succeeded on {', '.join(succeeded)}"
+        if state:
+            message += f"; {state}"
+        super().__init__(message)
+
+    @property
+    def failed(self) -> list[str]:
+        """Servers where the operation failed."""
+        return [r.server for r in self.results if r.error is not None]
+
+    @property
+    def succeeded(self) -> list[str]:
+        """Servers where the operation took effect."""
+        return [r.server for r in self.results if r.error is None]
+
+
+class WeightVersionMismatch(BackendError):
+    """A server reports another weight version than the one just set.
+
+    :ivar expected: the version that was set.
+    :ivar reported: the version the server reports.
+    """
+
+    def __init__(self, server: str, *, expected: str, reported: str | None) -> None:
+        self.expected = expected
+        self.reported = reported
+        super().__init__(f"{server} reports weight version {reported!r}, expected {expected!r}")

@@ -19,8 +19,15 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import attrs
 
 from backends_core.config import AdminPolicy
-from backends_core.errors import AdminError, InvalidRequestError, RequestError, RequestTimeout, ServerStatusError
-from backends_core.types import PAUSE_MODES, DistributedGroup, LoraAdapter, PauseMode, ServerState, TensorSpec
+from backends_core.errors import (
+    AdminError,
+    InvalidRequestError,
+    RequestError,
+    RequestTimeout,
+    ServerStatusError,
+    WeightVersionMismatch,
+)
+from backends_core.types import PAUSE_MODES, DistributedGroup, LoraAdapter, PauseMode, ServerState, TensorSpec, text
 
 if TYPE_CHECKING:
     from backends_core._http import Server
@@ -134,10 +141,13 @@ class Admin:
         targets = self._servers if servers is None else list(servers)
         return list(await asyncio.gather(*(self._one(operation, s, kwargs) for s in targets)))
 
-    async def _all(self, operation: str, **kwargs: Any) -> list[Any]:
+    async def _all(self, operation: str, *, left: Callable[[list[str]], str] | None = None, **kwargs: Any) -> list[Any]:
+        """Run ``operation`` everywhere; on any failure raise :class:`AdminError`, whose message ends with
+        ``left(servers where it took effect)`` when those servers now need the caller's attention."""
         outcomes = await self.run(operation, **kwargs)
         if any(o.error is not None for o in outcomes):
-            raise AdminError(f"admin_{operation}", outcomes)
+            done = [o.server for o in outcomes if o.ok]
+            raise AdminError(f"admin_{operation}", outcomes, state=left(done) if left and done else None)
         return [o.value for o in outcomes]
 
     async def health(self) -> list[bool]:
@@ -147,22 +157,37 @@ class Admin:
         return await self._all("ready")
 
     async def pause(self, mode: PauseMode = "abort", *, clear_cache: bool = False) -> list[bool]:
+        """Pause every server; if any fails, the :class:`AdminError` names the servers left paused."""
         _check_mode(mode)
-        return await self._all("pause", mode=mode, clear_cache=clear_cache)
+        return await self._all("pause", mode=mode, clear_cache=clear_cache, left=_left_paused)
 
     async def resume(self) -> list[bool]:
-        return await self._all("resume")
+        return await self._all("resume", left=lambda done: f"resumed: {', '.join(done)}")
 
     async def flush_cache(self) -> list[bool]:
         return await self._all("flush_cache")
 
     async def update_weights(self, path: str, *, version: str | None = None) -> list[bool]:
-        values = await self._all("update_weights", path=path, version=version)
+        """Load the checkpoint at ``path`` on every server; ``version`` is recorded only if all succeed.
+
+        :raises InvalidRequestError: ``path`` or ``version`` is empty or blank (nothing is sent).
+        :raises AdminError: a server failed; the message names the servers now on the new weights.
+        """
+        text(path, "path")
+        if version is not None:
+            text(version, "version")
+        values = await self._all("update_weights", path=path, version=version, left=_mixed_weights(path))
         self._remember(version)
         return values
 
     async def init_weight_transfer(self, group: DistributedGroup) -> list[bool]:
-        return await self._all("init_weight_transfer", group=group)
+        if not isinstance(group, DistributedGroup):
+            raise InvalidRequestError(f"group must be a DistributedGroup, got {type(group).__name__}")
+        return await self._all(
+            "init_weight_transfer",
+            group=group,
+            left=lambda done: f"joined {group.group_name!r} on {', '.join(done)}: leave with destroy_weight_transfer",
+        )
 
     async def destroy_weight_transfer(self, group_name: str = "weight_sync") -> list[bool]:
         """Every server leaves the transfer group ``group_name`` joined with :meth:`init_weight_transfer`.
@@ -175,24 +200,55 @@ class Admin:
         :raises InvalidRequestError: ``group_name`` is not a non-empty string (nothing is sent).
         :raises AdminError: a server refused (e.g. it has no such group) or failed; successes are listed too.
         """
-        if not isinstance(group_name, str) or not group_name:
-            raise InvalidRequestError(f"group_name must be a non-empty string, got {group_name!r}")
+        text(group_name, "group_name")
         return await self._all("destroy_weight_transfer", group_name=group_name)
 
     async def update_weights_distributed(
         self, group_name: str, tensors: Sequence[TensorSpec], *, version: str | None = None
     ) -> list[bool]:
+        """Receive ``tensors`` broadcast by the trainer over ``group_name`` on every server.
+
+        :raises InvalidRequestError: ``group_name`` or ``version`` is blank, or ``tensors`` is empty or holds
+            something other than :class:`TensorSpec` (nothing is sent).
+        :raises AdminError: a server failed; the message names the servers now on the new weights.
+        """
+        text(group_name, "group_name")
+        if version is not None:
+            text(version, "version")
+        tensors = _tensor_list(tensors)
         values = await self._all(
-            "update_weights_distributed", group_name=group_name, tensors=list(tensors), version=version
+            "update_weights_distributed",
+            group_name=group_name,
+            tensors=tensors,
+            version=version,
+            left=_mixed_weights(f"the tensors broadcast over {group_name!r}"),
         )
         self._remember(version)
         return values
 
     async def load_lora(self, adapter: LoraAdapter) -> list[bool]:
-        return await self._all("load_lora", adapter=adapter)
+        """Load (or, with ``adapter.replace``, hot-swap) ``adapter`` on every server.
+
+        :raises AdminError: a server failed; the message names the servers where the adapter is now loaded.
+        """
+        if not isinstance(adapter, LoraAdapter):
+            raise InvalidRequestError(f"adapter must be a LoraAdapter, got {type(adapter).__name__}")
+        return await self._all(
+            "load_lora",
+            adapter=adapter,
+            left=lambda done: (
+                f"adapter {adapter.name!r} from {adapter.path} is loaded on {', '.join(done)} only: "
+                "retry load_lora with replace=True, or unload_lora"
+            ),
+        )
 
     async def unload_lora(self, name: str) -> list[bool]:
-        return await self._all("unload_lora", name=name)
+        text(name, "adapter name")
+        return await self._all(
+            "unload_lora",
+            name=name,
+            left=lambda done: f"adapter {name!r} is unloaded on {', '.join(done)} only: retry unload_lora",
+        )
 
     async def state(self) -> list[ServerState]:
         return await self._all("state")
@@ -200,13 +256,17 @@ class Admin:
     async def sleep(self, level: int = 1) -> list[bool]:
         if level not in (1, 2):
             raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}")
-        return await self._all("sleep", level=level)
+        return await self._all("sleep", level=level, left=lambda done: f"left asleep: {', '.join(done)}")
 
     async def wake(self) -> list[bool]:
         return await self._all("wake")
 
     async def abort(self, request_ids: Sequence[str] | None = None) -> list[int]:
-        return await self._all("abort", request_ids=None if request_ids is None else list(request_ids))
+        if request_ids is not None:
+            if isinstance(request_ids, str):
+                raise InvalidRequestError("request_ids must be a list of request ids, not one string")
+            request_ids = [text(r, "request id") for r in request_ids]
+        return await self._all("abort", request_ids=request_ids)
 
     def _remember(self, version: str | None) -> None:
         if version is not None and self._on_version is not None:
@@ -264,46 +324,112 @@ class Admin:
         :raises AdminError: any phase failed on any server (the report of every phase is attached).
         """
         _check_mode(mode)
+        text(version, "version")
         if (path is None) == (group_name is None):
             raise InvalidRequestError("weight_sync needs exactly one of path= or group_name=")
+        if path is not None:
+            text(path, "path")
+            source = path
+        else:
+            text(group_name, "group_name")
+            tensors = _tensor_list(tensors)
+            source = f"the tensors broadcast over {group_name!r}"
         started = time.perf_counter()
         phases: dict[str, list[ServerOutcome[Any]]] = {}
         paused: list[Server] = []
-        failure: AdminError | None = None
+        failure: _Failure | None = None
         try:
             phases["pause"] = await self.run("pause", mode=mode, clear_cache=False)
             paused = [s for s, o in zip(self._servers, phases["pause"], strict=True) if o.ok]
             if len(paused) < len(self._servers):
-                raise AdminError("weight_sync: pause", phases["pause"])
-            if path is not None:
-                phases["update"] = await self.run("update_weights", path=path, version=version)
+                failure = ("pause", phases["pause"], "nothing was updated; the paused servers were resumed")
             else:
-                phases["update"] = await self.run(
-                    "update_weights_distributed", group_name=group_name, tensors=list(tensors), version=version
-                )
-            if not all(o.ok for o in phases["update"]):
-                raise AdminError("weight_sync: update", phases["update"])
-            self._remember(version)
-            if flush_cache and mode != "keep" and "admin_flush_cache" in self._driver.capabilities:
-                phases["flush"] = await self.run("flush_cache")
-                if not all(o.ok for o in phases["flush"]):
-                    raise AdminError("weight_sync: flush_cache", phases["flush"])
-        except AdminError as exc:
-            failure = exc
+                failure = await self._apply(phases, version, path, group_name, tensors, source, mode, flush_cache)
         finally:
             if paused:
                 phases["resume"] = await self.run("resume", servers=paused)
-        if failure is None and not all(o.ok for o in phases["resume"]):
-            failure = AdminError("weight_sync: resume", phases["resume"])
+        stuck = [o.server for o in phases.get("resume", ()) if not o.ok]
+        if stuck:
+            note = f"left paused: {', '.join(stuck)} (resume them with admin.resume())"
+            failure = ("resume", phases["resume"], note) if failure is None else (*failure[:2], f"{failure[2]}; {note}")
+        if failure is None and "admin_state" in self._driver.capabilities:
+            phases["verify"] = outcomes = [_check_version(o, version) for o in await self.run("state")]
+            if not all(o.ok for o in outcomes):
+                failure = ("verify", outcomes, f"the servers that failed the check may not serve {version!r}")
         if failure is not None:
-            failure.phases = phases
-            raise failure
-        if "admin_state" in self._driver.capabilities:
-            phases["verify"] = outcomes = await self.run("state")
-            wrong = [o for o in outcomes if o.value is not None and o.value.weight_version not in (version, None)]
-            if wrong or not all(o.ok for o in outcomes):
-                raise AdminError(f"weight_sync: version {version!r} not visible", outcomes)
+            phase, outcomes, state = failure
+            raise AdminError(f"weight_sync: {phase}", outcomes, phases=phases, state=state)
         return SyncReport(version=version, phases=phases, duration_s=time.perf_counter() - started)
+
+    async def _apply(
+        self,
+        phases: dict[str, list[ServerOutcome[Any]]],
+        version: str,
+        path: str | None,
+        group_name: str | None,
+        tensors: Sequence[TensorSpec],
+        source: str,
+        mode: PauseMode,
+        flush_cache: bool,
+    ) -> _Failure | None:
+        """The paused part of :meth:`weight_sync`: update, record the version, flush. Returns what failed."""
+        if path is not None:
+            phases["update"] = await self.run("update_weights", path=path, version=version)
+        else:
+            phases["update"] = await self.run(
+                "update_weights_distributed", group_name=group_name, tensors=list(tensors), version=version
+            )
+        done = [o.server for o in phases["update"] if o.ok]
+        if len(done) < len(phases["update"]):
+            return ("update", phases["update"], _mixed_weights(source)(done) if done else "nothing was updated")
+        self._remember(version)
+        if flush_cache and mode != "keep" and "admin_flush_cache" in self._driver.capabilities:
+            phases["flush"] = await self.run("flush_cache")
+            if not all(o.ok for o in phases["flush"]):
+                return (
+                    "flush_cache",
+                    phases["flush"],
+                    f"every server serves {version!r}; the failed servers may keep prefix-cache entries of the old "
+                    "weights (this client's requests are salted with the new version)",
+                )
+        return None
+
+
+#: A failed phase of a weight sync: its name, its outcomes, and the state it left.
+_Failure = tuple[str, list[ServerOutcome[Any]], str]
+
+
+def _check_version(outcome: ServerOutcome[Any], version: str) -> ServerOutcome[Any]:
+    """A state outcome whose reported version is neither ``version`` nor unknown becomes a failure."""
+    state = outcome.value
+    if outcome.ok and state is not None and state.weight_version not in (version, None):
+        error = WeightVersionMismatch(outcome.server, expected=version, reported=state.weight_version)
+        return attrs.evolve(outcome, error=error)
+    return outcome
+
+
+def _left_paused(done: list[str]) -> str:
+    return f"left paused: {', '.join(done)} (resume them with admin.resume())"
+
+
+def _mixed_weights(source: str) -> Callable[[list[str]], str]:
+    def state(done: list[str]) -> str:
+        return (
+            f"mixed weights: {', '.join(done)} switched to {source}, the others did not; no version was recorded; "
+            "retry the update (servers that have it reload it) or roll back to the previous checkpoint"
+        )
+
+    return state
+
+
+def _tensor_list(tensors: Sequence[TensorSpec]) -> list[TensorSpec]:
+    items = list(tensors)
+    if not items:
+        raise InvalidRequestError("tensors must list at least one TensorSpec")
+    for item in items:
+        if not isinstance(item, TensorSpec):
+            raise InvalidRequestError(f"tensors must hold TensorSpec objects, got {type(item).__name__}")
+    return items
 
 
 def _check_mode(mode: str) -> None:

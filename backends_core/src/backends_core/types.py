@@ -55,6 +55,17 @@ def _check(cond: bool, message: str) -> None:
         raise InvalidRequestError(message)
 
 
+def text(value: Any, what: str) -> str:
+    """``value`` if it is a string with something besides whitespace, else :class:`InvalidRequestError`."""
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidRequestError(f"{what} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _text(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
+    text(value, attr.name)
+
+
 def _int_tuple(value: Sequence[int] | None) -> tuple[int, ...]:
     return tuple(int(v) for v in value) if value is not None else ()
 
@@ -309,8 +320,8 @@ class LoraAdapter:
     :param replace: reload in place when ``name`` is already loaded (hot swap), instead of failing.
     """
 
-    name: str
-    path: str
+    name: str = attrs.field(validator=_text)
+    path: str = attrs.field(validator=_text)
     replace: bool = False
 
 
@@ -326,20 +337,20 @@ class DistributedGroup:
     :param backend: collective backend, e.g. ``"nccl"``.
     """
 
-    master_address: str
+    master_address: str = attrs.field(validator=_text)
     master_port: int
     world_size: int
     rank_offset: int
-    group_name: str = "weight_sync"
-    backend: str = "nccl"
+    group_name: str = attrs.field(default="weight_sync", validator=_text)
+    backend: str = attrs.field(default="nccl", validator=_text)
 
 
 @attrs.frozen(kw_only=True)
 class TensorSpec:
     """One tensor to receive through a distributed group: HF parameter name, dtype name, shape."""
 
-    name: str
-    dtype: str
+    name: str = attrs.field(validator=_text)
+    dtype: str = attrs.field(validator=_text)
     shape: tuple[int, ...] = attrs.field(converter=_int_tuple)
 
 
