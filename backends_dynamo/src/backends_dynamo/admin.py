@@ -5,20 +5,42 @@ kept client-side (:mod:`backends_dynamo.tracking`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
 
+import attrs
+
 from backends_core import Server, hookimpl
 from backends_core.config import ClientConfig
-from backends_core.errors import InvalidRequestError, ResponseParseError, ServerRefusedError, ServerStatusError
+from backends_core.errors import (
+    InvalidRequestError,
+    RequestTimeout,
+    ResponseParseError,
+    ServerRefusedError,
+    ServerStatusError,
+)
 from backends_core.errors import UnsupportedOperationError as Unsupported
+from backends_core.fleet import ServerOutcome
 from backends_core.types import DistributedGroup, LoraAdapter, PauseMode, ServerState, TensorSpec
 from backends_dynamo import admin_wire
 from backends_dynamo.options import DynamoOptions
-from backends_dynamo.tracking import REQUEST_ID_HEADER, tracker
-from backends_dynamo.workers import BACKEND, at, engine_call, frontend, gather_all, on_workers, worker_urls
+from backends_dynamo.tracking import REQUEST_ID_HEADER, Tracker, tracker
+from backends_dynamo.workers import (
+    BACKEND,
+    at,
+    each_worker,
+    engine_call,
+    frontend,
+    gather_all,
+    names,
+    on_workers,
+    raise_for,
+    refused,
+    worker_urls,
+)
 
 __all__ = [
     "admin_abort",
@@ -40,6 +62,10 @@ __all__ = [
 
 #: How long ``admin_wake`` waits for the frontend to route to the model again.
 WAKE_READY_TIMEOUT_S = 30.0
+#: How long ``load_lora`` / ``unload_lora`` wait for the frontend when the operation has no admin deadline.
+UNBOUNDED_WAIT_S = 120.0
+#: The longest a ``wait`` pause waits for this client's answers still travelling through the frontend.
+PAUSE_SETTLE_S = 5.0
 
 
 # -- health -----------------------------------------------------------------------------------------------
@@ -93,62 +119,236 @@ async def admin_ready(server: Server, config: ClientConfig) -> bool:
 # -- pause, cache, weights ----------------------------------------------------------------------------------
 
 
+def _budget(config: ClientConfig, operation: str) -> float:
+    """Seconds a wait inside ``admin_<operation>`` may take: the operation's admin deadline (the core enforces
+    it around the whole hook) less a margin, so that the hook's own error, which says what was not seen, comes
+    first; :data:`UNBOUNDED_WAIT_S` when the deadline is ``None``."""
+    deadline = config.admin.deadlines.get(operation, config.timeouts.admin)
+    if deadline is None:
+        return UNBOUNDED_WAIT_S
+    return max(0.0, deadline - min(5.0, 0.25 * deadline))
+
+
+def _plural(urls: Sequence[str], one: str, many: str) -> str:
+    return one if len(urls) == 1 else many
+
+
+async def _resume_workers(server: Server, urls: Sequence[str], operation: str) -> list[str]:
+    """Resume ``urls``; the ones whose resume failed."""
+    outcomes = await each_worker(urls, lambda url: engine_call(server, url, "resume_generation", operation=operation))
+    return [o.server for o in outcomes if not o.ok]
+
+
+async def _settle(track: Tracker, flights: frozenset[str], budget: float) -> None:
+    """Wait until this client's requests that were in flight when a ``wait`` pause was sent have been answered.
+
+    The workers confirm such a pause once their engine finished those requests; the answers still travel
+    through the frontend, whose in-flight gauge (``state().in_flight``) counts them until then (seen on a
+    loaded machine). A request that reached a worker only after the pause is held there until resume: the wait
+    ends after :data:`PAUSE_SETTLE_S` at most, leaving it held.
+    """
+    with contextlib.suppress(TimeoutError):  # the ones still in flight are held by the pause
+        async with asyncio.timeout(max(0.0, min(PAUSE_SETTLE_S, budget))):
+            await track.answered(flights)
+
+
 @hookimpl
-async def admin_pause(server: Server, mode: PauseMode, clear_cache: bool, options: DynamoOptions) -> bool:
+async def admin_pause(
+    server: Server, mode: PauseMode, clear_cache: bool, config: ClientConfig, options: DynamoOptions
+) -> bool:
+    """Pause every worker. If some refuse, the ones that paused are resumed again, so a failed pause leaves
+    nothing paused (or says which worker stays paused); with mode ``wait`` the call returns once this client's
+    in-flight answers have arrived, not only once the engines finished them."""
+    started = time.monotonic()
     track = tracker(server)
+    flights = track.in_flight()
     if mode == "abort":
         track.abort_everything()  # before sending: aborted answers may arrive before the pause is confirmed
     body = {"mode": mode, "clear_cache": clear_cache and mode != "keep"}
-    await on_workers(server, options, "pause_generation", body, operation="admin_pause")
+    outcomes = await each_worker(
+        worker_urls(server, options),
+        lambda url: engine_call(server, url, "pause_generation", body, operation="admin_pause"),
+    )
+    paused = [o.server for o in outcomes if o.ok]
+    if len(paused) < len(outcomes):
+        # a worker whose answer was lost may have paused too: resume it as well (resuming is harmless)
+        maybe = [o.server for o in outcomes if o.ok or not refused(o.error)]
+        state = None
+        if maybe:
+            others = [o.server for o in outcomes if not o.ok]
+            stuck = await _resume_workers(server, maybe, "admin_pause")
+            state = f"{names(paused)} paused, {names(others)} did not; " if paused else ""
+            if mode == "abort" and paused:
+                state += f"requests in flight on {names(paused)} were aborted; "
+            if stuck:
+                state += f"{names(stuck)} {_plural(stuck, 'stays', 'stay')} paused (resuming it failed): call resume"
+                track.paused = None
+            else:
+                resumed = _plural(maybe, "was", "were")
+                state += f"{names(maybe)} {resumed} resumed again, so nothing behind {server.base_url} is paused"
+        raise_for("admin_pause", server, outcomes, state)
     track.paused = True
+    if mode == "wait" and flights:
+        await _settle(track, flights, _budget(config, "pause") - (time.monotonic() - started))
     return True
 
 
 @hookimpl
 async def admin_resume(server: Server, options: DynamoOptions) -> bool:
-    await on_workers(server, options, "resume_generation", operation="admin_resume")
-    tracker(server).paused = False
+    track = tracker(server)
+    outcomes = await each_worker(
+        worker_urls(server, options),
+        lambda url: engine_call(server, url, "resume_generation", operation="admin_resume"),
+    )
+    resumed = [o.server for o in outcomes if o.ok]
+    if len(resumed) < len(outcomes):
+        state = None
+        if resumed:
+            track.paused = None  # partly paused
+            stuck = [o.server for o in outcomes if refused(o.error)]
+            unknown = [o.server for o in outcomes if not o.ok and not refused(o.error)]
+            parts = [f"{names(resumed)} resumed"]
+            if stuck:
+                parts.append(f"{names(stuck)} {_plural(stuck, 'stays', 'stay')} paused")
+            if unknown:
+                parts.append(f"{names(unknown)} may still be paused (no answer)")
+            state = ", ".join(parts) + "; retry resume"
+        raise_for("admin_resume", server, outcomes, state)
+    track.paused = False
     return True
 
 
 @hookimpl
 async def admin_flush_cache(server: Server, options: DynamoOptions) -> bool:
-    await on_workers(server, options, "flush_cache", operation="admin_flush_cache")
+    outcomes = await each_worker(
+        worker_urls(server, options),
+        lambda url: engine_call(server, url, "flush_cache", operation="admin_flush_cache"),
+    )
+    flushed = [o.server for o in outcomes if o.ok]
+    state = None
+    if flushed and len(flushed) < len(outcomes):
+        others = [o.server for o in outcomes if not o.ok]
+        state = (
+            f"the prefix cache was flushed on {names(flushed)}, not on {names(others)} (which may still reuse "
+            "entries computed before); retry flush_cache"
+        )
+    raise_for("admin_flush_cache", server, outcomes, state)
     return True
 
 
-def _wants_pause(result: object) -> bool:
-    return isinstance(result, ServerRefusedError) and admin_wire.needs_pause(result)
+#: The pause a worker gets when it refuses a weight update for not being paused.
+_PAUSE_FOR_UPDATE = {"mode": "wait", "clear_cache": False}
+
+
+@attrs.define
+class _Update:
+    """What one weight update did on each worker, filled in as it goes (so a later failure cannot hide it)."""
+
+    switched: dict[str, Mapping[str, Any]] = attrs.field(factory=dict)
+    left_paused: list[str] = attrs.field(factory=list)
+
+
+async def _resume_after_update(server: Server, url: str, operation: str, update: _Update) -> None:
+    try:
+        await engine_call(server, url, "resume_generation", operation=operation)
+    except Exception:
+        update.left_paused.append(url)
+        raise
+
+
+async def _update_worker(
+    server: Server, url: str, route: str, body: Mapping[str, Any], operation: str, update: _Update
+) -> Mapping[str, Any]:
+    """A weight update on one worker. Dynamo refuses one unless the worker is paused: a worker that refuses for
+    that reason is paused (mode ``wait``), updated and resumed; a worker already paused is updated as it is
+    (and never resumed)."""
+    try:
+        answer = await engine_call(server, url, route, body, operation=operation)
+    except ServerRefusedError as exc:
+        if not admin_wire.needs_pause(exc):
+            raise
+    else:
+        update.switched[url] = answer
+        return answer
+    await engine_call(server, url, "pause_generation", _PAUSE_FOR_UPDATE, operation=operation)
+    try:
+        answer = await engine_call(server, url, route, body, operation=operation)
+    except BaseException as exc:
+        try:
+            await _resume_after_update(server, url, operation, update)
+        except Exception as again:
+            exc.add_note(f"resuming {url} afterwards failed too: {type(again).__name__}: {again}")
+        raise
+    update.switched[url] = answer
+    await _resume_after_update(server, url, operation, update)
+    return answer
+
+
+def _update_state(
+    server: Server, outcomes: Sequence[ServerOutcome[Any]], update: _Update, target: str, retry: str
+) -> str | None:
+    """What a weight update that failed somewhere left behind, and what to do."""
+    if all(o.ok for o in outcomes):
+        return None
+    switched = [o.server for o in outcomes if o.server in update.switched]
+    if len(outcomes) == 1 and not switched and not update.left_paused:
+        return None  # one worker, unchanged: its own error says it all
+    front = server.base_url
+    refusals = [o.server for o in outcomes if o.server not in update.switched and refused(o.error)]
+    unknown = [o.server for o in outcomes if o.server not in update.switched and not refused(o.error)]
+    if not switched:
+        state = f"no worker behind {front} switched to {target}"
+        if unknown:
+            state += f" as far as is known ({names(unknown)} did not answer)"
+        state += f"; retry {retry}, or roll back to the previous checkpoint if a worker failed part-way through"
+    elif refusals or unknown:
+        others = []
+        if refusals:
+            others.append(f"{names(refusals)} did not")
+        if unknown:
+            others.append(f"{names(unknown)} may or may not have (no answer)")
+        state = (
+            f"mixed weights behind {front}: {names(switched)} switched to {target}, {', '.join(others)}; "
+            f"retry {retry} or roll back to the previous checkpoint"
+        )
+    else:
+        state = f"every worker behind {front} switched to {target}"
+    if update.left_paused:
+        stuck = update.left_paused
+        verb, whose = _plural(stuck, "stays", "stay"), _plural(stuck, "its", "their")
+        state += f"; {names(stuck)} {verb} paused ({whose} resume failed): call resume"
+    return state
 
 
 async def _paused_update(
-    server: Server, options: DynamoOptions, route: str, body: Mapping[str, Any], operation: str
-) -> list[Mapping[str, Any]]:
-    """A weight update on every worker. Dynamo refuses one unless the worker is paused: workers that refuse for
-    that reason are paused (mode ``wait``), updated and resumed, so the call succeeds either way and never
-    resumes a worker that was paused before."""
-    urls = worker_urls(server, options)
-    first = await asyncio.gather(
-        *(engine_call(server, u, route, body, operation=operation) for u in urls), return_exceptions=True
+    server: Server,
+    options: DynamoOptions,
+    route: str,
+    body: Mapping[str, Any],
+    *,
+    operation: str,
+    target: str,
+    retry: str,
+    version: str | None,
+) -> None:
+    """A weight update on every worker (see :func:`_update_worker`), then the version this client records.
+
+    While it runs, and after it failed anywhere, this client knows no version for the frontend: some workers may
+    serve the new weights and some the old. ``state()`` reads the workers' versions again.
+    """
+    track = tracker(server)
+    track.set_weight_version(None)
+    update = _Update()
+    outcomes = await each_worker(
+        worker_urls(server, options), lambda url: _update_worker(server, url, route, body, operation, update)
     )
-    unpaused = [u for u, r in zip(urls, first, strict=True) if _wants_pause(r)]
-    failed = [r for r in first if isinstance(r, BaseException) and not _wants_pause(r)]
-    if failed:
-        raise failed[0]
-    answers = [r for r in first if not isinstance(r, BaseException)]
-    if unpaused:
-        pause = {"mode": "wait", "clear_cache": False}
-        await gather_all(engine_call(server, u, "pause_generation", pause, operation=operation) for u in unpaused)
-        try:
-            answers += await gather_all(engine_call(server, u, route, body, operation=operation) for u in unpaused)
-        finally:
-            await gather_all(engine_call(server, u, "resume_generation", operation=operation) for u in unpaused)
-    return answers
+    raise_for(operation, server, outcomes, _update_state(server, outcomes, update, target, retry))
+    versions = {admin_wire.weight_version(a) for a in update.switched.values()}
+    track.set_weight_version(versions.pop() if len(versions) == 1 else version)
 
 
-def _record_version(server: Server, answers: Sequence[Mapping[str, Any]], asked: str | None) -> None:
-    versions = {admin_wire.weight_version(a) for a in answers}
-    tracker(server).set_weight_version(versions.pop() if len(versions) == 1 else asked)
+def _target(what: str, version: str | None) -> str:
+    return what if version is None else f"{what} (version {version!r})"
 
 
 @hookimpl
@@ -156,8 +356,16 @@ async def admin_update_weights(server: Server, path: str, version: str | None, o
     body: dict[str, Any] = {"model_path": path}
     if version is not None:
         body["weight_version"] = version
-    answers = await _paused_update(server, options, "update_weights_from_disk", body, "admin_update_weights")
-    _record_version(server, answers, version)
+    await _paused_update(
+        server,
+        options,
+        "update_weights_from_disk",
+        body,
+        operation="admin_update_weights",
+        target=_target(path, version),
+        retry="update_weights",
+        version=version,
+    )
     return True
 
 
@@ -186,13 +394,22 @@ async def admin_destroy_weight_transfer(server: Server, group_name: str, options
     """``/engine/destroy_weights_update_group`` on every worker: Dynamo forwards the body as the keyword
     arguments of the worker's ``destroy_broadcaster`` RPC (stock vLLM workers lack it: ``"status": "error"``,
     a :class:`ServerRefusedError`)."""
-    await on_workers(
-        server,
-        options,
-        "destroy_weights_update_group",
-        {"group_name": group_name},
-        operation="admin_destroy_weight_transfer",
+    outcomes = await each_worker(
+        worker_urls(server, options),
+        lambda url: engine_call(
+            server,
+            url,
+            "destroy_weights_update_group",
+            {"group_name": group_name},
+            operation="admin_destroy_weight_transfer",
+        ),
     )
+    left = [o.server for o in outcomes if o.ok]
+    state = None
+    if left and len(left) < len(outcomes):
+        others = [o.server for o in outcomes if not o.ok]
+        state = f"{names(left)} left group {group_name!r}, {names(others)} did not"
+    raise_for("admin_destroy_weight_transfer", server, outcomes, state)
     return True
 
 
@@ -208,17 +425,23 @@ async def admin_update_weights_distributed(
     }
     if version is not None:
         body["weight_version"] = version
-    answers = await _paused_update(
-        server, options, "update_weights_from_distributed", body, "admin_update_weights_distributed"
+    await _paused_update(
+        server,
+        options,
+        "update_weights_from_distributed",
+        body,
+        operation="admin_update_weights_distributed",
+        target=_target(f"the weights broadcast in group {group_name!r}", version),
+        retry="update_weights_distributed",
+        version=version,
     )
-    _record_version(server, answers, version)
     return True
 
 
 # -- LoRA -------------------------------------------------------------------------------------------------
 
 
-async def _load_lora(server: Server, url: str, adapter: LoraAdapter) -> None:
+async def _load_lora(server: Server, url: str, adapter: LoraAdapter, unloaded: list[str]) -> None:
     body = {"lora_name": adapter.name, "source": {"uri": admin_wire.lora_uri(adapter.path)}}
     answer = await engine_call(server, url, "load_lora", body, operation="admin_load_lora")
     if not admin_wire.already_loaded(answer):
@@ -234,21 +457,112 @@ async def _load_lora(server: Server, url: str, adapter: LoraAdapter) -> None:
         )
     # no hot swap without DYN_LORA_HOTSWAP_ENABLED on the worker: unload, then load (not atomic)
     await engine_call(server, url, "unload_lora", {"lora_name": adapter.name}, operation="admin_load_lora")
+    unloaded.append(url)
     answer = await engine_call(server, url, "load_lora", body, operation="admin_load_lora")
     if admin_wire.already_loaded(answer):
         what = f"load_lora of {adapter.name!r} after unloading it"
         raise ServerRefusedError(what, method="POST", url=where, body=answer)
+    unloaded.remove(url)
+
+
+async def _served_names(server: Server) -> list[str]:
+    front = frontend(server)
+    return admin_wire.model_ids(await front.request("GET", "/v1/models", plane="admin", retry=True), front.admin_url)
+
+
+async def _until_frontend(
+    server: Server, check: Callable[[], Awaitable[str | None]], budget: float, fail: Callable[[str, float], str]
+) -> None:
+    """Poll ``check()`` (``None``: done; else what is still missing) until it is done; after ``budget`` seconds a
+    :class:`RequestTimeout` with ``fail(missing, budget)``."""
+    missing = "no answer from the frontend yet"
+    pause = 0.02
+    try:
+        async with asyncio.timeout(budget):
+            while (found := await check()) is not None:
+                missing = found
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.5)
+    except TimeoutError as exc:
+        error = RequestTimeout(fail(missing, budget), method="GET", url=server.url("/v1/models", plane="data"))
+        raise error from exc
 
 
 @hookimpl
-async def admin_load_lora(server: Server, adapter: LoraAdapter, options: DynamoOptions) -> bool:
-    await gather_all(_load_lora(server, url, adapter) for url in worker_urls(server, options))
+async def admin_load_lora(server: Server, adapter: LoraAdapter, config: ClientConfig, options: DynamoOptions) -> bool:
+    """Load the adapter on every worker, then wait until the frontend routes to it: each worker publishes the
+    adapter's model card in discovery, which the frontend picks up later. Returns once ``/v1/models`` lists the
+    name and ``/v1/models/{name}/ready`` says ready, within the operation's admin deadline."""
+    started = time.monotonic()
+    unloaded: list[str] = []
+    outcomes = await each_worker(worker_urls(server, options), lambda url: _load_lora(server, url, adapter, unloaded))
+    loaded = [o.server for o in outcomes if o.ok]
+    name = adapter.name
+    if len(loaded) < len(outcomes):
+        parts = []
+        if loaded:
+            others = [o.server for o in outcomes if not o.ok]
+            parts.append(
+                f"adapter {name!r} is loaded on {names(loaded)} only: requests for it that the frontend routes to "
+                f"{names(others)} fail; load_lora again with replace=True, or unload_lora({name!r})"
+            )
+        if unloaded:
+            parts.append(f"{names(unloaded)} unloaded the earlier {name!r} to replace it and did not load it again")
+        raise_for("admin_load_lora", server, outcomes, "; ".join(parts) or None)
+
+    async def routable() -> str | None:
+        if name not in await _served_names(server):
+            return "listed"
+        if not await _model_ready(server, name):
+            return "ready"
+        return None
+
+    def fail(missing: str, budget: float) -> str:
+        front = server.base_url
+        seen = (
+            f"{front}/v1/models did not list {name!r}"
+            if missing == "listed"
+            else f"{front}/v1/models/{name}/ready did not say ready"
+        )
+        return (
+            f"load_lora of {name!r}: every worker loaded it, but {seen} within {budget:.1f} s (the frontend picks "
+            "adapters up from discovery); requests for it may fail until it does"
+        )
+
+    await _until_frontend(server, routable, _budget(config, "load_lora") - (time.monotonic() - started), fail)
     return True
 
 
 @hookimpl
-async def admin_unload_lora(server: Server, name: str, options: DynamoOptions) -> bool:
-    await on_workers(server, options, "unload_lora", {"lora_name": name}, operation="admin_unload_lora")
+async def admin_unload_lora(server: Server, name: str, config: ClientConfig, options: DynamoOptions) -> bool:
+    """Unload the adapter from every worker (a worker that does not have it counts as done, as long as one
+    worker had it), then wait until the frontend no longer lists it, within the operation's admin deadline."""
+    started = time.monotonic()
+    outcomes = await each_worker(
+        worker_urls(server, options),
+        lambda url: engine_call(server, url, "unload_lora", {"lora_name": name}, operation="admin_unload_lora"),
+    )
+    unloaded = [o.server for o in outcomes if o.ok]
+    kept = [o.server for o in outcomes if not o.ok and not admin_wire.lora_not_found(o.error)]
+    if not unloaded or kept:
+        state = None
+        if unloaded:
+            state = (
+                f"adapter {name!r} is unloaded from {names(unloaded)} but still loaded on {names(kept)}: requests "
+                f"for it that the frontend routes there still use it; retry unload_lora"
+            )
+        raise_for("admin_unload_lora", server, outcomes, state)
+
+    async def gone() -> str | None:
+        return "listed" if name in await _served_names(server) else None
+
+    def fail(missing: str, budget: float) -> str:
+        return (
+            f"unload_lora of {name!r}: every worker unloaded it, but {server.base_url}/v1/models still listed "
+            f"{name!r} after {budget:.1f} s (the frontend drops adapters through discovery)"
+        )
+
+    await _until_frontend(server, gone, _budget(config, "unload_lora") - (time.monotonic() - started), fail)
     return True
 
 
@@ -283,20 +597,34 @@ async def admin_state(server: Server, config: ClientConfig, options: DynamoOptio
         if version != track.weight_version:
             track.set_weight_version(version)
     in_flight = admin_wire.gauge(metrics, "dynamo_request_plane_inflight_requests", front.admin_url)
-    names = admin_wire.model_ids(models, front.admin_url)
+    served = admin_wire.model_ids(models, front.admin_url)
     return ServerState(
         paused=track.paused,
         sleeping=track.sleeping,
         weight_version=version,
         in_flight=None if in_flight is None else int(in_flight),
-        loras=tuple(n for n in names if n != config.model),
+        loras=tuple(n for n in served if n != config.model),
     )
 
 
 @hookimpl
 async def admin_sleep(server: Server, level: int, options: DynamoOptions) -> bool:
-    await on_workers(server, options, "control/sleep", {"level": level}, operation="admin_sleep")
-    tracker(server).sleeping = True
+    track = tracker(server)
+    outcomes = await each_worker(
+        worker_urls(server, options),
+        lambda url: engine_call(server, url, "control/sleep", {"level": level}, operation="admin_sleep"),
+    )
+    asleep = [o.server for o in outcomes if o.ok]
+    state = None
+    if asleep and len(asleep) < len(outcomes):
+        track.sleeping = None  # partly asleep
+        awake = [o.server for o in outcomes if not o.ok]
+        state = (
+            f"{names(asleep)} {_plural(asleep, 'is', 'are')} asleep (out of discovery), {names(awake)} not: the "
+            f"frontend routes only to {names(awake)}; call wake, or retry sleep"
+        )
+    raise_for("admin_sleep", server, outcomes, state)
+    track.sleeping = True
     return True
 
 
@@ -304,8 +632,19 @@ async def admin_sleep(server: Server, level: int, options: DynamoOptions) -> boo
 async def admin_wake(server: Server, config: ClientConfig, options: DynamoOptions) -> bool:
     """Wake every worker, then wait until the frontend routes to the model again (a sleeping worker leaves
     discovery, and requests get 503 until it is back)."""
-    await on_workers(server, options, "control/wake_up", operation="admin_wake")
-    tracker(server).sleeping = False
+    track = tracker(server)
+    outcomes = await each_worker(
+        worker_urls(server, options),
+        lambda url: engine_call(server, url, "control/wake_up", operation="admin_wake"),
+    )
+    awake = [o.server for o in outcomes if o.ok]
+    state = None
+    if awake and len(awake) < len(outcomes):
+        track.sleeping = None  # partly asleep
+        asleep = [o.server for o in outcomes if not o.ok]
+        state = f"{names(awake)} woke, {names(asleep)} may still be asleep; retry wake"
+    raise_for("admin_wake", server, outcomes, state)
+    track.sleeping = False
     deadline = time.monotonic() + WAKE_READY_TIMEOUT_S
     while not await _model_ready(server, config.model):
         if time.monotonic() > deadline:
@@ -334,9 +673,17 @@ async def admin_abort(server: Server, request_ids: Sequence[str] | None, options
     uuids = track.abort_everything() if request_ids is None else track.abort_ids(list(request_ids))
     if not uuids:
         return 0
-    await gather_all(
-        engine_call(server, url, "abort_request", {"request_id": u}, operation="admin_abort")
-        for url in worker_urls(server, options)
-        for u in uuids
-    )
+
+    async def abort_on(url: str) -> None:
+        await gather_all(
+            engine_call(server, url, "abort_request", {"request_id": u}, operation="admin_abort") for u in uuids
+        )
+
+    outcomes = await each_worker(worker_urls(server, options), abort_on)
+    reached = [o.server for o in outcomes if o.ok]
+    state = None
+    if reached and len(reached) < len(outcomes):
+        others = [o.server for o in outcomes if not o.ok]
+        state = f"the abort reached {names(reached)}, not {names(others)}: requests running there go on; retry abort"
+    raise_for("admin_abort", server, outcomes, state)
     return -1

@@ -36,6 +36,7 @@ __all__ = [
     "frontend_healthy",
     "gauge",
     "is_frontend_404",
+    "lora_not_found",
     "lora_uri",
     "missing_route_hint",
     "model_ids",
@@ -74,6 +75,15 @@ def already_loaded(answer: Mapping[str, Any]) -> bool:
     """Whether a ``load_lora`` success only says the name was loaded before (the new path was NOT loaded;
     Dynamo swaps in place only with ``DYN_LORA_HOTSWAP_ENABLED``, and then says ``hot_swap: true``)."""
     return answer.get("hot_swap") is not True and "already loaded" in str(answer.get("message", ""))
+
+
+def lora_not_found(error: BaseException | None) -> bool:
+    """Whether a refused ``unload_lora`` says the worker has no adapter of that name
+    (``"LoRA adapter '<name>' not found. Available LoRAs: [...]"``)."""
+    if not isinstance(error, ServerRefusedError) or not isinstance(error.body, Mapping):
+        return False
+    message = str(error.body.get("message", ""))
+    return message.startswith("LoRA adapter") and "not found" in message
 
 
 def weight_version(answer: Mapping[str, Any]) -> str | None:

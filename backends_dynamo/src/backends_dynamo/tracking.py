@@ -4,7 +4,9 @@
 * Pause and sleep state: 1.6.1 has no route that reports them; they are what this client last set
   (``None`` until it set them).
 * The weight version: not attached to answers; it is the version this client last set or read, attached to a
-  result only when it did not change while the request was in flight.
+  result only when it did not change while the request was in flight. It is unknown (``None``) from the start
+  of a weight update until the update succeeded on every worker, so a failed update leaves no version to trust
+  until ``state()`` reads the workers' versions again.
 * Aborts: aborted requests end with ``finish_reason: "stop"``; a request that was in flight when this client
   aborted it (pause with mode abort, abort of its id, abort of everything) is reported as aborted.
 * Request ids: the frontend takes its request id from the ``x-dynamo-request-id`` header (a UUID) and the
@@ -14,6 +16,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import attrs
@@ -64,6 +67,8 @@ class Tracker:
     _version_epoch: int = 0
     _aborted: set[str] = attrs.field(factory=set)
     _in_flight: dict[str, str | None] = attrs.field(factory=dict)
+    #: Set whenever a request ends.
+    _ended: asyncio.Event = attrs.field(factory=asyncio.Event)
 
     def begin(self, request_uuid: str, caller_id: str | None) -> Flight:
         """Record a request about to be sent."""
@@ -74,10 +79,21 @@ class Tracker:
         """Forget a finished request; returns whether this client aborted it while in flight, and the weight
         version when it was known and did not change meanwhile."""
         self._in_flight.pop(flight.uuid, None)
+        self._ended.set()
         aborted = flight.abort_epoch != self._abort_epoch or flight.uuid in self._aborted
         self._aborted.discard(flight.uuid)
         version = self.weight_version if flight.version_epoch == self._version_epoch else None
         return aborted, version
+
+    def in_flight(self) -> frozenset[str]:
+        """The UUIDs of the requests in flight now."""
+        return frozenset(self._in_flight)
+
+    async def answered(self, uuids: frozenset[str]) -> None:
+        """Return once none of ``uuids`` is in flight any more (each answer arrived or its request failed)."""
+        while any(u in self._in_flight for u in uuids):
+            self._ended.clear()
+            await self._ended.wait()
 
     def abort_everything(self) -> list[str]:
         """Mark every request now in flight as aborted (pause with mode abort, abort of all); their UUIDs."""

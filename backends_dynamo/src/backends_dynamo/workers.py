@@ -8,6 +8,10 @@ answers 404 too, in another shape; the two are told apart:
 * frontend-shaped 404: :class:`ConfigError` (the worker URLs are not configured);
 * worker-shaped 404: :class:`UnsupportedOperationError` naming the route and the flag that adds it.
 
+An operation that changes the workers runs on each of them to the end (:func:`each_worker`) and reports every
+worker's outcome when one failed (:func:`raise_for`): with several workers behind one frontend, a failure on one
+of them can leave the others changed (new weights, an adapter, a pause), and the caller needs to know which.
+
 All I/O goes through the core :class:`~backends_core._http.Server`; a worker is the same server handle with
 its admin URL pointed at the worker (same connection pool, same per-server cache).
 """
@@ -15,17 +19,37 @@ its admin URL pointed at the worker (same connection pool, same per-server cache
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Iterable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
 
 from backends_core._http import Server
-from backends_core.errors import ConfigError, ServerStatusError, UnsupportedOperationError
+from backends_core.errors import (
+    AdminError,
+    ConfigError,
+    InvalidRequestError,
+    ServerRefusedError,
+    ServerStatusError,
+    UnsupportedOperationError,
+)
+from backends_core.fleet import ServerOutcome
 from backends_dynamo import admin_wire
 from backends_dynamo.options import DynamoOptions
 
-__all__ = ["at", "engine_call", "frontend", "gather_all", "on_workers", "worker_urls"]
+__all__ = [
+    "at",
+    "each_worker",
+    "engine_call",
+    "frontend",
+    "gather_all",
+    "names",
+    "on_workers",
+    "raise_for",
+    "refused",
+    "worker_urls",
+]
 
 T = TypeVar("T")
 BACKEND = "dynamo"
@@ -107,3 +131,49 @@ async def on_workers(
     return await gather_all(
         engine_call(server, url, route, body, operation=operation, retry=retry) for url in worker_urls(server, options)
     )
+
+
+async def _outcome(url: str, call: Awaitable[T]) -> ServerOutcome[T]:
+    started = time.perf_counter()
+    try:
+        value = await call
+    except Exception as exc:
+        return ServerOutcome(server=url, error=exc, duration_s=time.perf_counter() - started)
+    return ServerOutcome(server=url, value=value, duration_s=time.perf_counter() - started)
+
+
+async def each_worker(urls: Iterable[str], run: Callable[[str], Awaitable[T]]) -> list[ServerOutcome[T]]:
+    """``run(url)`` for every worker URL, concurrently, each to its end; every worker's outcome, in order
+    (never raises for a worker's failure)."""
+    return list(await asyncio.gather(*(_outcome(url, run(url)) for url in urls)))
+
+
+def raise_for(operation: str, server: Server, outcomes: Sequence[ServerOutcome[Any]], state: str | None) -> None:
+    """Raise when a worker failed or ``state`` says the deployment needs attention; return otherwise.
+
+    A single worker's failure that left nothing to report is raised as it is; otherwise the error is an
+    :class:`AdminError` over every worker's outcome (successes included), named after the frontend, whose
+    message ends with ``state``: what the deployment now serves and what to do.
+    """
+    failed = [o for o in outcomes if o.error is not None]
+    if not failed and state is None:
+        return
+    if len(outcomes) == 1 and state is None and failed[0].error is not None:
+        raise failed[0].error
+    raise AdminError(f"{operation} on the workers behind {server.base_url}", outcomes, state=state)
+
+
+def refused(error: BaseException | None) -> bool:
+    """Whether a worker's error is an answer that the operation did not happen there (a refusal in the body, a
+    4xx, a missing route), as opposed to a lost answer (timeout, connection, 5xx) that leaves it unknown."""
+    if isinstance(error, ServerStatusError):
+        return error.status_code < 500
+    return isinstance(error, ServerRefusedError | UnsupportedOperationError | ConfigError | InvalidRequestError)
+
+
+def names(urls: Iterable[str]) -> str:
+    """Worker URLs for a message: ``a``, ``a and b``, ``a, b and c``."""
+    listed = list(urls)
+    if len(listed) < 2:
+        return "".join(listed) or "no worker"
+    return ", ".join(listed[:-1]) + " and " + listed[-1]

@@ -223,9 +223,8 @@ async def test_pause_resume_flush_reach_every_worker(deployment: Deployment) -> 
 
 
 async def test_an_error_status_in_a_200_body_is_a_failure(deployment: Deployment) -> None:
-    on_workers(deployment, "pause_generation", "engine_pause_wait", workers=(W1,))
     on_workers(deployment, "pause_generation", "engine_pause_invalid_mode", workers=(W2,))
-    async with client(deployment) as c:
+    async with client(deployment, backend_options={"worker_urls": [W2]}) as c:
         with pytest.raises(AdminError) as info:
             await c.admin.pause("wait")
     error = info.value.results[0].error
@@ -280,6 +279,10 @@ async def test_lora_paths_become_uris_and_a_loaded_name_is_reloaded_only_on_repl
     deployment.add(W1, "POST", "/engine/load_lora", json_body=again)
     deployment.add(W1, "POST", "/engine/load_lora", json_body=loaded)
     on_workers(deployment, "unload_lora", "engine_unload_lora", workers=(W1,))
+    deployment.add(FRONTEND, "GET", "/v1/models", json_body=vllm("frontend_models_after_lora")["response"])
+    ready = {**capture("get_v1_models_tiny-qwen3_ready")["response"], "model": "tiny-lora"}
+    deployment.add(FRONTEND, "GET", "/v1/models/tiny-lora/ready", json_body=ready)
+    on_workers(deployment, "flush_cache", "engine_flush_cache", workers=(W1,))  # after a swap, if the core asks
     adapter = LoraAdapter(name="tiny-lora", path=str(tmp_path / "lora"))
     async with client(deployment, backend_options={"worker_urls": [W1]}) as c:
         with pytest.raises(AdminError) as info:
@@ -287,7 +290,8 @@ async def test_lora_paths_become_uris_and_a_loaded_name_is_reloaded_only_on_repl
         assert isinstance(info.value.results[0].error, ServerRefusedError)
         assert "Dynamo kept the loaded adapter" in str(info.value)
         assert await c.admin.load_lora(LoraAdapter(name="tiny-lora", path="s3://bucket/lora", replace=True)) == [True]
-    sent = deployment.to(W1)
+    assert [s.path for s in deployment.to(FRONTEND)] == ["/v1/models", "/v1/models/tiny-lora/ready"]
+    sent = [s for s in deployment.to(W1) if s.path != "/engine/flush_cache"]
     assert sent[0].body == {"lora_name": "tiny-lora", "source": {"uri": (tmp_path / "lora").as_uri()}}
     assert [s.path for s in sent[1:]] == ["/engine/load_lora", "/engine/unload_lora", "/engine/load_lora"]
     assert sent[1].body["source"] == {"uri": "s3://bucket/lora"}
@@ -424,7 +428,10 @@ async def test_destroy_weight_transfer_refused_by_one_worker_names_it_and_the_ro
         with pytest.raises(AdminError) as info:
             await c.admin.destroy_weight_transfer()
     assert info.value.operation == "admin_destroy_weight_transfer"
-    error = info.value.results[0].error
+    workers = info.value.results[0].error  # every worker's outcome, and which one left the group
+    assert isinstance(workers, AdminError) and [o.server for o in workers.results] == [W1, W2]
+    assert workers.results[0].ok and f"{W1} left group 'weight_sync', {W2} did not" in str(workers)
+    error = workers.results[1].error
     assert isinstance(error, ServerRefusedError)
     assert error.url == f"{W2}/engine/destroy_weights_update_group"
     assert "'CPUWorker' object has no attribute 'destroy_broadcaster'" in str(error)
