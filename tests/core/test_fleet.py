@@ -21,6 +21,7 @@ from backends_core import (
     RequestTimeout,
     SamplingParams,
     ServerStatusError,
+    StaleServerError,
     TensorSpec,
     WeightVersionMismatch,
 )
@@ -166,18 +167,104 @@ async def test_sessions_stick_and_carry_the_session_header(fleet, tiny_models) -
     assert lone.server is not None
 
 
+def salts(seen: list[httpx.Request]) -> list[str | None]:
+    return [json.loads(r.content)["cache_salt"] for r in seen if r.url.path == "/generate"]
+
+
 async def test_cache_salt_follows_the_weight_version_this_client_set(fleet, tiny_models, tmp_path) -> None:
     from backends_core.testing.tinymodel import write_perturbed_weights
 
     seen: list[httpx.Request] = []
     async with Client(config(tiny_models), transport=routed({h: e.handle for h, e in fleet.items()}, seen)) as client:
-        await client.generate(prompt_ids=[1, 2])
+        await client.generate(prompt_ids=[1, 2], server=0)
         new = write_perturbed_weights(tiny_models.dense, tmp_path / "w1", seed=3, scale=0.1)
         await client.admin.update_weights(str(new), version="step-9")
-        await client.generate(prompt_ids=[1, 2])
+        await client.generate(prompt_ids=[1, 2], server=0)
         await client.generate(prompt_ids=[1, 2], cache_salt="mine")
-    salts = [json.loads(r.content)["cache_salt"] for r in seen if r.url.path == "/generate"]
-    assert salts == [None, "weights:step-9", "mine"]
+    assert salts(seen) == [None, "weights:step-9", "mine"]
+
+
+async def test_a_separate_rollout_client_salts_with_the_version_the_server_reports(
+    fleet, tiny_models, tmp_path
+) -> None:
+    """Trainer and rollout run in separate processes: the rollout client never ran the update itself."""
+    from backends_core.testing.tinymodel import write_perturbed_weights
+
+    transport = routed({h: e.handle for h, e in fleet.items()})
+    seen: list[httpx.Request] = []
+    new = write_perturbed_weights(tiny_models.dense, tmp_path / "w1", seed=3, scale=0.1)
+    async with (
+        Client(config(tiny_models), transport=transport) as trainer,
+        Client(config(tiny_models), transport=routed({h: e.handle for h, e in fleet.items()}, seen)) as rollout,
+    ):
+        await rollout.generate(prompt_ids=[1, 2], server=0)  # its answer reports the start-up version
+        await rollout.generate(prompt_ids=[1, 2], server=0)
+        await trainer.admin.weight_sync(path=str(new), version="v1", mode="keep")
+        await rollout.generate(prompt_ids=[1, 2], server=0)  # answered on v1: a version-mismatch answer
+        await rollout.generate(prompt_ids=[1, 2], server=0)
+        await rollout.admin.state()  # a state check refreshes every server
+        await rollout.generate(prompt_ids=[1, 2], server=1)
+    start = salts(seen)[1]
+    assert start is not None and start.startswith("weights:") and start != "weights:v1"
+    assert salts(seen) == [None, start, start, "weights:v1", "weights:v1"]
+    assert rollout.weight_version is None  # it set nothing itself
+
+
+async def test_a_hot_swapped_adapter_never_reuses_prefix_blocks_of_the_old_one(fleet, tiny_models, tmp_path) -> None:
+    """vLLM #42125: engines key prefix-cache blocks by adapter name, which a hot swap keeps."""
+    seen: list[httpx.Request] = []
+    async with Client(config(tiny_models), transport=routed({h: e.handle for h, e in fleet.items()}, seen)) as client:
+        await client.admin.load_lora(LoraAdapter(name="a", path=str(tiny_models.lora)))
+        await client.generate(prompt_ids=[1, 2], lora="a", server=0)
+        await client.admin.load_lora(LoraAdapter(name="a", path=str(tiny_models.lora), replace=True))
+        await client.generate(prompt_ids=[1, 2], lora="a", server=0)
+        await client.generate(prompt_ids=[1, 2], server=0)
+        await client.admin.unload_lora("a")
+    paths = [r.url.path for r in seen]
+    swap = paths.index("/lora/load", paths.index("/lora/load") + len(HOSTS))
+    assert sorted(r.url.host for r in seen[swap:] if r.url.path == "/flush_cache") == HOSTS
+    start = fleet["s0"].engine.weight_version  # reported by the first answer
+    assert salts(seen) == [None, f"weights:{start}|lora:a#1", f"weights:{start}"]
+
+
+async def test_a_server_back_with_other_weights_gets_no_requests_until_it_is_caught_up(
+    fleet, tiny_models, tmp_path
+) -> None:
+    """A server that went down mid-run comes back on its start-up weights: it must not serve them silently."""
+    from backends_core.testing.tinymodel import write_perturbed_weights
+
+    down = {"s1": False}
+
+    async def flaky(request: httpx.Request) -> httpx.Response:
+        if down["s1"]:
+            raise httpx.ConnectError("connection refused", request=request)
+        return await fleet["s1"].handle(request)
+
+    handlers = {h: e.handle for h, e in fleet.items()} | {"s1": flaky}
+    seen: list[httpx.Request] = []
+    clock = Clock()
+    new = write_perturbed_weights(tiny_models.dense, tmp_path / "w6", seed=8, scale=0.1)
+    async with Client(config(tiny_models), transport=routed(handlers, seen)) as client:
+        client.balancer._clock = clock
+        await client.admin.update_weights(str(new), version="v6")
+        down["s1"] = True
+        await client.generate(prompt_ids=[1, 2], server=None, session=None)  # s1 refuses if picked
+        with pytest.raises(NetworkError):
+            await client.generate(prompt_ids=[1, 2], server=1)
+        fleet["s1"].engine.load_weights(str(tiny_models.dense), weight_version="default")  # restarted
+        down["s1"] = False
+        clock.now += 10  # the cooldown is over
+        with pytest.raises(StaleServerError, match="'default' but the fleet is on 'v6'"):
+            await client.generate(prompt_ids=[1, 2], server=1)
+        seen.clear()
+        results = [await client.generate(prompt_ids=[1, 2]) for _ in range(6)]
+        assert {r.server for r in results} == {"http://s0", "http://s2"}
+        assert not [r for r in seen if r.url.host == "s1" and r.url.path == "/generate"]
+        assert client.balancer.healthy() == [True, False, True]
+        await client.admin.run("update_weights", servers=[client.servers[1]], path=str(new), version="v6")
+        clock.now += 10
+        caught_up = await client.generate(prompt_ids=[1, 2], server=1)
+    assert caught_up.server == "http://s1" and caught_up.weight_version == "v6"
 
 
 async def test_weight_sync_pauses_updates_flushes_resumes_and_verifies(fleet, tiny_models, tmp_path) -> None:
@@ -279,10 +366,7 @@ async def test_blank_admin_arguments_are_refused_before_anything_is_sent(fleet, 
             lambda: client.admin.weight_sync(
                 group_name=blank, tensors=[TensorSpec(name="w", dtype="f", shape=[1])], version="v1"
             ),
-            lambda: client.admin.update_weights_distributed(blank, [TensorSpec(name="w", dtype="f", shape=[1])]),
-            lambda: client.admin.update_weights_distributed("g", []),
             lambda: client.admin.unload_lora(blank),
-            lambda: client.admin.destroy_weight_transfer(blank),
             lambda: client.admin.abort([blank]),
         ]
         for call in calls:

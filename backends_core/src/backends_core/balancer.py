@@ -120,6 +120,12 @@ class Balancer(Generic[S]):
             load.failures += 1
             load.down_until = self._clock() + self.cooldown
 
+    def take_out(self, index: int) -> None:
+        """Take a server out for the cooldown without a request (it was found unfit to serve)."""
+        load = self.load[index]
+        load.failures += 1
+        load.down_until = self._clock() + self.cooldown
+
     def healthy(self) -> list[bool]:
         now = self._clock()
         return [load.up(now) for load in self.load]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
 import ssl
@@ -20,8 +21,15 @@ from backends_core.balancer import Balancer
 from backends_core.bridge import BridgeStats, Conversation
 from backends_core.config import ClientConfig
 from backends_core.driver import BackendDriver
-from backends_core.errors import BridgeError, ConfigError, InvalidRequestError, RequestError, TransportError
-from backends_core.fleet import Admin
+from backends_core.errors import (
+    BridgeError,
+    ConfigError,
+    InvalidRequestError,
+    RequestError,
+    StaleServerError,
+    TransportError,
+)
+from backends_core.fleet import Admin, ServedVersions
 from backends_core.messages import as_plain, normalize_messages
 from backends_core.rendering import load_tokenizer
 from backends_core.stateless import TurnCache
@@ -145,14 +153,26 @@ class Client:
         fleet = config.fleet
         #: Sticky-least-loaded server choice with health tracking (see :mod:`backends_core.balancer`).
         self.balancer: Balancer[Server] = Balancer(self.servers, slack=fleet.sticky_slack, cooldown=fleet.cooldown)
-        #: The weight version this client last set on its servers; requests are salted with it.
+        #: The weight version this client last set on every server (the fleet's version).
         self.weight_version: str | None = None
+        #: The weight version each server serves as far as this client knows; requests are salted with it.
+        self.versions = ServedVersions()
+        #: Hot swaps of each adapter name done by this client: part of the cache salt of its requests.
+        self._swaps: dict[str, int] = {}
+        self._lookups: dict[int, asyncio.Future[None]] = {}
         self._tokenizer = tokenizer
         self._turns = TurnCache(config.stateless)
         #: Multi-turn bridge counters shared by every conversation of this client.
         self.bridge_stats = BridgeStats()
         #: Admin operations over every server.
-        self.admin = Admin(self.driver, self.servers, policy=config.admin, on_version=self._remember_version)
+        self.admin = Admin(
+            self.driver,
+            self.servers,
+            policy=config.admin,
+            on_version=self._remember_version,
+            versions=self.versions,
+            on_swap=self._swapped,
+        )
 
     async def __aenter__(self) -> Client:
         return self
@@ -336,22 +356,43 @@ class Client:
         A request that certainly never reached its server (connection refused, connect timeout) fails over to
         the next healthy server and that server is taken out for the cooldown; a request that may have reached
         the engine is never re-sent: its error is raised.
+
+        Requests without a ``cache_salt`` are salted with the weight version their server serves as far as this
+        client knows (:attr:`versions`: set by its weight updates, refreshed by state checks and by answers that
+        report another version). Once this client has set a version on the fleet, a server it has not heard
+        from since (one that went down and came back) is asked for its version first: if it serves other
+        weights, it is taken out for the cooldown and the request goes elsewhere (:class:`StaleServerError`
+        when it was pinned or the last one left).
         """
-        if self.config.fleet.salt_with_weight_version and request.cache_salt is None and self.weight_version:
-            request = attrs.evolve(request, cache_salt=f"weights:{self.weight_version}")
+        salt = self.config.fleet.salt_with_weight_version and request.cache_salt is None
         pinned = None if server is None else self.server_index(server)
         tried: set[int] = set()
         token = _SESSION.set(session)
         try:
             while True:
                 index = pinned if pinned is not None else self.balancer.pick(session=session, exclude=frozenset(tried))
+                target = self.servers[index]
+                if self.weight_version is not None and not self.versions.known(target):
+                    await self._look_up_version(target)
+                    stale = self._stale(target)
+                    if stale is not None:
+                        self.balancer.take_out(index)
+                        tried.add(index)
+                        self.versions.forget(target)  # looked up again after the cooldown
+                        if pinned is not None or len(tried) == len(self.servers):
+                            raise stale
+                        log.warning("%s", stale)
+                        continue
+                sent = self._salted(request, target) if salt else request
                 self.balancer.acquire(index)
                 try:
-                    results = await self.driver.generate(self.servers[index], request)
+                    results = await self.driver.generate(target, sent)
                 except RequestError as exc:
                     down = isinstance(exc, TransportError)
                     self.balancer.release(index, ok=False, reachable=not down)
                     tried.add(index)
+                    if down:  # whatever comes back on this address is looked at again before it serves
+                        self.versions.forget(target)
                     if exc.maybe_processed or pinned is not None or len(tried) == len(self.servers):
                         raise
                     continue
@@ -359,9 +400,52 @@ class Client:
                     self.balancer.release(index, ok=False)
                     raise
                 self.balancer.release(index, ok=True)
+                served = results[-1].weight_version
+                if served is not None and served != self.versions.get(target):
+                    self.versions.set(target, served)  # it moved on: later requests get the new salt
                 return results
         finally:
             _SESSION.reset(token)
+
+    def _salted(self, request: GenerateRequest, server: Server) -> GenerateRequest:
+        """``request`` with a cache salt naming the weights ``server`` serves and any hot swap of its adapter."""
+        version = self.versions.get(server)
+        swaps = self._swaps.get(request.lora) if request.lora is not None else None
+        if version is None and swaps is None:
+            return request
+        salt = f"weights:{version}" if version is not None else ""
+        if swaps is not None:
+            salt += f"|lora:{request.lora}#{swaps}"
+        return attrs.evolve(request, cache_salt=salt)
+
+    async def _look_up_version(self, server: Server) -> None:
+        """Learn the weight version ``server`` serves (its ``admin_state``; one lookup however many requests
+        wait for it); unknown when it cannot say."""
+        lookup = self._lookups.get(id(server))
+        if lookup is None:
+            lookup = self._lookups[id(server)] = asyncio.ensure_future(self._read_version(server))
+            lookup.add_done_callback(lambda _: self._lookups.pop(id(server), None))
+        await asyncio.shield(lookup)
+
+    async def _read_version(self, server: Server) -> None:
+        if "admin_state" not in self.driver.capabilities:
+            self.versions.set(server, None)
+            return
+        (outcome,) = await self.admin.run("state", servers=[server])
+        if not outcome.ok:
+            self.versions.set(server, None)
+            log.warning(
+                "%s: weight version unknown (admin_state failed: %s); its requests are not salted",
+                server.base_url,
+                outcome.error,
+            )
+
+    def _stale(self, server: Server) -> StaleServerError | None:
+        """An error if ``server`` reports other weights than the fleet's version this client set."""
+        expected, reported = self.weight_version, self.versions.get(server)
+        if expected is None or reported is None or reported == expected:
+            return None
+        return StaleServerError(server.base_url, expected=expected, reported=reported)
 
     async def generate(
         self,
@@ -489,6 +573,9 @@ class Client:
 
     def _remember_version(self, version: str) -> None:
         self.weight_version = version
+
+    def _swapped(self, adapter: str) -> None:
+        self._swaps[adapter] = self._swaps.get(adapter, 0) + 1
 
     def conversation(
         self,

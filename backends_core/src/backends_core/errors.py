@@ -24,7 +24,9 @@
     ├── ResponseParseError (ValueError)           a 2xx body does not match the wire shape; ``.url``, ``.detail``
     ├── AdminError                                an admin operation failed on one or more servers;
     │                                             ``.results`` every server's outcome, ``.phases``, ``.state``
-    └── WeightVersionMismatch                     a server reports another weight version than the one set
+    ├── WeightVersionMismatch                     a server reports another weight version than the one set
+    └── StaleServerError                          a server (back after being down) serves other weights than
+                                                  the fleet's version: it gets no requests until caught up
 
 Backends raise :class:`RenderError`, :class:`ResponseParseError`, :class:`InvalidRequestError`,
 :class:`ServerRefusedError` and :class:`ConfigError` themselves; HTTP failures are mapped to
@@ -58,6 +60,7 @@ __all__ = [
     "ResponseParseError",
     "ServerRefusedError",
     "ServerStatusError",
+    "StaleServerError",
     "TransportError",
     "UnsupportedOperationError",
     "WeightVersionMismatch",
@@ -293,3 +296,23 @@ class WeightVersionMismatch(BackendError):
         self.expected = expected
         self.reported = reported
         super().__init__(f"{server} reports weight version {reported!r}, expected {expected!r}")
+
+
+class StaleServerError(BackendError):
+    """A server serves other weights than the version this client set on the fleet (typically a server that
+    went down and came back with its start-up weights); it gets no requests until it reports that version.
+
+    :ivar server: its base URL.
+    :ivar expected: the fleet's version.
+    :ivar reported: the version the server reports.
+    """
+
+    def __init__(self, server: str, *, expected: str, reported: str) -> None:
+        self.server = server
+        self.expected = expected
+        self.reported = reported
+        super().__init__(
+            f"{server} serves weight version {reported!r} but the fleet is on {expected!r}: it gets no requests "
+            "until it is brought to that version (admin.update_weights or weight_sync); looked at again after "
+            "fleet.cooldown"
+        )

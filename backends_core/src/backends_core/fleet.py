@@ -33,9 +33,12 @@ if TYPE_CHECKING:
     from backends_core._http import Server
     from backends_core.driver import BackendDriver
 
-__all__ = ["IDEMPOTENT_OPERATIONS", "Admin", "ServerOutcome", "ServerReport", "SyncReport"]
+__all__ = ["IDEMPOTENT_OPERATIONS", "Admin", "ServedVersions", "ServerOutcome", "ServerReport", "SyncReport"]
 
 T = TypeVar("T")
+
+#: Operations that change which weights a server serves.
+_CHANGES_WEIGHTS = frozenset({"update_weights", "update_weights_distributed"})
 
 #: Operations safe to repeat: retried after a transport failure or a 5xx.
 IDEMPOTENT_OPERATIONS = frozenset({"health", "ready", "state", "pause", "resume", "flush_cache", "wake"})
@@ -79,6 +82,31 @@ class SyncReport:
         return all(o.ok for outcomes in self.phases.values() for o in outcomes)
 
 
+class ServedVersions:
+    """The weight version each server serves, as far as this client knows: what the server reported (a state
+    check, a generation answer) or what this client set on it. Requests are salted with it, so a rollout
+    process with its own client stays isolated from prefix-cache entries of other weights too.
+
+    A server not known yet (or forgotten after it went down) is looked up once with ``admin_state``.
+    ``None`` means the server does not report a version.
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[int, str | None] = {}
+
+    def known(self, server: Server) -> bool:
+        return id(server) in self._known
+
+    def get(self, server: Server) -> str | None:
+        return self._known.get(id(server))
+
+    def set(self, server: Server, version: str | None) -> None:
+        self._known[id(server)] = version
+
+    def forget(self, server: Server) -> None:
+        self._known.pop(id(server), None)
+
+
 class Admin:
     """``client.admin``: every admin hook, fanned out over the client's servers.
 
@@ -96,12 +124,17 @@ class Admin:
         policy: AdminPolicy | None = None,
         default_deadline: float | None = None,
         on_version: Callable[[str], None] | None = None,
+        versions: ServedVersions | None = None,
+        on_swap: Callable[[str], None] | None = None,
     ) -> None:
         self._driver = driver
         self._servers = list(servers)
+        #: What each server serves, refreshed by every successful state check and weight update.
+        self.versions = versions if versions is not None else ServedVersions()
         self._policy = policy or AdminPolicy()
         self._default_deadline = default_deadline if default_deadline is not None else driver.config.timeouts.admin
         self._on_version = on_version
+        self._on_swap = on_swap
 
     def deadline(self, operation: str) -> float | None:
         """Seconds one server gets for ``operation``, retries included (``None``: no limit)."""
@@ -129,7 +162,17 @@ class Admin:
             error.__cause__ = exc
             return ServerOutcome(server=server.base_url, error=error, duration_s=time.perf_counter() - started)
         except Exception as exc:
+            if operation in _CHANGES_WEIGHTS:  # it may have switched before failing: look again before salting
+                self.versions.forget(server)
             return ServerOutcome(server=server.base_url, error=exc, duration_s=time.perf_counter() - started)
+        if operation == "state" and isinstance(value, ServerState):
+            self.versions.set(server, value.weight_version)
+        elif operation in _CHANGES_WEIGHTS:
+            version = kwargs.get("version")
+            if version is None:
+                self.versions.forget(server)
+            else:
+                self.versions.set(server, version)
         return ServerOutcome(server=server.base_url, value=value, duration_s=time.perf_counter() - started)
 
     async def run(
@@ -173,6 +216,7 @@ class Admin:
         :raises InvalidRequestError: ``path`` or ``version`` is empty or blank (nothing is sent).
         :raises AdminError: a server failed; the message names the servers now on the new weights.
         """
+        self._driver.require("admin_update_weights")
         text(path, "path")
         if version is not None:
             text(version, "version")
@@ -181,6 +225,7 @@ class Admin:
         return values
 
     async def init_weight_transfer(self, group: DistributedGroup) -> list[bool]:
+        self._driver.require("admin_init_weight_transfer")
         if not isinstance(group, DistributedGroup):
             raise InvalidRequestError(f"group must be a DistributedGroup, got {type(group).__name__}")
         return await self._all(
@@ -200,6 +245,7 @@ class Admin:
         :raises InvalidRequestError: ``group_name`` is not a non-empty string (nothing is sent).
         :raises AdminError: a server refused (e.g. it has no such group) or failed; successes are listed too.
         """
+        self._driver.require("admin_destroy_weight_transfer")
         text(group_name, "group_name")
         return await self._all("destroy_weight_transfer", group_name=group_name)
 
@@ -212,6 +258,7 @@ class Admin:
             something other than :class:`TensorSpec` (nothing is sent).
         :raises AdminError: a server failed; the message names the servers now on the new weights.
         """
+        self._driver.require("admin_update_weights_distributed")
         text(group_name, "group_name")
         if version is not None:
             text(version, "version")
@@ -229,11 +276,17 @@ class Admin:
     async def load_lora(self, adapter: LoraAdapter) -> list[bool]:
         """Load (or, with ``adapter.replace``, hot-swap) ``adapter`` on every server.
 
-        :raises AdminError: a server failed; the message names the servers where the adapter is now loaded.
+        A hot swap keeps the adapter's name, and engines key prefix-cache blocks by that name (vLLM #42125): so
+        after a swap the prefix cache is flushed on every server (where the backend can), and this client's
+        requests for the adapter get a new cache salt.
+
+        :raises AdminError: a server failed; the message names the servers where the adapter is now loaded,
+            or, if the swap worked but a flush did not, the servers that may reuse blocks of the old adapter.
         """
+        self._driver.require("admin_load_lora")
         if not isinstance(adapter, LoraAdapter):
             raise InvalidRequestError(f"adapter must be a LoraAdapter, got {type(adapter).__name__}")
-        return await self._all(
+        values = await self._all(
             "load_lora",
             adapter=adapter,
             left=lambda done: (
@@ -241,8 +294,26 @@ class Admin:
                 "retry load_lora with replace=True, or unload_lora"
             ),
         )
+        if adapter.replace:
+            if self._on_swap is not None:
+                self._on_swap(adapter.name)
+            if "admin_flush_cache" in self._driver.capabilities:
+                outcomes = await self.run("flush_cache")
+                if not all(o.ok for o in outcomes):
+                    stale = ", ".join(o.server for o in outcomes if not o.ok)
+                    raise AdminError(
+                        f"admin_load_lora {adapter.name!r}: flush_cache after the hot swap",
+                        outcomes,
+                        state=(
+                            f"the adapter was swapped on every server, but {stale} may still reuse prefix-cache "
+                            f"blocks computed with the old adapter (this client re-salts {adapter.name!r}): "
+                            "retry admin.flush_cache()"
+                        ),
+                    )
+        return values
 
     async def unload_lora(self, name: str) -> list[bool]:
+        self._driver.require("admin_unload_lora")
         text(name, "adapter name")
         return await self._all(
             "unload_lora",
@@ -262,6 +333,7 @@ class Admin:
         return await self._all("wake")
 
     async def abort(self, request_ids: Sequence[str] | None = None) -> list[int]:
+        self._driver.require("admin_abort")
         if request_ids is not None:
             if isinstance(request_ids, str):
                 raise InvalidRequestError("request_ids must be a list of request ids, not one string")
