@@ -65,6 +65,12 @@ class Server:
     cache: dict[str, Any] = attrs.field(factory=dict, repr=False)
     #: Secret values (API and admin keys) redacted from every error this server's answers produce.
     secrets: set[str] = attrs.field(factory=set, repr=False)
+    #: Headers of admin calls to the configured servers (``headers``, the API key, the admin headers).
+    home_headers: Mapping[str, str] = attrs.field(factory=dict, repr=False)
+    #: Headers of admin calls to other hosts a backend reaches (Dynamo workers): the admin credentials only.
+    admin_headers: Mapping[str, str] = attrs.field(factory=dict, repr=False)
+    #: Roots the configured credentials belong to (``base_url`` and the configured ``admin_url``).
+    _home: frozenset[str] = attrs.field(alias="home", default=frozenset(), repr=False)
     #: Planes whose last answer was a 5xx: their pooled connection may have been reset by the server.
     _reset_suspected: set[str] = attrs.field(factory=set, init=False, repr=False)
 
@@ -116,7 +122,11 @@ class Server:
         if plane == "admin":
             extra["timeout"] = httpx.Timeout(self._admin_timeout)
         content = None if json_body is None else dumps(json_body)
-        sent_headers = dict(headers or {})
+        if plane == "admin":
+            own = self.home_headers if self.admin_url in self._home or not self._home else self.admin_headers
+            sent_headers = {**own, **headers} if headers else dict(own)
+        else:
+            sent_headers = dict(headers or {})
         for name, value in sent_headers.items():
             if name.lower() in ("authorization", "x-api-key", "api-key"):
                 self.secrets.add(value.removeprefix("Bearer ").strip())

@@ -92,10 +92,17 @@ class Client:
     ) -> None:
         self.config = config
         self.driver = BackendDriver(config, plugin=plugin, extra_plugins=plugins)
+        # credentials go only where they were configured: the data client carries the servers' own headers;
+        # admin calls get theirs per request from Server (configured servers vs. hosts a backend discovers)
         headers = dict(config.headers)
         key = config.api_key()
         if key is not None:
             headers["authorization"] = f"Bearer {key}"
+        admin_headers = dict(config.admin_headers)
+        admin_key = config.admin_api_key()
+        if admin_key is not None:
+            admin_headers["authorization"] = f"Bearer {admin_key}"
+        home_headers = {**headers, **admin_headers}
         t, lim = config.timeouts, config.limits
         tls: bool | ssl.SSLContext = (
             ssl.create_default_context(cafile=config.verify) if isinstance(config.verify, str) else config.verify
@@ -129,13 +136,12 @@ class Client:
                 **_transport_args(transport, admin_limits),
                 verify=tls,
                 follow_redirects=False,
-                headers=headers,
                 timeout=httpx.Timeout(t.admin, connect=t.connect),
                 limits=admin_limits,
             )
             for _ in config.servers
         ]
-        secrets = {key} if key else set()
+        secrets = {k for k in (key, admin_key) if k}
         #: One handle per configured server, in config order.
         self.servers: list[Server] = [
             Server(
@@ -147,6 +153,9 @@ class Client:
                 admin_timeout=t.admin,
                 failover=len(config.servers) > 1,
                 secrets=set(secrets),
+                home_headers=home_headers,
+                admin_headers=admin_headers,
+                home=frozenset((base, admin)),
             )
             for (base, admin), admin_client in zip(config.servers, self._admin_clients, strict=True)
         ]

@@ -227,7 +227,12 @@ class ClientConfig:
         Needed only to render messages; ``None`` falls back to ``model``.
     :param api_key_var: name of the environment variable holding the bearer token (never the key itself;
         the key is never logged or shown in ``repr``).
-    :param headers: extra headers on every request.
+    :param headers: extra headers on every request to the configured servers (``base_url`` and
+        ``admin_base_url``); never sent to other hosts (e.g. Dynamo workers' system ports).
+    :param admin_api_key_var: name of the environment variable holding the bearer token for admin calls; sent
+        on every admin call, including hosts the backend reaches for admin routes (Dynamo workers), where it is
+        the only token sent. On the configured servers it replaces ``api_key_var``'s token for admin calls.
+    :param admin_headers: extra headers on every admin call, including those hosts.
     :param timeouts: see :class:`Timeouts`; a number sets ``read``.
     :param limits: see :class:`Limits`.
     :param retry: see :class:`RetryPolicy`.
@@ -246,6 +251,8 @@ class ClientConfig:
     tokenizer: str | None = None
     api_key_var: str | None = attrs.field(default=None)
     headers: Mapping[str, str] = attrs.field(factory=dict, converter=dict)
+    admin_api_key_var: str | None = attrs.field(default=None)
+    admin_headers: Mapping[str, str] = attrs.field(factory=dict, converter=dict)
     timeouts: Timeouts = attrs.field(factory=Timeouts, validator=_instance(Timeouts))
     limits: Limits = attrs.field(factory=Limits, validator=_instance(Limits))
     retry: RetryPolicy = attrs.field(factory=RetryPolicy, validator=_instance(RetryPolicy))
@@ -268,10 +275,11 @@ class ClientConfig:
             )
 
     @api_key_var.validator
-    def _check_key_var(self, _attr: Any, value: str | None) -> None:
+    @admin_api_key_var.validator
+    def _check_key_var(self, attr: Any, value: str | None) -> None:
         if value is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", value):
             raise ConfigError(
-                f"api_key_var must be an environment variable NAME, got something else ({len(value)} chars)"
+                f"{attr.name} must be an environment variable NAME, got something else ({len(value)} chars)"
             )
 
     @property
@@ -281,12 +289,11 @@ class ClientConfig:
 
     def api_key(self) -> str | None:
         """The API key read from ``api_key_var``; raises :class:`ConfigError` when the variable is unset."""
-        if self.api_key_var is None:
-            return None
-        key = os.environ.get(self.api_key_var)
-        if not key:
-            raise ConfigError([f"environment variable {self.api_key_var} (api_key_var) is not set or empty"])
-        return key
+        return _key(self.api_key_var, "api_key_var")
+
+    def admin_api_key(self) -> str | None:
+        """The admin API key read from ``admin_api_key_var``; :class:`ConfigError` when the variable is unset."""
+        return _key(self.admin_api_key_var, "admin_api_key_var")
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], *, source: str | None = None) -> ClientConfig:
@@ -325,6 +332,15 @@ class ClientConfig:
         """Plain data that :meth:`from_mapping` reads back to an equal config."""
         out: dict[str, Any] = _converter.unstructure(self)
         return out
+
+
+def _key(var: str | None, field: str) -> str | None:
+    if var is None:
+        return None
+    key = os.environ.get(var)
+    if not key:
+        raise ConfigError([f"environment variable {var} ({field}) is not set or empty"])
+    return key
 
 
 def _messages(exc: BaseException) -> list[str]:
@@ -388,6 +404,7 @@ def _make_converter() -> cattrs.Converter:
             base_url=override(struct_hook=_structure_urls),
             admin_base_url=override(struct_hook=_structure_urls),
             headers=override(struct_hook=_structure_str_map),
+            admin_headers=override(struct_hook=_structure_str_map),
             backend_options=override(struct_hook=_structure_any_map),
             verify=override(struct_hook=_structure_verify),
         ),
