@@ -1,0 +1,150 @@
+"""A real SGLang server SIGKILLed under load: every request of the client ends exactly once, typed, none hangs.
+
+The server is this module's own process (not the session's shared ``sglang_dense_url``), so killing it harms
+no other test; it is started lazily by the module fixture and its remains are stopped at the module's end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sglang_server
+from live_chaos import ChaosSetupError, require, sigkill, wait_until
+
+from backends_core import (
+    AdminPolicy,
+    Client,
+    ClientConfig,
+    GenerateResult,
+    NetworkError,
+    RequestError,
+    RequestTimeout,
+    SamplingParams,
+    ServerState,
+    ServerStatusError,
+    Timeouts,
+)
+from backends_core.testing.live import ServerProcess
+from backends_core.testing.tinymodel import TinyModels
+
+pytestmark = pytest.mark.live
+
+MODEL = "tiny-qwen3"
+REQUESTS = 200
+MAX_TOKENS = 384
+"""Long enough that no request is near its end when the kill lands (at most 32 run at once here: the rest
+queue), short enough that 32 of them fit the server's 16,384 KV slots."""
+READ_TIMEOUT_S = 300.0
+"""The client's read timeout: generous for 200 requests on a loaded 2-core machine, but bounded."""
+ARRIVAL_TIMEOUT_S = 180.0
+"""Seconds for all 200 requests to reach the scheduler (a few seconds idle)."""
+AFTER_KILL_DEADLINE_S = 60.0
+"""Every call must have ended this long after the kill (they end within milliseconds: reset connections)."""
+
+
+@pytest.fixture(scope="module")
+def doomed_sglang(
+    sglang_venv: Path, tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """A live SGLang server on the tiny dense model that only this module uses (and kills)."""
+    log_path = tmp_path_factory.getbasetemp() / "live-logs" / "sglang-chaos.log"
+    server = sglang_server.sglang_server(sglang_venv, tiny_models.dense, log_path=log_path, name="sglang-chaos")
+    server.start()
+    try:
+        server.wait_ready(sglang_server.READY_PATH, timeout=sglang_server.START_TIMEOUT_S)
+        sys.stderr.write(f"\n[live] sglang-chaos ready at {server.url} after {server.ready_after:.1f}s\n")
+        yield server
+    finally:
+        server.stop(timeout=sglang_server.STOP_TIMEOUT_S)
+
+
+async def test_sigkill_with_200_requests_in_flight(doomed_sglang: ServerProcess, tiny_models: TinyModels) -> None:
+    """200 concurrent ``generate`` calls of one client, all confirmed in flight on the server (running or
+    queued in its scheduler), then SIGKILL of the server's process group.
+
+    Every call ends exactly once, within a deadline, as a ``GenerateResult`` or a typed ``RequestError``
+    (never a raw httpx / asyncio exception); every error says the request may have been processed (each one
+    had reached the engine); the client's in-flight count is back to 0; and a request after the kill is refused
+    with ``NetworkError(maybe_processed=False)``.
+    """
+    server = doomed_sglang
+    config = ClientConfig(
+        backend="sglang",
+        base_url=server.url,
+        model=MODEL,
+        tokenizer=str(tiny_models.dense),
+        timeouts=Timeouts(read=READ_TIMEOUT_S),
+        admin=AdminPolicy(deadlines={"state": 30.0}),
+    )
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=1.0, seed=3)
+    ends: Counter[int] = Counter()
+    outcomes: list[GenerateResult | BaseException | None] = [None] * REQUESTS
+
+    async with Client(config) as client:
+
+        async def call(i: int) -> None:
+            try:
+                outcomes[i] = await client.generate(prompt_ids=[5, 6, 7, 8 + i % 50, 9], sampling=sampling)
+            except BaseException as exc:  # recorded, judged below: the test is about what escapes a call
+                outcomes[i] = exc
+            finally:
+                ends[i] += 1
+
+        tasks = [asyncio.create_task(call(i)) for i in range(REQUESTS)]
+        try:
+            in_flight_on_server = 0
+
+            async def all_arrived() -> bool:
+                nonlocal in_flight_on_server
+                (outcome,) = await client.admin.run("state")
+                state: ServerState | None = outcome.value
+                if state is None or state.in_flight is None:
+                    raise ChaosSetupError(f"no in-flight count from the server before the kill: {outcome!r}")
+                in_flight_on_server = state.in_flight
+                # every request not already answered is running or queued in the scheduler
+                return in_flight_on_server > 0 and in_flight_on_server + len(ends) >= REQUESTS
+
+            waited = await wait_until(
+                all_arrived, within=ARRIVAL_TIMEOUT_S, what=f"{REQUESTS} requests in flight on {server.url}"
+            )
+            answered_before_kill = len(ends)
+            require(answered_before_kill < REQUESTS, "every request finished before the kill: make them longer")
+            sigkill(server)
+            killed_at = time.monotonic()
+            _, pending = await asyncio.wait(tasks, timeout=AFTER_KILL_DEADLINE_S)
+            ended_after = time.monotonic() - killed_at
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        sys.stderr.write(
+            f"\n[chaos] sglang: {in_flight_on_server} in flight on the server after {waited:.1f}s, "
+            f"{answered_before_kill} answered before the kill; all ended {ended_after:.2f}s after it\n"
+        )
+        assert not pending, f"{len(pending)} calls still running {AFTER_KILL_DEADLINE_S} s after the kill"
+        assert all(ends[i] == 1 for i in range(REQUESTS)), f"calls ending other than once: {ends}"
+        kinds = Counter(type(o).__name__ for o in outcomes)
+        untyped = [o for o in outcomes if not isinstance(o, GenerateResult | RequestError)]
+        assert not untyped, f"untyped outcomes {kinds}: {untyped[:3]!r}"
+        errors = [o for o in outcomes if isinstance(o, RequestError)]
+        assert errors, f"the kill failed no request: {kinds}"
+        assert all(isinstance(e, NetworkError | RequestTimeout | ServerStatusError) for e in errors), kinds
+        assert not any(isinstance(e.__cause__, asyncio.CancelledError) for e in errors)
+        reached = [e for e in errors if not e.maybe_processed]
+        assert not reached, f"requests that had reached the engine reported as never processed: {reached[:3]!r}"
+        results = [o for o in outcomes if isinstance(o, GenerateResult)]
+        assert all(len(r.completion_ids) == MAX_TOKENS for r in results)
+        assert [load.in_flight for load in client.balancer.load] == [0]
+        sys.stderr.write(f"[chaos] sglang outcomes: {dict(kinds)}; first error: {errors[0]!r}\n")
+
+        with pytest.raises(NetworkError) as refused:
+            await client.generate(prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=2))
+        assert refused.value.maybe_processed is False, refused.value
+        assert [load.in_flight for load in client.balancer.load] == [0]
