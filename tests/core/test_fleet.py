@@ -480,3 +480,32 @@ async def test_a_weight_sync_whose_update_fails_somewhere_states_the_mixed_fleet
     assert "mixed weights: http://s0, http://s2 switched to" in str(err) and "no version was recorded" in str(err)
     assert list(err.phases) == ["pause", "update", "resume"]
     assert client.weight_version is None
+
+
+async def test_after_an_update_that_failed_on_one_server_that_server_is_kept_out_until_it_matches(
+    fleet, tiny_models, tmp_path
+) -> None:
+    """No fleet version was recorded (the update failed somewhere), but the others agree on the new one."""
+    from backends_core.testing.tinymodel import write_perturbed_weights
+
+    new = write_perturbed_weights(tiny_models.dense, tmp_path / "w7", seed=9, scale=0.1)
+
+    disk_full = [True]
+
+    async def refuses_update(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/update_weights" and disk_full[0]:
+            return httpx.Response(507, json={"error": "disk full"})
+        return await fleet["s1"].handle(request)
+
+    handlers = {h: e.handle for h, e in fleet.items()} | {"s1": refuses_update}
+    async with Client(config(tiny_models), transport=routed(handlers)) as client:
+        with pytest.raises(AdminError, match="mixed weights"):
+            await client.admin.update_weights(str(new), version="v7")
+        assert client.weight_version is None
+        with pytest.raises(StaleServerError, match=r"http://s1 serves weight version .* but the fleet is on 'v7'"):
+            await client.generate(prompt_ids=[1, 2], server=1)
+        results = [await client.generate(prompt_ids=[1, 2]) for _ in range(4)]
+        assert {r.server for r in results} == {"http://s0", "http://s2"}
+        disk_full[0] = False
+        await client.admin.update_weights(str(new), version="v7")  # retried: now everywhere
+        assert (await client.generate(prompt_ids=[1, 2], server=1)).weight_version == "v7"

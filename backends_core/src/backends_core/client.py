@@ -368,10 +368,10 @@ class Client:
 
         Requests without a ``cache_salt`` are salted with the weight version their server serves as far as this
         client knows (:attr:`versions`: set by its weight updates, refreshed by state checks and by answers that
-        report another version). Once this client has set a version on the fleet, a server it has not heard
-        from since (one that went down and came back) is asked for its version first: if it serves other
-        weights, it is taken out for the cooldown and the request goes elsewhere (:class:`StaleServerError`
-        when it was pinned or the last one left).
+        report another version). A server that could not be reached, or where a weight change failed, is asked
+        for its version before it serves again: if it serves other weights than the fleet (the version this client set, else the one every other
+        server is known to serve), it is taken out for the cooldown and the request goes elsewhere
+        (:class:`StaleServerError` when it was pinned or the last one left).
         """
         salt = self.config.fleet.salt_with_weight_version and request.cache_salt is None
         pinned = None if server is None else self.server_index(server)
@@ -381,13 +381,13 @@ class Client:
             while True:
                 index = pinned if pinned is not None else self.balancer.pick(session=session, exclude=frozenset(tried))
                 target = self.servers[index]
-                if self.weight_version is not None and not self.versions.known(target):
+                if self.versions.in_doubt(target):
                     await self._look_up_version(target)
-                    stale = self._stale(target)
+                    stale = self._stale(index)
                     if stale is not None:
+                        self.versions.forget(target)  # looked at again after the cooldown
                         self.balancer.take_out(index)
                         tried.add(index)
-                        self.versions.forget(target)  # looked up again after the cooldown
                         if pinned is not None or len(tried) == len(self.servers):
                             raise stale
                         log.warning("%s", stale)
@@ -449,12 +449,18 @@ class Client:
                 outcome.error,
             )
 
-    def _stale(self, server: Server) -> StaleServerError | None:
-        """An error if ``server`` reports other weights than the fleet's version this client set."""
-        expected, reported = self.weight_version, self.versions.get(server)
+    def _stale(self, index: int) -> StaleServerError | None:
+        """An error if server ``index`` serves other weights than the fleet: the version this client set, else
+        the one version every other server is known to serve. ``None`` when it matches or cannot be told."""
+        expected = self.weight_version
+        if expected is None:
+            others = {v for i, s in enumerate(self.servers) if i != index and (v := self.versions.get(s)) is not None}
+            expected = others.pop() if len(others) == 1 else None
+        target = self.servers[index]
+        reported = self.versions.get(target)
         if expected is None or reported is None or reported == expected:
             return None
-        return StaleServerError(server.base_url, expected=expected, reported=reported)
+        return StaleServerError(target.base_url, expected=expected, reported=reported)
 
     async def generate(
         self,

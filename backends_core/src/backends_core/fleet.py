@@ -84,15 +84,15 @@ class SyncReport:
 
 class ServedVersions:
     """The weight version each server serves, as far as this client knows: what the server reported (a state
-    check, a generation answer) or what this client set on it. Requests are salted with it, so a rollout
-    process with its own client stays isolated from prefix-cache entries of other weights too.
+    check, a generation answer) or what this client set on it. Requests are salted with it.
 
-    A server not known yet (or forgotten after it went down) is looked up once with ``admin_state``.
-    ``None`` means the server does not report a version.
+    A server is in doubt after a weight change on it failed or it could not be reached: it is asked for its
+    version before it serves again. ``None`` means the server does not report a version.
     """
 
     def __init__(self) -> None:
         self._known: dict[int, str | None] = {}
+        self._doubt: set[int] = set()
 
     def known(self, server: Server) -> bool:
         return id(server) in self._known
@@ -102,9 +102,15 @@ class ServedVersions:
 
     def set(self, server: Server, version: str | None) -> None:
         self._known[id(server)] = version
+        self._doubt.discard(id(server))
 
     def forget(self, server: Server) -> None:
+        """What ``server`` serves is no longer known: ask it before it serves again."""
         self._known.pop(id(server), None)
+        self._doubt.add(id(server))
+
+    def in_doubt(self, server: Server) -> bool:
+        return id(server) in self._doubt
 
 
 class Admin:
