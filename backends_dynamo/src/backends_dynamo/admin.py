@@ -5,7 +5,6 @@ kept client-side (:mod:`backends_dynamo.tracking`)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -64,8 +63,10 @@ __all__ = [
 WAKE_READY_TIMEOUT_S = 30.0
 #: How long ``load_lora`` / ``unload_lora`` wait for the frontend when the operation has no admin deadline.
 UNBOUNDED_WAIT_S = 120.0
-#: The longest a ``wait`` pause waits for this client's answers still travelling through the frontend.
-PAUSE_SETTLE_S = 5.0
+#: How long a ``wait`` pause gives this client's in-flight answers to arrive once the workers confirmed it.
+ANSWER_GRACE_S = 0.5
+#: How many times a ``wait`` pause lets requests of this client that a worker held in and drains them again.
+PAUSE_REDRAINS = 3
 
 
 # -- health -----------------------------------------------------------------------------------------------
@@ -139,17 +140,53 @@ async def _resume_workers(server: Server, urls: Sequence[str], operation: str) -
     return [o.server for o in outcomes if not o.ok]
 
 
-async def _settle(track: Tracker, flights: frozenset[str], budget: float) -> None:
-    """Wait until this client's requests that were in flight when a ``wait`` pause was sent have been answered.
-
-    The workers confirm such a pause once their engine finished those requests; the answers still travel
-    through the frontend, whose in-flight gauge (``state().in_flight``) counts them until then (seen on a
-    loaded machine). A request that reached a worker only after the pause is held there until resume: the wait
-    ends after :data:`PAUSE_SETTLE_S` at most, leaving it held.
-    """
-    with contextlib.suppress(TimeoutError):  # the ones still in flight are held by the pause
-        async with asyncio.timeout(max(0.0, min(PAUSE_SETTLE_S, budget))):
+async def _answered(track: Tracker, flights: frozenset[str], within: float) -> bool:
+    """Whether this client's requests ``flights`` were all answered within ``within`` seconds."""
+    try:
+        async with asyncio.timeout(max(0.0, within)):
             await track.answered(flights)
+    except TimeoutError:
+        return False
+    return True
+
+
+async def _drain(
+    server: Server,
+    urls: Sequence[str],
+    pause: Mapping[str, Any],
+    track: Tracker,
+    flights: frozenset[str],
+    started: float,
+    budget: float,
+) -> None:
+    """After the workers confirmed a ``wait`` pause: make sure this client's requests that were in flight when it
+    was asked for are answered.
+
+    A worker drains only the requests its engine has admitted. One that the frontend had already sent to it but
+    that the engine had not admitted yet (a busy worker, seen on a loaded machine) is held until ``resume``, so
+    the pause would return with it still in flight. Such requests are let in (resume) and drained again (pause
+    ``wait``), up to :data:`PAUSE_REDRAINS` times; requests of others sent meanwhile are drained with them.
+    """
+    for _ in range(PAUSE_REDRAINS):
+        grace = min(ANSWER_GRACE_S, budget - (time.monotonic() - started))
+        if await _answered(track, flights, grace) or time.monotonic() - started >= budget:
+            return
+        for route, body in (("resume_generation", None), ("pause_generation", pause)):
+
+            def call(url: str, route: str = route, body: Mapping[str, Any] | None = body) -> Awaitable[Any]:
+                return engine_call(server, url, route, body, operation="admin_pause")
+
+            outcomes = await each_worker(urls, call)
+            if not all(o.ok for o in outcomes):
+                track.paused = None
+                others = [o.server for o in outcomes if not o.ok]
+                verb = "resuming them" if route == "resume_generation" else "pausing them again"
+                state = (
+                    f"the workers behind {server.base_url} paused, then were resumed to let in requests a worker "
+                    f"held, and {verb} failed on {names(others)}: call pause again, or resume"
+                )
+                raise_for("admin_pause", server, outcomes, state)
+    await _answered(track, flights, min(ANSWER_GRACE_S, budget - (time.monotonic() - started)))
 
 
 @hookimpl
@@ -157,8 +194,8 @@ async def admin_pause(
     server: Server, mode: PauseMode, clear_cache: bool, config: ClientConfig, options: DynamoOptions
 ) -> bool:
     """Pause every worker. If some refuse, the ones that paused are resumed again, so a failed pause leaves
-    nothing paused (or says which worker stays paused); with mode ``wait`` the call returns once this client's
-    in-flight answers have arrived, not only once the engines finished them."""
+    nothing paused (or says which worker stays paused). With mode ``wait`` the call returns once this client's
+    requests in flight when it was called are answered (see :func:`_drain`)."""
     started = time.monotonic()
     track = tracker(server)
     flights = track.in_flight()
@@ -189,7 +226,8 @@ async def admin_pause(
         raise_for("admin_pause", server, outcomes, state)
     track.paused = True
     if mode == "wait" and flights:
-        await _settle(track, flights, _budget(config, "pause") - (time.monotonic() - started))
+        urls = worker_urls(server, options)
+        await _drain(server, urls, body, track, flights, started, _budget(config, "pause"))
     return True
 
 

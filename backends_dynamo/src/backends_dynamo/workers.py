@@ -149,17 +149,17 @@ async def each_worker(urls: Iterable[str], run: Callable[[str], Awaitable[T]]) -
 
 
 def raise_for(operation: str, server: Server, outcomes: Sequence[ServerOutcome[Any]], state: str | None) -> None:
-    """Raise when a worker failed or ``state`` says the deployment needs attention; return otherwise.
+    """Raise if a worker failed; return otherwise.
 
-    A single worker's failure that left nothing to report is raised as it is; otherwise the error is an
-    :class:`AdminError` over every worker's outcome (successes included), named after the frontend, whose
-    message ends with ``state``: what the deployment now serves and what to do.
+    A single worker's failure that left nothing to report (``state`` is ``None``) is raised as it is; otherwise
+    the error is an :class:`AdminError` over every worker's outcome (successes included), named after the
+    frontend, whose message ends with ``state``: what the deployment now serves and what to do.
     """
-    failed = [o for o in outcomes if o.error is not None]
-    if not failed and state is None:
+    failed = [o.error for o in outcomes if o.error is not None]
+    if not failed:
         return
-    if len(outcomes) == 1 and state is None and failed[0].error is not None:
-        raise failed[0].error
+    if len(outcomes) == 1 and state is None:
+        raise failed[0]
     raise AdminError(f"{operation} on the workers behind {server.base_url}", outcomes, state=state)
 
 

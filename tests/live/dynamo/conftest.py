@@ -14,7 +14,10 @@ Discovery is file based in a per-deployment scratch directory: no etcd, no NATS,
 
 Policy (as for every live test): an install or start failure is a test ERROR carrying the logs' tails, never a
 skip; ``BACKENDS_SKIP_LIVE=1`` skips these tests (``tests/live/conftest.py``). Tests sharing a deployment leave
-it as they found it (resume after pausing, unload adapters, restore weights, wake up). Logs are in
+it as they found it (resume after pausing, unload adapters, restore weights, wake up) in ``finally``; and after
+every test that uses a vLLM-worker deployment, :func:`restored_deployments` puts back whatever a failing test
+(or one whose cleanup is not ours: the shared conformance and fleet suites) left behind, so that one failure
+never cascades into the next tests. Logs are in
 ``<basetemp>/live-logs/``; install output in ``<venv>/install.log``; install and start timings are printed at
 the end of the run and written to ``<basetemp>/live-logs/dynamo-timings.json``.
 """
@@ -22,6 +25,7 @@ the end of the run and written to ``<basetemp>/live-logs/dynamo-timings.json``.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -178,6 +182,24 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         if key.startswith("measure_"):
             write(f"{key}: {value}")
     write(f"(recorded at {time.strftime('%Y-%m-%d %H:%M:%S')})")
+
+
+_RESTORED = ("dynamo_vllm", "dynamo_vllm_2")
+
+
+@pytest.fixture(autouse=True)
+def restored_deployments(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test using a vLLM-worker deployment: the deployment as it was before the test (every worker
+    resumed and awake, adapters it loaded unloaded, the original weights back; see ``dynamo_server.restore``).
+    What had to be undone is reported on stderr, naming the test."""
+    used = [name for name in _RESTORED if name in request.fixturenames]
+    deployments = [request.getfixturevalue(name) for name in used]
+    before = [dynamo_server.snapshot(d) for d in deployments]
+    yield
+    for deployment, snap in zip(deployments, before, strict=True):
+        undone = dynamo_server.restore(deployment, snap, deployment.extra.get("model_dir"))
+        if undone:
+            sys.stderr.write(f"\n[live] {request.node.nodeid} left {deployment.name} changed: {'; '.join(undone)}\n")
 
 
 @pytest.fixture

@@ -35,12 +35,14 @@ standalone vLLM recipe's choice, the base CPython 3.11 whose local torch wheel p
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import random
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -464,16 +466,127 @@ def deployment(
     )
 
 
+# -- waiting and restoring ---------------------------------------------------------------------------
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str, within: float = 60.0, interval: float = 0.05) -> float:
+    """Poll ``check()`` until it is true; the seconds it took.
+
+    :raises AssertionError: naming ``what`` when ``within`` seconds pass first.
+    """
+    started = time.monotonic()
+    while not await check():
+        assert time.monotonic() - started < within, f"{what}: not seen within {within:.0f} s"
+        await asyncio.sleep(interval)
+    return time.monotonic() - started
+
+
+def wait_until(check: Callable[[], bool], what: str, within: float = 60.0, interval: float = 0.1) -> float:
+    """:func:`until` for synchronous checks (:class:`LiveServerError` when ``within`` seconds pass first)."""
+    started = time.monotonic()
+    while not check():
+        if time.monotonic() - started >= within:
+            raise LiveServerError(f"{what}: not seen within {within:.0f} s")
+        time.sleep(interval)
+    return time.monotonic() - started
+
+
+ORIGINAL_VERSION = "base"
+"""The version tests declare when they put the original checkpoint back (the shared suites do too)."""
+RESTORE_TIMEOUT_S = 120.0
+"""How long :func:`restore` waits for the frontend to show the deployment as it was."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What a test may change on a deployment: the names the frontend serves, each worker's declared weight
+    version (``None``: undeclared or no RL routes)."""
+
+    served: frozenset[str]
+    versions: tuple[str | None, ...]
+
+
+def _engine(client: httpx.Client, worker: str, route: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    response = client.post(f"{worker}/engine/{route}", json=body or {})
+    if response.status_code == 404:
+        return {"status": "missing"}
+    payload = json.loads(response.text)  # served as text/plain
+    if not isinstance(payload, dict):
+        raise LiveServerError(f"{worker}/engine/{route} answered {response.text[:300]}")
+    return payload
+
+
+def _served(client: httpx.Client, deployment: DynamoDeployment) -> frozenset[str]:
+    response = client.get(f"{deployment.frontend_url}/v1/models")
+    response.raise_for_status()
+    return frozenset(m["id"] for m in response.json()["data"])
+
+
+def snapshot(deployment: DynamoDeployment) -> Snapshot:
+    """The deployment's state, for :func:`restore` after a test."""
+    with httpx.Client(timeout=httpx.Timeout(60.0), trust_env=False) as client:
+        versions = tuple(_engine(client, w, "get_weight_version").get("version") for w in deployment.worker_system_urls)
+        return Snapshot(served=_served(client, deployment), versions=versions)
+
+
+def restore(deployment: DynamoDeployment, before: Snapshot, model_dir: Path | None) -> list[str]:
+    """Put the deployment back as ``before`` found it, whatever the test did or failed to undo: every worker
+    resumed and awake, adapters loaded since unloaded, the original weights reloaded (with the version seen
+    before, else :data:`ORIGINAL_VERSION`) where a worker's version changed; then wait until the frontend serves what it
+    served before. Returns what had to be undone (a test that cleans up after itself leaves nothing)."""
+    undone: list[str] = []
+    with httpx.Client(timeout=httpx.Timeout(120.0), trust_env=False) as client:
+        for worker in deployment.worker_system_urls:
+            if _engine(client, worker, "control/wake_up").get("message") == "Engine woke":
+                undone.append(f"{worker} was asleep")
+            _engine(client, worker, "resume_generation")  # answers ok whether or not it was paused
+        # a worker that woke comes back into discovery a moment later, with its adapters
+        wait_until(
+            lambda: deployment.model in _served(client, deployment),
+            f"{deployment.name}: the frontend serving {deployment.model!r}",
+            RESTORE_TIMEOUT_S,
+        )
+        extra = sorted(_served(client, deployment) - before.served - {deployment.model})
+        for name in extra:
+            undone.append(f"adapter {name!r} was loaded")
+            for worker in deployment.worker_system_urls:
+                _engine(client, worker, "unload_lora", {"lora_name": name})
+        for worker, was in zip(deployment.worker_system_urls, before.versions, strict=True):
+            now = _engine(client, worker, "get_weight_version").get("version")
+            if now == was or (was is None and now == ORIGINAL_VERSION) or model_dir is None:
+                continue
+            undone.append(f"{worker} serves weight version {now!r}, not {was!r}")
+            _engine(client, worker, "pause_generation", {"mode": "wait"})
+            try:
+                body = {"model_path": str(model_dir), "weight_version": ORIGINAL_VERSION if was is None else was}
+                answer = _engine(client, worker, "update_weights_from_disk", body)
+                if answer.get("status") != "ok":
+                    raise LiveServerError(f"{worker}: reloading {model_dir} failed: {answer}")
+            finally:
+                _engine(client, worker, "resume_generation")
+        wait_until(
+            lambda: _served(client, deployment) == before.served,
+            f"{deployment.name}: the frontend serving {sorted(before.served)} again",
+            RESTORE_TIMEOUT_S,
+        )
+    return undone
+
+
 __all__ = [
     "LORA_NAME",
     "SERVED_MODEL_NAME",
     "DynamoDeployment",
     "LiveServerError",
+    "Snapshot",
     "VenvInfo",
     "deployment",
     "ensure_frontend_venv",
     "ensure_worker_venv",
     "frontend_process",
     "mocker_process",
+    "restore",
+    "snapshot",
+    "until",
     "vllm_worker_process",
+    "wait_until",
 ]

@@ -25,6 +25,7 @@ import dynamo_server
 import httpx
 import numpy as np
 import pytest
+from dynamo_server import until
 
 from backends_core import AdminError, Client, ClientConfig, ServerRefusedError
 from backends_core.testing.engine import EngineRequest, ReferenceEngine
@@ -236,18 +237,20 @@ async def test_mocker_restarted_worker_is_picked_up(
     url = f"{dynamo_mocker.frontend_url}/v1/chat/completions"
     before = (await _post(http, url, _chat([1, 2, 3], 2, "worker_id")))["nvext"]["worker_id"]["decode_worker_id"]
     dynamo_mocker.workers[0].stop()
-    # with no worker the model disappears from the frontend: 404 (not 503)
-    deadline = time.monotonic() + 30
-    while True:
-        response = await http.post(url, json=_chat([1, 2, 3], 2))
-        if response.status_code != 200 or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.1)
-    assert response.status_code == 404, response.text
-    health = (await http.get(f"{dynamo_mocker.frontend_url}/health")).json()
-    assert [i for i in health["instances"] if i["endpoint"] == "generate"] == []
+    try:
+        # with no worker the model disappears from the frontend: 404 (not 503)
+        answers: list[httpx.Response] = []
 
-    seconds = await asyncio.to_thread(dynamo_mocker.restart_worker, 0)
+        async def refused() -> bool:
+            answers.append(await http.post(url, json=_chat([1, 2, 3], 2)))
+            return answers[-1].status_code != 200
+
+        await until(refused, "a request refused once the only worker stopped", within=30, interval=0.1)
+        assert answers[-1].status_code == 404, answers[-1].text
+        health = (await http.get(f"{dynamo_mocker.frontend_url}/health")).json()
+        assert [i for i in health["instances"] if i["endpoint"] == "generate"] == []
+    finally:  # the next mocker tests need a worker, whatever happened here
+        seconds = await asyncio.to_thread(dynamo_mocker.restart_worker, 0)
     after = (await _post(http, url, _chat([1, 2, 3], 2, "worker_id")))["nvext"]["worker_id"]["decode_worker_id"]
     assert after != before
     record_dynamo("mocker_restart_to_first_200_s", round(seconds, 2))
@@ -481,16 +484,21 @@ async def test_vllm_admin_basic_routes(http: httpx.AsyncClient, dynamo_vllm: Any
 async def test_vllm_admin_weight_version(http: httpx.AsyncClient, dynamo_vllm: Any) -> None:
     start = await _ok(http, dynamo_vllm, "get_weight_version")
     assert set(start) >= {"version", "version_declared"}
-    assert (await _ok(http, dynamo_vllm, "set_weight_version", {"weight_version": "live-v7"}))["version"] == "live-v7"
-    now = await _ok(http, dynamo_vllm, "get_weight_version")
-    assert now["version"] == "live-v7" and now["version_declared"] is True
-    # the version is not attached to responses
-    raw = await _post(
-        http,
-        f"{dynamo_vllm.frontend_url}/v1/completions",
-        _completions([1, 2, 3], 2, "engine_data", "worker_id", "timing"),
-    )
-    assert "live-v7" not in json.dumps(raw)
+    try:
+        set_to = await _ok(http, dynamo_vllm, "set_weight_version", {"weight_version": "live-v7"})
+        assert set_to["version"] == "live-v7"
+        now = await _ok(http, dynamo_vllm, "get_weight_version")
+        assert now["version"] == "live-v7" and now["version_declared"] is True
+        # the version is not attached to responses
+        raw = await _post(
+            http,
+            f"{dynamo_vllm.frontend_url}/v1/completions",
+            _completions([1, 2, 3], 2, "engine_data", "worker_id", "timing"),
+        )
+        assert "live-v7" not in json.dumps(raw)
+    finally:  # a version cannot be undeclared: an undeclared start is put back by the restore fixture
+        if start["version_declared"]:
+            await _ok(http, dynamo_vllm, "set_weight_version", {"weight_version": start["version"]})
 
 
 async def test_vllm_distributed_weight_routes_answer_with_the_cpu_limitation(
@@ -573,6 +581,32 @@ async def _start_long(
     return task, state
 
 
+async def _more_tokens(task: asyncio.Task[dict[str, Any]], state: dict[str, Any], n: int) -> None:
+    """Wait until the stream delivered ``n`` more tokens or ended."""
+    seen = len(state["tokens"])
+
+    async def went_on() -> bool:
+        return len(state["tokens"]) >= seen + n or task.done()
+
+    await until(went_on, f"{n} more tokens", within=30)
+
+
+FROZEN_S = 1.5
+"""A paused stream counts as frozen once no token arrived for this long."""
+
+
+async def _quiet(task: asyncio.Task[dict[str, Any]], state: dict[str, Any], hold: float, within: float = 60.0) -> int:
+    """Wait until the stream ended or delivered no token for ``hold`` seconds (tokens already on their way when
+    a pause was confirmed still arrive); the number of tokens it had then."""
+
+    async def settled() -> bool:
+        last = state["arrivals"][-1] if state["arrivals"] else 0.0
+        return task.done() or time.monotonic() - last >= hold
+
+    await until(settled, f"a stream without a token for {hold} s", within=within)
+    return len(state["tokens"])
+
+
 def _ran_to_the_end(task: asyncio.Task[dict[str, Any]], n: int) -> bool:
     """The stream ended at its full length: the act under test reached the worker too late to say anything (a
     loaded machine can stall the client or the control route for longer than a whole generation)."""
@@ -586,9 +620,7 @@ async def test_vllm_pause_keep_freezes_and_resume_continues(http: httpx.AsyncCli
         try:
             paused = await _ok(http, dynamo_vllm, "pause_generation", {"mode": "keep"})
             assert paused == {"status": "ok", "message": "Engine paused", "mode": "keep", "clear_cache": False}
-            await asyncio.sleep(0.5)
-            frozen_at = len(state["tokens"])
-            await asyncio.sleep(1.5)
+            frozen_at = await _quiet(task, state, FROZEN_S)
             caught = not _ran_to_the_end(task, 1000)
             if caught:
                 assert len(state["tokens"]) == frozen_at < 1000 and not task.done(), "tokens kept coming while paused"
@@ -642,10 +674,7 @@ async def test_vllm_abort_request_needs_the_bare_uuid(http: httpx.AsyncClient, d
             wrong = await _ok(http, dynamo_vllm, "abort_request", {"request_id": response_id})
             assert wrong == {"status": "ok", "request_id": response_id}
             seen = len(state["tokens"])
-            for _ in range(600):  # up to 30 s for 20 more tokens
-                if len(state["tokens"]) >= seen + 20 or task.done():
-                    break
-                await asyncio.sleep(0.05)
+            await _more_tokens(task, state, 20)
             if _ran_to_the_end(task, 1900):
                 continue
             assert not task.done() and len(state["tokens"]) >= seen + 20, "the prefixed id aborted the request"
@@ -672,15 +701,15 @@ async def test_vllm_update_weights_from_disk_changes_and_restores_outputs(
     perturbed = write_perturbed_weights(engine_dir, tmp_path / "perturbed", seed=1, scale=0.5)
     refused = await _admin(http, dynamo_vllm, "update_weights_from_disk", {"model_path": str(perturbed)})
     assert refused["status"] == "error" and "paused" in refused["message"], refused
+    start = (await _ok(http, dynamo_vllm, "get_weight_version"))["version"] or dynamo_server.ORIGINAL_VERSION
     try:
         await _ok(http, dynamo_vllm, "pause_generation", {"mode": "wait"})
-        updated = await _ok(
-            http, dynamo_vllm, "update_weights_from_disk", {"model_path": str(perturbed), "weight_version": "perturbed"}
-        )
-        assert updated["version"] == "perturbed"
-    finally:
-        await _ok(http, dynamo_vllm, "resume_generation")
-    try:
+        try:
+            body = {"model_path": str(perturbed), "weight_version": "perturbed"}
+            updated = await _ok(http, dynamo_vllm, "update_weights_from_disk", body)
+            assert updated["version"] == "perturbed"
+        finally:
+            await _ok(http, dynamo_vllm, "resume_generation")
         after = await _greedy(http, url, ids, 12)
         assert after["completion_token_ids"] != before["completion_token_ids"]
         async with ReferenceEngine(perturbed) as engine:
@@ -688,15 +717,11 @@ async def test_vllm_update_weights_from_disk_changes_and_restores_outputs(
                 EngineRequest(prompt_ids=ids, max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
             )
         assert after["completion_token_ids"] == list(ours.completion_ids)
-    finally:
+    finally:  # the original weights, under the version they had
         await _ok(http, dynamo_vllm, "pause_generation", {"mode": "wait"})
         try:
-            await _ok(
-                http,
-                dynamo_vllm,
-                "update_weights_from_disk",
-                {"model_path": str(engine_dir), "weight_version": "original"},
-            )
+            body = {"model_path": str(engine_dir), "weight_version": start}
+            await _ok(http, dynamo_vllm, "update_weights_from_disk", body)
         finally:
             await _ok(http, dynamo_vllm, "resume_generation")
     restored = await _greedy(http, url, ids, 12)
@@ -704,18 +729,30 @@ async def test_vllm_update_weights_from_disk_changes_and_restores_outputs(
     np.testing.assert_allclose(restored["completion_logprobs"], before["completion_logprobs"], atol=1e-6)
 
 
+async def _served(http: httpx.AsyncClient, url: str) -> list[str]:
+    return [m["id"] for m in (await http.get(f"{url}/v1/models")).json()["data"]]
+
+
 async def test_vllm_load_and_unload_lora(
     http: httpx.AsyncClient, dynamo_vllm: Any, engine_dir: Path, record_dynamo: Any
 ) -> None:
+    """``load_lora`` answers once the worker published the adapter's card in discovery; the frontend lists (and
+    routes to) it a moment later, and after ``unload_lora`` drops it a moment later (both timed)."""
     url = dynamo_vllm.frontend_url
     name = dynamo_server.LORA_NAME
     lora_dir = Path(dynamo_vllm.extra["lora_dir"])
     ids = _ids(90, 24)
+    assert name not in await _served(http, url), "left loaded by an earlier test"
     loaded = await _ok(http, dynamo_vllm, "load_lora", {"lora_name": name, "source": {"uri": lora_dir.as_uri()}})
     try:
         assert loaded["lora_name"] == name and isinstance(loaded["lora_id"], int)
-        models = [m["id"] for m in (await http.get(f"{url}/v1/models")).json()["data"]]
-        assert name in models and MODEL in models
+
+        async def listed() -> bool:
+            return name in await _served(http, url)
+
+        seconds = await until(listed, f"{name} in the frontend's /v1/models after load_lora")
+        record_dynamo("lora_listed_after_load_s", round(seconds, 3))
+        assert MODEL in await _served(http, url)
         again = await _admin(http, dynamo_vllm, "load_lora", {"lora_name": name, "source": {"uri": lora_dir.as_uri()}})
         assert again["status"] == "error" or "already" in json.dumps(again).lower(), again
         base = await _teacher(http, url, ids)
@@ -731,8 +768,12 @@ async def test_vllm_load_and_unload_lora(
     finally:
         unloaded = await _ok(http, dynamo_vllm, "unload_lora", {"lora_name": name})
     assert unloaded["lora_name"] == name
-    models = [m["id"] for m in (await http.get(f"{url}/v1/models")).json()["data"]]
-    assert models == [MODEL]
+
+    async def dropped() -> bool:
+        return await _served(http, url) == [MODEL]
+
+    seconds = await until(dropped, f"only {MODEL} in the frontend's /v1/models after unload_lora")
+    record_dynamo("lora_dropped_after_unload_s", round(seconds, 3))
     response = await http.post(f"{url}/v1/completions", json={**_completions(ids, 2), "model": name})
     assert response.status_code == 404, response.text
 
@@ -745,21 +786,23 @@ async def test_vllm_sleep_and_wake_up(http: httpx.AsyncClient, dynamo_vllm: Any)
     try:
         assert slept["message"].startswith("Engine slept")
         # the worker leaves discovery while asleep
-        deadline = time.monotonic() + 30
-        while True:
-            response = await http.post(f"{url}/v1/completions", json=_completions(ids, 2))
-            if response.status_code != 200 or time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.2)
-        assert response.status_code == 503, response.text
+        answers: list[httpx.Response] = []
+
+        async def refused() -> bool:
+            answers.append(await http.post(f"{url}/v1/completions", json=_completions(ids, 2)))
+            return answers[-1].status_code != 200
+
+        await until(refused, "a request refused while the worker sleeps", within=30, interval=0.2)
+        assert answers[-1].status_code == 503, answers[-1].text
         assert (await http.get(f"{url}/v1/models")).json()["data"] == []
         assert json.loads((await http.get(f"{dynamo_vllm.worker_system_urls[0]}/health")).text)["status"] == "ready"
     finally:
         woke = await _ok(http, dynamo_vllm, "control/wake_up", {})
     assert woke["message"] == "Engine woke"
-    deadline = time.monotonic() + 60
-    while (await http.post(f"{url}/v1/completions", json=_completions(ids, 1))).status_code != 200:
-        assert time.monotonic() < deadline, "the model did not come back after wake_up"
-        await asyncio.sleep(0.2)
+
+    async def served() -> bool:
+        return (await http.post(f"{url}/v1/completions", json=_completions(ids, 1))).status_code == 200
+
+    await until(served, "the model served again after wake_up", within=60, interval=0.2)
     after = await _greedy(http, url, ids, 6)
     assert after["completion_token_ids"] == before["completion_token_ids"]
