@@ -1,10 +1,18 @@
-"""The conformance suite's pause and abort tests fail a server that ignores the act, even though they repeat an
-attempt whose generation finished before the act landed (a loaded machine can delay either side)."""
+"""The conformance suite's pause and abort tests give the right verdict under the races a loaded machine causes.
+
+They fail a server that ignores the act (or carries out another pause mode), even though they repeat an attempt
+whose generation ended before the act landed; and they pass a correct server whose admin plane lags its engine
+(vLLM's API server under CPU load answers nothing until it has caught up with a generation), whose in-flight count
+lags the answers it relays, or whose engine receives a generation only after a pause sent after it (a front end
+such as Dynamo's counts a request before its worker has it).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -17,6 +25,10 @@ from backends_core.testing import conformance
 from backends_core.testing.conformance import BackendConformance
 from backends_core.testing.engine import ReferenceEngine
 from backends_core.testing.tinymodel import TinyModels
+
+Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
+#: Seconds any test here may take: the suite's own deadlines are minutes, a verdict here takes seconds.
+GUARD_S = 60.0
 
 
 class ReferenceSuite(BackendConformance):
@@ -33,6 +45,10 @@ class ReferenceSuite(BackendConformance):
 def ignoring(emulator: ReferenceEmulator, *, abort: bool = False, pause_mode: str | None = None) -> httpx.MockTransport:
     """The reference emulator, but ``/abort`` answers "none aborted" without aborting, and/or every pause is
     carried out as ``pause_mode`` whatever mode was asked."""
+    return httpx.MockTransport(ignoring_handler(emulator.handle, abort=abort, pause_mode=pause_mode))
+
+
+def ignoring_handler(inner: Handler, *, abort: bool = False, pause_mode: str | None = None) -> Handler:
 
     async def handle(request: httpx.Request) -> httpx.Response:
         if abort and request.url.path == "/abort":
@@ -40,7 +56,90 @@ def ignoring(emulator: ReferenceEmulator, *, abort: bool = False, pause_mode: st
         if pause_mode is not None and request.url.path == "/pause":
             body = {**json.loads(request.content), "mode": pause_mode}
             request = httpx.Request("POST", request.url, json=body)
-        return await emulator.handle(request)
+        return await inner(request)
+
+    return handle
+
+
+def admin_behind(emulator: ReferenceEmulator, generations: int, inner: Handler | None = None) -> httpx.MockTransport:
+    """The reference emulator (or ``inner`` in front of it), but while one of its first ``generations``
+    generations runs, admin requests are answered only once it has ended: vLLM's API server under CPU load, behind
+    on a generation's outputs."""
+    forward = inner or emulator.handle
+    started = 0
+    ended = asyncio.Event()
+    ended.set()
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        nonlocal started
+        if request.url.path == "/generate":
+            started += 1
+            if started > generations:
+                return await forward(request)
+            ended.clear()
+            try:
+                return await forward(request)
+            finally:
+                ended.set()
+        if request.url.path in ("/state", "/pause", "/abort"):
+            async with asyncio.timeout(GUARD_S):
+                await ended.wait()
+        return await forward(request)
+
+    return httpx.MockTransport(handle)
+
+
+def late_first_generation(emulator: ReferenceEmulator) -> httpx.MockTransport:
+    """The reference emulator behind a front end that counts the first generation in flight at once but hands it
+    to the engine only after the next pause was confirmed (a front end's hop to its worker stalled)."""
+    held: list[asyncio.Event] = []
+    first = True
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        nonlocal first
+        if request.url.path == "/generate" and first:
+            first = False
+            paused = asyncio.Event()
+            held.append(paused)
+            try:
+                async with asyncio.timeout(GUARD_S):
+                    await paused.wait()
+            finally:
+                held.remove(paused)
+            return await emulator.handle(request)
+        response = await emulator.handle(request)
+        if request.url.path == "/pause":
+            for event in held:
+                event.set()
+        if request.url.path == "/state" and held:
+            body = json.loads(await response.aread())
+            return httpx.Response(200, json={**body, "in_flight": body["in_flight"] + len(held)})
+        return response
+
+    return httpx.MockTransport(handle)
+
+
+def count_lags(emulator: ReferenceEmulator, seconds: float) -> httpx.MockTransport:
+    """The reference emulator behind a front end whose in-flight count drops ``seconds`` after the answer it
+    relays (Dynamo's frontend gauge)."""
+    loop = asyncio.get_running_loop()
+    relaying = 0
+    counted_until = 0.0
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        nonlocal relaying, counted_until
+        if request.url.path == "/generate":
+            relaying += 1
+            try:
+                return await emulator.handle(request)
+            finally:
+                relaying -= 1
+                counted_until = loop.time() + seconds
+        response = await emulator.handle(request)
+        if request.url.path == "/state" and (relaying or loop.time() < counted_until):
+            body = json.loads(await response.aread())
+            return httpx.Response(200, json={**body, "in_flight": max(1, body["in_flight"])})
+        return response
 
     return httpx.MockTransport(handle)
 
@@ -65,32 +164,147 @@ def client_over(emulator: ReferenceEmulator, transport: httpx.AsyncBaseTransport
     return Client(config, transport=transport)
 
 
-@pytest.fixture
-def fewer_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(conformance, "LONG", 200)  # every attempt runs to its end here: keep them short
+@pytest.fixture(autouse=True)
+def short_attempts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every attempt here may run to its end: keep the generations short and the wait for a drained one brief."""
+    monkeypatch.setattr(conformance, "LONG", 200)
+    monkeypatch.setattr(conformance, "LONGEST", 300)
+    monkeypatch.setattr(conformance, "WAIT_ARRIVAL_S", 0.5)
 
 
-async def test_an_ignored_abort_fails_after_every_attempt(emulator: ReferenceEmulator, fewer_tokens: None) -> None:
-    async with client_over(emulator, ignoring(emulator, abort=True)) as client:
-        with pytest.raises(AssertionError):
-            await ReferenceSuite().test_abort_by_request_id(client)
-    generations = [path for _, path in emulator.requests if path == "/generate"]
-    assert len(generations) == conformance.CATCH_ATTEMPTS
+def generations(emulator: ReferenceEmulator) -> int:
+    return [path for _, path in emulator.requests].count("/generate")
 
 
-async def test_a_pause_that_does_not_abort_fails(emulator: ReferenceEmulator, fewer_tokens: None) -> None:
-    async with client_over(emulator, ignoring(emulator, pause_mode="wait")) as client:
-        with pytest.raises(AssertionError):
-            await ReferenceSuite().test_pause_abort_ends_in_flight_requests(client)
+async def verdict(emulator: ReferenceEmulator, transport: httpx.AsyncBaseTransport, test: str) -> None:
+    """Run the suite's ``test`` against ``transport`` within :data:`GUARD_S`."""
+    async with asyncio.timeout(GUARD_S), client_over(emulator, transport) as client:
+        await getattr(ReferenceSuite(), test)(client)
+        (state,) = await client.admin.state()
+        assert state.paused is False  # whatever the verdict, the server is left resumed
 
 
-async def test_a_pause_that_does_not_freeze_fails(emulator: ReferenceEmulator, fewer_tokens: None) -> None:
-    async with client_over(emulator, ignoring(emulator, pause_mode="wait")) as client:
-        with pytest.raises(pytest.fail.Exception, match="finished while the server was paused"):
-            await ReferenceSuite().test_pause_keep_freezes_and_resume_continues(client)
+# -- a broken server fails -------------------------------------------------------------------------------
 
 
-async def test_a_working_abort_passes_at_the_first_attempt(emulator: ReferenceEmulator) -> None:
-    async with client_over(emulator, emulator.transport()) as client:
-        await ReferenceSuite().test_abort_by_request_id(client)
-    assert [path for _, path in emulator.requests].count("/generate") == 1
+async def test_an_ignored_abort_fails_after_every_attempt(emulator: ReferenceEmulator) -> None:
+    with pytest.raises(AssertionError, match=r"abort\(request_ids\) never ended a generation in flight"):
+        await verdict(emulator, ignoring(emulator, abort=True), "test_abort_by_request_id")
+    assert generations(emulator) == conformance.CATCH_ATTEMPTS
+
+
+async def test_a_pause_that_does_not_abort_fails(emulator: ReferenceEmulator) -> None:
+    with pytest.raises(AssertionError):
+        await verdict(emulator, ignoring(emulator, pause_mode="wait"), "test_pause_abort_ends_in_flight_requests")
+
+
+async def test_a_pause_that_does_not_freeze_fails(emulator: ReferenceEmulator) -> None:
+    with pytest.raises(AssertionError, match="no generation stayed frozen while the server was paused"):
+        await verdict(emulator, ignoring(emulator, pause_mode="wait"), "test_pause_keep_freezes_and_resume_continues")
+    assert generations(emulator) == conformance.CATCH_ATTEMPTS
+
+
+async def test_a_pause_keep_that_aborts_fails_at_once(emulator: ReferenceEmulator) -> None:
+    with pytest.raises(AssertionError, match="cut the generation short: 'abort'"):
+        await verdict(emulator, ignoring(emulator, pause_mode="abort"), "test_pause_keep_freezes_and_resume_continues")
+    assert generations(emulator) == 1
+
+
+async def test_a_pause_wait_that_freezes_fails(emulator: ReferenceEmulator) -> None:
+    with pytest.raises(AssertionError, match="never let a generation in flight finish while paused"):
+        await verdict(emulator, ignoring(emulator, pause_mode="keep"), "test_pause_wait_lets_in_flight_requests_finish")
+    assert generations(emulator) == conformance.CATCH_ATTEMPTS
+
+
+async def test_a_pause_wait_that_aborts_fails_at_once(emulator: ReferenceEmulator) -> None:
+    with pytest.raises(AssertionError, match="did not let the generation finish: 'abort'"):
+        await verdict(
+            emulator, ignoring(emulator, pause_mode="abort"), "test_pause_wait_lets_in_flight_requests_finish"
+        )
+    assert generations(emulator) == 1
+
+
+# -- a correct server passes, also when the machine is loaded -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "test",
+    [
+        "test_abort_by_request_id",
+        "test_pause_abort_ends_in_flight_requests",
+        "test_pause_keep_freezes_and_resume_continues",
+        "test_pause_wait_lets_in_flight_requests_finish",
+    ],
+)
+async def test_a_working_server_passes_at_the_first_attempt(emulator: ReferenceEmulator, test: str) -> None:
+    await verdict(emulator, emulator.transport(), test)
+    assert generations(emulator) == 1
+
+
+@pytest.mark.parametrize(
+    "test",
+    [
+        "test_abort_by_request_id",
+        "test_pause_abort_ends_in_flight_requests",
+        "test_pause_keep_freezes_and_resume_continues",
+        "test_pause_wait_lets_in_flight_requests_finish",
+    ],
+)
+async def test_an_admin_plane_behind_whole_generations_is_retried(emulator: ReferenceEmulator, test: str) -> None:
+    """Three generations in a row end before the server answers the state poll: each attempt is repeated and the
+    fourth gives the verdict (the suite used to give up after three)."""
+    await verdict(emulator, admin_behind(emulator, generations=3), test)
+    assert generations(emulator) == 4
+
+
+@pytest.mark.parametrize(
+    "test",
+    [
+        "test_abort_by_request_id",
+        "test_pause_abort_ends_in_flight_requests",
+        "test_pause_keep_freezes_and_resume_continues",
+        "test_pause_wait_lets_in_flight_requests_finish",
+    ],
+)
+async def test_an_admin_plane_always_behind_is_no_verdict_and_says_so(emulator: ReferenceEmulator, test: str) -> None:
+    """No attempt caught its generation: nothing was observed for or against the server, and the test is skipped
+    with what each attempt saw (it used to fail, or to hang)."""
+    with pytest.raises(pytest.skip.Exception, match="could not be observed") as info:
+        await verdict(emulator, admin_behind(emulator, generations=99), test)
+    assert "1: ended before the server showed it in flight; 2: ended before a pause('keep') held it" in str(info.value)
+    assert "admin plane lags its generations" in str(info.value)
+    assert generations(emulator) == conformance.CATCH_ATTEMPTS
+
+
+@pytest.mark.parametrize(
+    ("test", "broken"),
+    [
+        ("test_abort_by_request_id", {"abort": True}),
+        ("test_pause_abort_ends_in_flight_requests", {"pause_mode": "wait"}),
+        ("test_pause_wait_lets_in_flight_requests_finish", {"pause_mode": "keep"}),
+        ("test_pause_wait_lets_in_flight_requests_finish", {"pause_mode": "abort"}),
+    ],
+)
+async def test_a_broken_server_behind_whole_generations_still_fails(
+    emulator: ReferenceEmulator, test: str, broken: dict[str, Any]
+) -> None:
+    """Once the first generation showed the admin plane lagging, the attempts that catch their generation with
+    pause("keep") still fail a server that ignores the act or carries out another pause mode. (The keep test's own
+    verdict then trusts the server's in-flight count to include only requests that ran, as vLLM's does: this
+    emulator also counts requests queued by the pause, so a broken keep is not tried here.)"""
+    with pytest.raises(AssertionError):
+        await verdict(emulator, admin_behind(emulator, 1, ignoring_handler(emulator.handle, **broken)), test)
+
+
+async def test_a_generation_reaching_the_engine_after_pause_wait_is_retried(emulator: ReferenceEmulator) -> None:
+    """The first generation is counted in flight but reaches the engine only after ``pause("wait")`` returned: it
+    is held until the resume, which is no verdict; the second attempt drains normally."""
+    await verdict(emulator, late_first_generation(emulator), "test_pause_wait_lets_in_flight_requests_finish")
+    assert generations(emulator) == 2
+
+
+async def test_an_in_flight_count_lagging_the_answer_is_waited_for(emulator: ReferenceEmulator) -> None:
+    """After ``pause("wait")`` the drained generation has arrived but the count still includes it for a moment:
+    waited for, not a failure (the suite used to assert 0 at once)."""
+    await verdict(emulator, count_lags(emulator, 0.5), "test_pause_wait_lets_in_flight_requests_finish")
+    assert generations(emulator) == 1

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +26,7 @@ from backends_core.testing.engine import ReferenceEngine
 from backends_core.testing.http_server import serve
 from backends_core.testing.tinymodel import TinyModels, build_tiny_models, default_models_dir, write_perturbed_weights
 
-__all__ = ["DEFAULT_BACKEND", "run_demo"]
+__all__ = ["DEFAULT_BACKEND", "DemoFailure", "run_demo", "run_demo_async"]
 
 #: The backend whose emulator is the embedded default engine.
 DEFAULT_BACKEND = "vllm"
@@ -111,56 +111,177 @@ async def _teacher(client: Client, sample: GenerateResult) -> None:
     check(gap < 1e-3 and bool(np.isnan(teacher.logprobs[0])), "teacher scores equal the sampling logprobs")
 
 
+async def _undo(what: str, action: Callable[[], Awaitable[object]]) -> None:
+    """Put the servers back after a step failed half-way. A failure of that is printed, not raised: the step's own
+    failure is the one to report."""
+    try:
+        await action()
+    except Exception as exc:
+        print(f"  could not {what}: {type(exc).__name__}: {exc}")
+
+
 async def _lora(client: Client, models: TinyModels, prompt: list[int]) -> None:
     print("\n3. LoRA load, generate, hot-swap, unload on every server")
     greedy = SamplingParams(max_tokens=4, temperature=0.0)
     base = await client.generate(prompt_ids=prompt, sampling=greedy, server=0)
     await client.admin.load_lora(LoraAdapter(name="tiny-lora", path=str(models.lora)))
-    tuned = await client.generate(prompt_ids=prompt, sampling=greedy, lora="tiny-lora", server=0)
-    shift = abs(float(tuned.logprobs[0]) - float(base.logprobs[0]))
-    check(shift > 1e-4, f"the adapter changes the first logprob by {shift:.3f}")
-    await client.admin.load_lora(LoraAdapter(name="tiny-lora", path=str(models.lora), replace=True))
-    await client.admin.unload_lora("tiny-lora")
+    loaded = True
+    try:
+        tuned = await client.generate(prompt_ids=prompt, sampling=greedy, lora="tiny-lora", server=0)
+        shift = abs(float(tuned.logprobs[0]) - float(base.logprobs[0]))
+        check(shift > 1e-4, f"the adapter changes the first logprob by {shift:.3f}")
+        await client.admin.load_lora(LoraAdapter(name="tiny-lora", path=str(models.lora), replace=True))
+        await client.admin.unload_lora("tiny-lora")
+        loaded = False
+    finally:
+        if loaded:
+            await _undo("unload the LoRA adapter", lambda: client.admin.unload_lora("tiny-lora"))
     again = await client.generate(prompt_ids=prompt, sampling=greedy, server=0)
     check(bool(np.allclose(again.logprobs, base.logprobs, atol=1e-4)), "unloading restores the base model")
+
+
+#: Tokens of the request the weight sync keeps in flight, one entry per attempt at catching it there: an attempt
+#: whose request ends before the pause holds it proves nothing, and the next one is longer (the 64 prompt tokens
+#: and 1600 more fit the tiny models' 2048 positions).
+KEPT_TOKENS = (400, 800, 1600)
+#: Seconds to wait for the server to report the kept request in flight, unless it ends first.
+IN_FLIGHT_TIMEOUT_S = 120.0
+#: Seconds the kept request may take to end (a hang guard, not a speed check).
+FINISH_TIMEOUT_S = 600.0
+#: Seconds between two state polls.
+POLL_S = 0.005
+
+
+async def _finished(task: asyncio.Task[GenerateResult], what: str) -> GenerateResult:
+    done, _ = await asyncio.wait({task}, timeout=FINISH_TIMEOUT_S)
+    if not done:
+        task.cancel()
+        raise DemoFailure(f"{what} did not end within {FINISH_TIMEOUT_S:.0f} s")
+    return task.result()
+
+
+async def _seen_in_flight(client: Client, server: int, task: asyncio.Task[GenerateResult]) -> bool:
+    """Poll the fleet's state until ``server`` reports a request in flight (``True``; also when it does not count
+    them) or the request ends first (``False``). A poll still unanswered when it ends is abandoned."""
+    url = client.base_urls[server]
+    try:
+        async with asyncio.timeout(IN_FLIGHT_TIMEOUT_S):
+            while not task.done():
+                poll = asyncio.ensure_future(client.admin.state())
+                try:
+                    await asyncio.wait({poll, task}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    if not poll.done():
+                        poll.cancel()
+                        await asyncio.wait({poll})
+                if poll.cancelled():
+                    return False
+                in_flight = poll.result()[server].in_flight
+                if in_flight is None or in_flight > 0:
+                    return True
+                await asyncio.sleep(POLL_S)
+    except TimeoutError:
+        if task.done():
+            return False
+        raise DemoFailure(
+            f"{url} did not report the kept request in flight within {IN_FLIGHT_TIMEOUT_S:.0f} s, "
+            "although it had not ended"
+        ) from None
+    return False
+
+
+async def _holds(client: Client, server: int, task: asyncio.Task[GenerateResult]) -> bool:
+    """Right after ``pause("keep")``: ``server`` still has the request in flight (where it counts them)."""
+    in_flight = (await client.admin.state())[server].in_flight
+    return in_flight != 0 and not task.done()
+
+
+async def _pause_keeping_a_request(
+    client: Client, prompt: list[int], seed: int, server: int
+) -> tuple[asyncio.Task[GenerateResult], int, float]:
+    """Start a long request on ``server`` and pause the fleet with mode "keep" while the server holds it. Returns
+    the request's task, its length and when the pause began; the fleet is left paused.
+
+    An attempt waits to see its request in flight, then pauses. Once a request ended before a state poll saw it (on
+    a loaded machine a server can answer admin calls only after a whole generation), the next attempts pause right
+    after starting theirs. Should every attempt miss, one more request is sent while the fleet is paused: it waits
+    through the update instead of being frozen half-way, and the demo says so.
+    """
+    right_away = False
+    for tokens in KEPT_TOKENS:
+        sampling = SamplingParams(max_tokens=tokens, ignore_eos=True, seed=seed)
+        task = asyncio.create_task(client.generate(prompt_ids=prompt, sampling=sampling, server=server))
+        paused = False
+        try:
+            if right_away or await _seen_in_flight(client, server, task):
+                started = time.perf_counter()
+                await client.admin.pause("keep")
+                paused = True
+                if await _holds(client, server, task):
+                    return task, tokens, started
+                await client.admin.resume()
+                paused = False
+            right_away = True
+            await _finished(task, f"the {tokens}-token request")
+        except BaseException:
+            task.cancel()
+            if paused:
+                await _undo("resume the fleet", client.admin.resume)
+            raise
+        print(f"  the {tokens}-token request ended before pause(keep) held it")
+    tokens = KEPT_TOKENS[-1]
+    print(
+        f"  every request ended before the server answered the pause (a busy machine): the fleet is paused first "
+        f"and a {tokens}-token request sent to wait through the update"
+    )
+    started = time.perf_counter()
+    await client.admin.pause("keep")
+    sampling = SamplingParams(max_tokens=tokens, ignore_eos=True, seed=seed)
+    return asyncio.create_task(client.generate(prompt_ids=prompt, sampling=sampling, server=server)), tokens, started
 
 
 async def _weight_sync(client: Client, models: TinyModels, prompt: list[int], seed: int) -> None:
     print("\n4. weight sync with a request kept in flight: pause(keep) -> update -> resume")
     greedy = SamplingParams(max_tokens=4, temperature=0.0)
     base = await client.generate(prompt_ids=prompt, sampling=greedy, server=0)
-    last = len(client.servers) - 1
-    kept_task = asyncio.create_task(
-        client.generate(
-            prompt_ids=prompt, sampling=SamplingParams(max_tokens=400, ignore_eos=True, seed=seed), server=last
-        )
-    )
+    new_weights = write_perturbed_weights(models.dense, Path(tempfile.mkdtemp()) / "step-1", seed=1, scale=0.3)
+    original = (await client.admin.state())[0].weight_version or "base"
+    kept_task, tokens, started = await _pause_keeping_a_request(client, prompt, seed, len(client.servers) - 1)
+    changed = True  # from the update on, until the original weights are back
     try:
-        while not (await client.admin.state())[last].in_flight:  # noqa: ASYNC110 - polling a remote server
-            await asyncio.sleep(0.005)
-        new_weights = write_perturbed_weights(models.dense, Path(tempfile.mkdtemp()) / "step-1", seed=1, scale=0.3)
-        started = time.perf_counter()
-        await client.admin.pause("keep")
         try:
             await client.admin.update_weights(str(new_weights), version="step-1")
             states = await client.admin.state()
             check(all(s.paused and s.weight_version == "step-1" for s in states), "every server paused on step-1")
-        finally:
-            await client.admin.resume()
+        except BaseException:
+            await _undo("resume the fleet", client.admin.resume)
+            raise
+        await client.admin.resume()
         print(f"  fleet sync took {1000 * (time.perf_counter() - started):.0f} ms over {len(client.servers)} servers")
+        kept = await _finished(kept_task, "the kept request")
+        check(
+            kept.finish_reason == "length" and len(kept.completion_ids) == tokens,
+            "the kept request survived the update",
+        )
+        if kept.weight_versions:
+            print(f"  its weight spans: {[(s.version, s.start, s.end) for s in kept.weight_versions]}")
+        if "admin_flush_cache" in client.capabilities:
+            await client.admin.flush_cache()
+        after = await client.generate(prompt_ids=prompt, sampling=greedy, server=0)
+        check(not np.allclose(after.logprobs, base.logprobs, atol=1e-4), "new weights serve new logprobs")
+        report = await client.admin.weight_sync(path=str(models.dense), version=original, mode="wait")
+        changed = False
+        print(
+            f"  weight_sync back to the original weights ({original}): {' -> '.join(report.phases)} "
+            f"in {1000 * report.duration_s:.0f} ms"
+        )
     finally:
-        kept = await kept_task
-    check(kept.finish_reason == "length" and len(kept.completion_ids) == 400, "the kept request survived the update")
-    if kept.weight_versions:
-        print(f"  its weight spans: {[(s.version, s.start, s.end) for s in kept.weight_versions]}")
-    if "admin_flush_cache" in client.capabilities:
-        await client.admin.flush_cache()
-    after = await client.generate(prompt_ids=prompt, sampling=greedy, server=0)
-    check(not np.allclose(after.logprobs, base.logprobs, atol=1e-4), "new weights serve new logprobs")
-    report = await client.admin.weight_sync(path=str(models.dense), version="step-2", mode="wait")
-    print(
-        f"  weight_sync back to the original weights: {' -> '.join(report.phases)} in {1000 * report.duration_s:.0f} ms"
-    )
+        kept_task.cancel()
+        if changed:
+            await _undo(
+                "reload the original weights",
+                lambda: client.admin.weight_sync(path=str(models.dense), version=original, mode="wait"),
+            )
     restored = await client.generate(prompt_ids=prompt, sampling=greedy, server=0)
     check(
         restored.completion_ids == base.completion_ids
@@ -189,6 +310,20 @@ async def _routed_experts(config: ClientConfig, seed: int) -> None:
         )
         assert nxt.routed_experts is not None
         check(nxt.routed_experts.start == len(result.token_ids) - 1, "delta replay starts at the new tokens")
+
+
+async def run_demo_async(
+    *,
+    backend: str = DEFAULT_BACKEND,
+    urls: Sequence[str] = (),
+    moe_url: str | None = None,
+    model: str = "tiny-qwen3",
+    models_dir: str | None = None,
+    seed: int = 0,
+) -> None:
+    """The demo as a coroutine (see :func:`run_demo`): raises :class:`DemoFailure`, or the backend's error, when a
+    step fails; the servers are left resumed, on their original weights, without the demo's adapter."""
+    await _demo(backend, urls, moe_url, model, Path(models_dir) if models_dir else default_models_dir(seed=seed), seed)
 
 
 async def _demo(
@@ -239,9 +374,7 @@ def run_demo(
     """Run the demo; returns the process exit status (0 when every check held)."""
     try:
         asyncio.run(
-            _demo(
-                backend, urls, moe_url, model, Path(models_dir) if models_dir else default_models_dir(seed=seed), seed
-            )
+            run_demo_async(backend=backend, urls=urls, moe_url=moe_url, model=model, models_dir=models_dir, seed=seed)
         )
     except DemoFailure as exc:
         print(f"  FAILED  {exc}")

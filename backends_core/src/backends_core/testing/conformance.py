@@ -18,9 +18,10 @@ MoE model skip with the reason.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, NoReturn, TypeVar
 
 import httpx
 import numpy as np
@@ -57,10 +58,72 @@ T = TypeVar("T")
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}]
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
-#: Tokens of the generations the pause and abort tests catch in flight.
+#: Tokens of the generation a pause or abort test catches in flight at its first attempt, and at every attempt
+#: that catches it with pause("keep") (see "catching a generation in flight" below).
 LONG = 1000
-#: Attempts at catching a generation in flight before a pause or abort test gives its verdict.
-CATCH_ATTEMPTS = 3
+#: Tokens of the generations of later attempts that wait to see theirs in flight (prompt + 2000 fits the tiny
+#: models' 2048 positions): an attempt whose act landed after the generation ended proves nothing and is repeated
+#: with a longer generation.
+LONGEST = 2000
+#: Attempts at catching a generation in flight before a pause or abort test gives its verdict. Where the server's
+#: admin plane lags its engine, an attempt catches its generation about every other time (vLLM's OpenAI completions
+#: route on a two-core machine loaded with two more CPU hogs): ten attempts leave about one failure in a thousand.
+CATCH_ATTEMPTS = 10
+#: Seconds to wait for the server to report nothing in flight before a test starts its generation (what an
+#: earlier test abandoned runs to its end first).
+IDLE_TIMEOUT_S = 300.0
+#: Seconds to wait for the server to report a started generation in flight, unless the generation ends first.
+IN_FLIGHT_TIMEOUT_S = 300.0
+#: Seconds to wait for a generation to end: a hang guard, not a speed check (a 2000-token generation on a loaded
+#: two-core machine takes tens of seconds).
+FINISH_TIMEOUT_S = 600.0
+#: Seconds a generation caught by ``pause("wait")`` may take to arrive once the pause returned (it ended on the
+#: engine before the pause was confirmed); one still running then is held, not drained.
+WAIT_ARRIVAL_S = 30.0
+#: Seconds a ``pause("keep")`` is held before the generation counts as frozen. A correct server never ends it while
+#: paused, however long this is; the window only bounds what a pause that freezes nothing could hide.
+FREEZE_WINDOW_S = 0.2
+#: Where the server does not report in-flight requests, a started generation gets this long to reach the engine
+#: before the act (nothing can be observed; an attempt it misses is repeated like any other).
+UNOBSERVED_START_S = 0.3
+#: Seconds between two state polls.
+POLL_S = 0.005
+#: Pauses with mode "keep" an attempt may take to find the server holding its generation, when the server's admin
+#: plane lags its engine (a pause that lands before the generation reached the engine holds nothing yet).
+KEEP_PULSES = 20
+
+
+class Attempts:
+    """What the attempts of a pause or abort test saw, and the verdict when none of them proved the behaviour.
+
+    Each attempt without proof either says something against the server (the act landed on the generation and
+    did not have its effect, or the generation ended while it should have been held) or nothing (it ended before it
+    could be caught). Some attempt against the server fails the test; attempts that all said nothing mean the
+    server's admin plane lagged every generation, and the test is skipped saying so: on a machine that loaded the
+    act cannot be observed (a lagging server that ignores the act is not told from a working one).
+    """
+
+    def __init__(self, act: str) -> None:
+        self.act = act
+        self.seen: list[str] = []
+        self.evidence = False
+
+    def inconclusive(self, what: str) -> None:
+        self.seen.append(f"{len(self.seen) + 1}: {what}")
+
+    def against(self, what: str) -> None:
+        self.inconclusive(what)
+        self.evidence = True
+
+    def verdict(self, failure: str) -> NoReturn:
+        observed = "; ".join(self.seen)
+        if self.evidence:
+            raise AssertionError(f"{failure} ({len(self.seen)} tries): {observed}")
+        pytest.skip(
+            f"{self.act} could not be observed: every generation of {len(self.seen)} tries ended before it was "
+            f"caught in flight ({observed}). The server's admin plane lags its generations (vLLM's API server on a "
+            "loaded machine answers nothing until it has relayed a generation's outputs)"
+        )
 
 
 class BackendConformance:
@@ -351,50 +414,194 @@ class BackendConformance:
             (state,) = await client.admin.state()
             assert state.paused in (False, None)
 
-    async def _long_generation(self, client: Client, request_id: str | None = None) -> asyncio.Task[GenerateResult]:
-        """Start a LONG-token generation and return once the server shows it in flight (or, where the server does
-        not report in-flight requests, after a short delay)."""
-        sampling = SamplingParams(max_tokens=LONG, ignore_eos=True, seed=9)
-        task = asyncio.create_task(client.generate(prompt_ids=PROMPT, sampling=sampling, request_id=request_id))
-        for _ in range(200):  # until the request is visibly in flight
-            await asyncio.sleep(0.005)
-            if "admin_state" not in self.expected_capabilities:
-                await asyncio.sleep(0.3)
-                break
+    # -- catching a generation in flight --------------------------------------------------------------
+    #
+    # Every pause and abort test needs a generation in flight on the engine when its act lands, and no client can
+    # order the two: the act travels through the server's admin plane, which a loaded machine can delay past the
+    # generation's last token. An attempt first waits (with a deadline) until the server shows the generation in
+    # flight and then acts. When the server's state showed nothing before the generation ended, its admin plane
+    # lags its engine (vLLM's API server under CPU load answers nothing until it has relayed a generation's
+    # outputs), and later attempts catch the generation with pause("keep") instead: paused right after it starts,
+    # and resumed and paused again until the server holds it, the generation produces no outputs the admin plane
+    # could fall behind on. The act then lands on the held generation (the wait test resumes it first). Caught that
+    # way, a generation counts as held when the server still reports requests in flight after the pause: vLLM counts
+    # only requests its engine stepped (none steps while paused with "keep"), so it was running; a server that also
+    # counts requests queued behind the pause gives the keep test a weaker proof there.
+    #
+    # Each attempt gives proof of the behaviour, a clear failure, or nothing (the generation ended before the act
+    # could tell anything), and an attempt that gives nothing is repeated with a longer generation, up to
+    # CATCH_ATTEMPTS times. A server that ignores the act leaves every attempt without proof and fails with what
+    # each attempt saw.
+
+    @staticmethod
+    def catch_tokens(attempt: int, hold: bool = False) -> int:
+        """Tokens of the generation of catch attempt ``attempt`` (1-based), caught with pause("keep") or not."""
+        return LONG if attempt == 1 or hold else max(LONG, LONGEST)
+
+    def _observes_in_flight(self) -> bool:
+        return "admin_state" in self.expected_capabilities
+
+    async def _wait_idle(self, client: Client) -> None:
+        """Return once the server reports no request in flight (at once where it does not report them)."""
+        if not self._observes_in_flight():
+            return
+        deadline = asyncio.timeout(IDLE_TIMEOUT_S)
+        state = None
+        try:
+            async with deadline:
+                while True:
+                    (state,) = await client.admin.state()
+                    if not state.in_flight:
+                        return
+                    await asyncio.sleep(POLL_S)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise AssertionError(
+                f"the server still reports requests in flight {IDLE_TIMEOUT_S:.0f} s after the test began waiting "
+                f"for it to be idle (last state: {state}): something left a generation running or the count is stuck"
+            ) from None
+
+    async def _in_flight_or_ended(self, client: Client, task: asyncio.Task[GenerateResult]) -> bool:
+        """Wait until the server reports a request in flight (``True``) or the generation ends first (``False``).
+
+        A state poll still unanswered when the generation ends is abandoned: a lagging admin plane may answer only
+        after the whole generation."""
+        if not self._observes_in_flight():
+            done, _ = await asyncio.wait({task}, timeout=UNOBSERVED_START_S)
+            return not done
+        deadline = asyncio.timeout(IN_FLIGHT_TIMEOUT_S)
+        state = None
+        try:
+            async with deadline:
+                while not task.done():
+                    poll = asyncio.ensure_future(client.admin.state())
+                    try:
+                        await asyncio.wait({poll, task}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        if not poll.done():
+                            poll.cancel()
+                            await asyncio.wait({poll})
+                    if poll.cancelled():
+                        return False
+                    (state,) = poll.result()
+                    if state.in_flight is None:  # this server does not count them after all
+                        done, _ = await asyncio.wait({task}, timeout=UNOBSERVED_START_S)
+                        return not done
+                    if state.in_flight > 0:
+                        return True
+                    await asyncio.sleep(POLL_S)
+                return False
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise AssertionError(
+                f"the server did not report the generation in flight within {IN_FLIGHT_TIMEOUT_S:.0f} s although it "
+                f"had not ended (last state: {state})"
+            ) from None
+
+    async def _held(self, client: Client, task: asyncio.Task[GenerateResult]) -> bool:
+        """Right after ``pause("keep")`` returned: the server reports itself paused, and the generation has not
+        ended (nor, where the server counts them, left its requests in flight)."""
+        if self._observes_in_flight():
             (state,) = await client.admin.state()
-            if state.in_flight is None:
-                await asyncio.sleep(0.3)
-                break
-            if state.in_flight:
-                break
-        return task
+            assert state.paused is True, f"the server does not report the pause('keep') it confirmed: {state}"
+            if state.in_flight == 0:
+                return False
+        return not task.done()
+
+    async def _hold_with_keep(self, client: Client, task: asyncio.Task[GenerateResult]) -> bool:
+        """Pause with mode "keep" until the server holds the generation (``True``, the server left paused) or the
+        generation has ended (``False``, the server resumed). A pause that lands before the generation reached the
+        engine holds nothing yet: resumed and paused again, at most :data:`KEEP_PULSES` times."""
+        for _ in range(KEEP_PULSES):
+            await client.admin.pause("keep")
+            try:
+                if await self._held(client, task):
+                    return True
+            except BaseException:
+                await client.admin.resume()
+                raise
+            await client.admin.resume()
+            if task.done():
+                return False
+        return False
+
+    async def _catch(
+        self, client: Client, tokens: int, *, request_id: str | None = None, hold: bool = False
+    ) -> tuple[asyncio.Task[GenerateResult], str]:
+        """From an idle server, start a ``tokens``-token generation and catch it in flight. Returns its task and
+        how it was caught: ``"running"`` (the server showed it in flight before it ended), ``"held"`` (``hold``:
+        held by ``pause("keep")``, the server left paused; see above), or ``"missed"`` (it ended first)."""
+        await self._wait_idle(client)
+        sampling = SamplingParams(max_tokens=tokens, ignore_eos=True, seed=9)
+        task = asyncio.create_task(client.generate(prompt_ids=PROMPT, sampling=sampling, request_id=request_id))
+        try:
+            if hold:
+                return task, "held" if await self._hold_with_keep(client, task) else "missed"
+            return task, "running" if await self._in_flight_or_ended(client, task) else "missed"
+        except BaseException:
+            task.cancel()
+            raise
+
+    @staticmethod
+    async def _result(task: asyncio.Task[GenerateResult], what: str) -> GenerateResult:
+        """The generation's result, or an AssertionError naming ``what`` after :data:`FINISH_TIMEOUT_S`."""
+        done, _ = await asyncio.wait({task}, timeout=FINISH_TIMEOUT_S)
+        if not done:
+            task.cancel()
+            raise AssertionError(f"{what} did not end within {FINISH_TIMEOUT_S:.0f} s")
+        return task.result()
+
+    @staticmethod
+    def _ran_to_the_end(result: GenerateResult, tokens: int) -> bool:
+        return result.finish_reason == "length" and len(result.completion_ids) == tokens
+
+    @staticmethod
+    def _missed(hold: bool) -> str:
+        return "ended " + ("before a pause('keep') held it" if hold else "before the server showed it in flight")
 
     async def _catch_in_flight(
         self,
         client: Client,
+        what: str,
         act: Callable[[asyncio.Task[GenerateResult], str | None], Awaitable[T]],
         *,
         request_id: str | None = None,
-    ) -> tuple[GenerateResult, T]:
-        """Run ``act()`` while a LONG generation is in flight; return the generation's result and what ``act``
-        returned.
+    ) -> tuple[GenerateResult, T, int]:
+        """Run ``act()`` while a generation is in flight (running, or held by ``pause("keep")``: resumed after the
+        act); return the generation's result, what ``act`` returned and the generation's length.
 
-        A generation that still ran to its full length is repeated, up to :data:`CATCH_ATTEMPTS` times in all:
-        on a loaded machine either side can stall for longer than a whole generation, so that the act reaches
-        the server too late, and such an attempt proves nothing. An act that the server really ignores leaves
-        every attempt at full length, and the caller's assertions fail on the last one.
+        An attempt whose generation ended before it was caught, or still ran to its full length, is repeated (see
+        above). An act that the server really ignores leaves every attempt at full length: an AssertionError after
+        the last (see :class:`Attempts`).
         """
+        attempts = Attempts(what)
+        hold = False
         for attempt in range(1, CATCH_ATTEMPTS + 1):
+            tokens = self.catch_tokens(attempt, hold)
             rid = None if request_id is None else f"{request_id}-{attempt}"
-            task = await self._long_generation(client, request_id=rid)
+            generation = f"the {tokens}-token generation of attempt {attempt}"
+            task, caught = await self._catch(client, tokens, request_id=rid, hold=hold)
             try:
-                acted = await act(task, rid)
-                result = await asyncio.wait_for(task, 60)
+                if caught == "missed":
+                    await self._result(task, generation)
+                    attempts.inconclusive(self._missed(hold))
+                    hold = True
+                    continue
+                try:
+                    acted = await act(task, rid)
+                finally:
+                    if caught == "held":
+                        await client.admin.resume()
+                result = await self._result(task, generation)
             finally:
                 task.cancel()
-            if result.finish_reason != "length" or attempt == CATCH_ATTEMPTS:
-                return result, acted
-        raise AssertionError("unreachable")  # pragma: no cover
+            if not self._ran_to_the_end(result, tokens):
+                return result, acted, tokens
+            attempts.against(f"ran to its full {tokens} tokens after {what} reached the {caught} generation")
+            hold = True  # the act may have been delayed past the end: act on a held generation from now on
+        attempts.verdict(f"{what} never ended a generation in flight")
 
     @pytest.mark.asyncio
     async def test_pause_abort_ends_in_flight_requests(self, client: Client) -> None:
@@ -406,44 +613,101 @@ class BackendConformance:
             finally:
                 await client.admin.resume()
 
-        result, _ = await self._catch_in_flight(client, pause_abort)
-        assert result.finish_reason == "abort"
-        assert len(result.completion_ids) < LONG
+        result, _, tokens = await self._catch_in_flight(client, "pause('abort')", pause_abort)
+        assert result.finish_reason == "abort", f"pause('abort') ended the generation with {result.finish_reason!r}"
+        assert len(result.completion_ids) < tokens
         assert len(result.logprobs) == len(result.completion_ids)
 
     @pytest.mark.asyncio
     async def test_pause_wait_lets_in_flight_requests_finish(self, client: Client) -> None:
+        """``pause("wait")`` returns once the generation in flight has ended, at its full length, and the server
+        stays paused: the generation arrives without a resume."""
         self.needs("admin_pause", "admin_resume")
-        task = await self._long_generation(client)
-        try:
-            await client.admin.pause("wait")
-            if "admin_state" in self.expected_capabilities:
-                (state,) = await client.admin.state()  # the server finished it before confirming the pause
-                assert state.paused is True and state.in_flight == 0
-            result = await asyncio.wait_for(task, 30)
-            assert result.finish_reason == "length" and len(result.completion_ids) == LONG
-        finally:
-            await client.admin.resume()
+        attempts = Attempts("pause('wait')")
+        hold = False
+        for attempt in range(1, CATCH_ATTEMPTS + 1):
+            tokens = self.catch_tokens(attempt, hold)
+            what = f"the {tokens}-token generation of attempt {attempt}"
+            task, caught = await self._catch(client, tokens, hold=hold)
+            try:
+                if caught == "held":  # let it run again: the pause must find it running
+                    await client.admin.resume()
+                if caught == "missed" or task.done():
+                    await self._result(task, what)
+                    attempts.inconclusive(self._missed(hold) if caught == "missed" else "ended before the pause")
+                    hold = hold or caught == "missed"
+                    continue
+                await client.admin.pause("wait")
+                try:
+                    done, _ = await asyncio.wait({task}, timeout=WAIT_ARRIVAL_S)
+                    if done:
+                        result = task.result()
+                        assert self._ran_to_the_end(result, tokens), (
+                            f"pause('wait') did not let the generation finish: {result.finish_reason!r} after "
+                            f"{len(result.completion_ids)} of {tokens} tokens"
+                        )
+                        await self._wait_drained_while_paused(client)
+                        return
+                finally:
+                    await client.admin.resume()
+                # held while paused: frozen instead of drained, or it reached the engine only after the pause
+                result = await self._result(task, what)
+                assert self._ran_to_the_end(result, tokens), (
+                    f"the generation held by pause('wait') ended with {result.finish_reason!r} after "
+                    f"{len(result.completion_ids)} of {tokens} tokens once resumed"
+                )
+                attempts.against(f"still running {WAIT_ARRIVAL_S:.0f} s after pause('wait') returned")
+            finally:
+                task.cancel()
+        attempts.verdict("pause('wait') never let a generation in flight finish while paused")
+
+    async def _wait_drained_while_paused(self, client: Client) -> None:
+        """After a ``pause("wait")`` whose generation arrived: the server reports itself paused and, within
+        :data:`IDLE_TIMEOUT_S`, nothing in flight (a front end's count may lag the answer it relays)."""
+        if not self._observes_in_flight():
+            return
+        (state,) = await client.admin.state()
+        assert state.paused is True, f"the server does not report the pause('wait') it confirmed: {state}"
+        await self._wait_idle(client)
 
     @pytest.mark.asyncio
     async def test_pause_keep_freezes_and_resume_continues(self, client: Client) -> None:
+        """``pause("keep")`` returns with the generation in flight still held (it does not end while paused), and
+        after ``resume()`` it runs to its full length."""
         self.needs("admin_pause", "admin_resume")
-        for _ in range(CATCH_ATTEMPTS):
-            task = await self._long_generation(client)
+        attempts = Attempts("pause('keep')")
+        hold = False
+        for attempt in range(1, CATCH_ATTEMPTS + 1):
+            tokens = self.catch_tokens(attempt, hold)
+            what = f"the {tokens}-token generation of attempt {attempt}"
+            task, caught = await self._catch(client, tokens, hold=hold)
+            frozen = False
             try:
-                await client.admin.pause("keep")
-                await asyncio.sleep(0.05)
-                frozen = not task.done()
-                if "admin_state" in self.expected_capabilities:
-                    (state,) = await client.admin.state()
-                    assert state.paused is True
+                if caught == "missed":
+                    attempts.inconclusive(self._missed(hold))
+                    hold = True
+                else:
+                    try:
+                        if caught == "running":
+                            await client.admin.pause("keep")
+                        held = caught == "held" or await self._held(client, task)
+                        if held:
+                            done, _ = await asyncio.wait({task}, timeout=FREEZE_WINDOW_S)
+                            frozen = not done
+                    finally:
+                        await client.admin.resume()
+                    if not frozen:
+                        attempts.against("ended while paused" if held else "ended before the pause returned")
+                result = await self._result(task, what)
             finally:
-                await client.admin.resume()
-            result = await asyncio.wait_for(task, 60)
-            assert result.finish_reason == "length" and len(result.completion_ids) == LONG
+                task.cancel()
+            assert self._ran_to_the_end(result, tokens), (
+                f"pause('keep') and resume() cut the generation short: {result.finish_reason!r} after "
+                f"{len(result.completion_ids)} of {tokens} tokens"
+            )
             if frozen:
                 return
-        pytest.fail(f"the generation finished while the server was paused with mode 'keep' ({CATCH_ATTEMPTS} tries)")
+        attempts.verdict("no generation stayed frozen while the server was paused with mode 'keep'")
 
     @pytest.mark.asyncio
     async def test_update_weights_changes_logprobs_and_reloading_restores_them(
@@ -452,6 +716,10 @@ class BackendConformance:
         self.needs("admin_update_weights")
         sampling = SamplingParams(max_tokens=4, temperature=0.0)
         flush = "admin_flush_cache" in self.expected_capabilities
+        original = None
+        if "admin_state" in self.expected_capabilities:
+            (state,) = await client.admin.state()
+            original = state.weight_version
         before = await client.generate(prompt_ids=PROMPT, sampling=sampling)
         new_weights = write_perturbed_weights(engine.model_dir, tmp_path / "step-1", seed=1, scale=0.5)
         try:
@@ -466,8 +734,8 @@ class BackendConformance:
             if "admin_state" in self.expected_capabilities:
                 (state,) = await client.admin.state()
                 assert state.weight_version == "step-1"
-        finally:  # the same server serves the next tests: put the original weights back
-            await client.admin.update_weights(str(engine.model_dir), version="base")
+        finally:  # the same server serves the next tests: put the original weights (and version) back
+            await client.admin.update_weights(str(engine.model_dir), version=original or "base")
             if flush:
                 await client.admin.flush_cache()
         restored = await client.generate(prompt_ids=PROMPT, sampling=sampling)
@@ -486,17 +754,26 @@ class BackendConformance:
         sampling = SamplingParams(max_tokens=4, temperature=0.0, top_logprobs=1)
         base = await client.generate(prompt_ids=PROMPT, sampling=sampling)
         await client.admin.load_lora(LoraAdapter(name="tiny", path=str(tiny_models.lora)))
-        tuned = await client.generate(prompt_ids=PROMPT, sampling=sampling, lora="tiny")
-        assert tuned.completion_ids != base.completion_ids or not np.allclose(tuned.logprobs, base.logprobs, atol=1e-4)
-        with pytest.raises(AdminError) as duplicate:  # a duplicate name without replace is refused
-            await client.admin.load_lora(LoraAdapter(name="tiny", path=str(tiny_models.lora)))
-        # refused with an error status, or with a 2xx whose body says it did not happen (Dynamo)
-        assert isinstance(duplicate.value.results[0].error, ServerStatusError | ServerRefusedError)
-        await client.admin.load_lora(LoraAdapter(name="tiny", path=str(tiny_models.lora), replace=True))
-        if "admin_state" in self.expected_capabilities:
-            (state,) = await client.admin.state()
-            assert state.loras is None or "tiny" in state.loras
-        await client.admin.unload_lora("tiny")
+        loaded = True
+        try:
+            tuned = await client.generate(prompt_ids=PROMPT, sampling=sampling, lora="tiny")
+            assert tuned.completion_ids != base.completion_ids or not np.allclose(
+                tuned.logprobs, base.logprobs, atol=1e-4
+            )
+            with pytest.raises(AdminError) as duplicate:  # a duplicate name without replace is refused
+                await client.admin.load_lora(LoraAdapter(name="tiny", path=str(tiny_models.lora)))
+            # refused with an error status, or with a 2xx whose body says it did not happen (Dynamo)
+            assert isinstance(duplicate.value.results[0].error, ServerStatusError | ServerRefusedError)
+            await client.admin.load_lora(LoraAdapter(name="tiny", path=str(tiny_models.lora), replace=True))
+            if "admin_state" in self.expected_capabilities:
+                (state,) = await client.admin.state()
+                assert state.loras is None or "tiny" in state.loras
+            await client.admin.unload_lora("tiny")
+            loaded = False
+        finally:
+            if loaded:  # a check above failed: the next tests on this server must not find the adapter
+                with contextlib.suppress(Exception):
+                    await client.admin.unload_lora("tiny")
         with pytest.raises((ServerStatusError, InvalidRequestError)):  # refused by the server or by a pre-flight
             await client.generate(prompt_ids=PROMPT, sampling=sampling, lora="tiny")
 
@@ -521,5 +798,7 @@ class BackendConformance:
             assert rid is not None
             return await client.admin.abort([rid])
 
-        result, counts = await self._catch_in_flight(client, abort, request_id="conformance-abort")
+        result, counts, _ = await self._catch_in_flight(
+            client, "abort(request_ids)", abort, request_id="conformance-abort"
+        )
         assert result.finish_reason == "abort" and counts[0] in (1, -1)
