@@ -258,6 +258,9 @@ async def test_a_server_back_with_other_weights_gets_no_requests_until_it_is_cau
             await client.generate(prompt_ids=[1, 2], server=1)
         seen.clear()
         results = [await client.generate(prompt_ids=[1, 2]) for _ in range(6)]
+        await client.admin.state()  # a state check reads its version but does not vouch for it
+        clock.now += 10  # out of the cooldown again: many requests at once, one version check
+        results += await asyncio.gather(*(client.generate(prompt_ids=[1, 2]) for _ in range(6)))
         assert {r.server for r in results} == {"http://s0", "http://s2"}
         assert not [r for r in seen if r.url.host == "s1" and r.url.path == "/generate"]
         assert client.balancer.healthy() == [True, False, True]

@@ -369,9 +369,10 @@ class Client:
         Requests without a ``cache_salt`` are salted with the weight version their server serves as far as this
         client knows (:attr:`versions`: set by its weight updates, refreshed by state checks and by answers that
         report another version). A server that could not be reached, or where a weight change failed, is asked
-        for its version before it serves again: if it serves other weights than the fleet (the version this client set, else the one every other
-        server is known to serve), it is taken out for the cooldown and the request goes elsewhere
-        (:class:`StaleServerError` when it was pinned or the last one left).
+        for its version before it serves again: if it serves other weights than the fleet (the version this
+        client set, else the one every other server is known to serve), it is taken out for the cooldown and the
+        request goes elsewhere (:class:`StaleServerError` when it was pinned or the last one left); it stays in
+        doubt, whatever a state check reads, until such a check passes.
         """
         salt = self.config.fleet.salt_with_weight_version and request.cache_salt is None
         pinned = None if server is None else self.server_index(server)
@@ -384,14 +385,14 @@ class Client:
                 if self.versions.in_doubt(target):
                     await self._look_up_version(target)
                     stale = self._stale(index)
-                    if stale is not None:
-                        self.versions.forget(target)  # looked at again after the cooldown
+                    if stale is not None:  # stays in doubt: looked at again after the cooldown
                         self.balancer.take_out(index)
                         tried.add(index)
                         if pinned is not None or len(tried) == len(self.servers):
                             raise stale
                         log.warning("%s", stale)
                         continue
+                    self.versions.trust(target)
                 sent = self._salted(request, target) if salt else request
                 self.balancer.acquire(index)
                 try:

@@ -101,13 +101,21 @@ class ServedVersions:
         return self._known.get(id(server))
 
     def set(self, server: Server, version: str | None) -> None:
+        """Record what ``server`` reports; a server in doubt stays so until the client's check passes."""
         self._known[id(server)] = version
-        self._doubt.discard(id(server))
 
     def forget(self, server: Server) -> None:
         """What ``server`` serves is no longer known: ask it before it serves again."""
         self._known.pop(id(server), None)
         self._doubt.add(id(server))
+
+    def doubt(self, server: Server) -> None:
+        """Check ``server`` again before it serves (it was found on other weights than the fleet)."""
+        self._doubt.add(id(server))
+
+    def trust(self, server: Server) -> None:
+        """``server`` passed the check: it serves without being asked first."""
+        self._doubt.discard(id(server))
 
     def in_doubt(self, server: Server) -> bool:
         return id(server) in self._doubt
