@@ -2,8 +2,8 @@
 runs by subclassing it.
 
 Each test takes a :class:`FleetTarget` fixture: two live servers of one backend (serving the tiny dense model as
-``tiny-qwen3``) and how to configure a client for them. The checks leave the servers as they found them
-(resumed, base weights, no salt left behind in the servers' state).
+``tiny-qwen3``) and how to configure a client for them. The checks leave the servers as they found them, also when
+they fail (resumed, original weights and version, no salt left behind in the servers' state).
 """
 
 from __future__ import annotations
@@ -77,6 +77,11 @@ class FleetTarget:
         return ClientConfig(**fields)
 
 
+async def found_version(client: Client) -> str:
+    """The weight version the client's servers report now (the first one's), to put back at the end."""
+    return (await client.admin.state())[0].weight_version or "base"
+
+
 def cached(result: GenerateResult) -> int:
     """The prefix-cache hits a server reported for ``result`` (it must report them)."""
     assert result.usage is not None and result.usage.cached_tokens is not None, "no cached-token count"
@@ -121,12 +126,16 @@ class FleetChecks:
         ids = [7, 8, 9, 10, 11, 12]
         greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
         async with Client(target.config(list(target.urls))) as client:
+            found = await found_version(client)
             before = [await client.generate(prompt_ids=ids, sampling=greedy, server=i) for i in (0, 1)]
-            with pytest.raises(AdminError, match="weight_sync: update") as info:
-                await client.admin.weight_sync(path=str(tmp_path / "missing"), version="broken", mode="wait")
-            assert [o.ok for o in info.value.phases["resume"]] == [True, True]  # resumed in finally, on both
-            assert [s.paused for s in await client.admin.state()] == [False, False]
-            assert client.weight_version is None
+            try:
+                with pytest.raises(AdminError, match="weight_sync: update") as info:
+                    await client.admin.weight_sync(path=str(tmp_path / "missing"), version="broken", mode="wait")
+                assert [o.ok for o in info.value.phases["resume"]] == [True, True]  # resumed in finally, on both
+                assert [s.paused for s in await client.admin.state()] == [False, False]
+                assert client.weight_version is None
+            finally:  # whatever failed above, the servers are not left paused
+                await client.admin.resume()
             new = write_perturbed_weights(target.weights, tmp_path / "v9", seed=9, scale=0.2)
             try:
                 report = await client.admin.weight_sync(path=str(new), version="v9", mode="wait")
@@ -139,7 +148,7 @@ class FleetChecks:
                 ), "the update did not change the outputs"
                 assert all(r.weight_version in ("v9", None) for r in after)
             finally:
-                await client.admin.weight_sync(path=str(target.weights), version="base", mode="wait")
+                await client.admin.weight_sync(path=str(target.weights), version=found, mode="wait")
             restored = [await client.generate(prompt_ids=ids, sampling=greedy, server=i) for i in (0, 1)]
             assert [r.completion_ids for r in restored] == [r.completion_ids for r in before]
 
@@ -152,8 +161,9 @@ class FleetChecks:
         sampling = SamplingParams(max_tokens=1)
         config = target.config([target.urls[0]])
         async with Client(config) as synced, Client(config) as stale:
-            await synced.admin.weight_sync(path=str(target.weights), version="salted", mode="wait")
+            found = await found_version(synced)
             try:
+                await synced.admin.weight_sync(path=str(target.weights), version="salted", mode="wait")
                 assert synced.weight_version == "salted" and stale.weight_version is None
                 await stale.generate(prompt_ids=ids, sampling=sampling)
                 warm = await stale.generate(prompt_ids=ids, sampling=sampling)
@@ -163,22 +173,25 @@ class FleetChecks:
                 again = await synced.generate(prompt_ids=ids, sampling=sampling)
                 assert cached(again), "requests of the new version do not share their cache entries"
             finally:
-                await synced.admin.weight_sync(path=str(target.weights), version="base", mode="wait")
+                await synced.admin.weight_sync(path=str(target.weights), version=found, mode="wait")
 
     async def test_partial_failure_reports_every_server(self, target: FleetTarget) -> None:
         """With one server unreachable, a weight sync fails at the pause, says so per server, and resumes the
         server it did pause; nothing is reported as done."""
         missing = dead_url()
         async with Client(target.config([target.urls[0], missing])) as client:
-            with pytest.raises(AdminError, match="weight_sync: pause") as info:
-                await client.admin.weight_sync(path=str(target.weights), version="never", mode="wait")
-            pause = info.value.phases["pause"]
-            assert pause[0].ok and isinstance(pause[1].error, NetworkError)
-            assert [o.ok for o in info.value.phases["resume"]] == [True]  # only the paused one, resumed
-            (outcome,) = await client.admin.run("state", servers=[client.servers[0]])
-            state = outcome.value
-            assert state is not None and state.paused is False and state.weight_version != "never"
-            assert client.weight_version is None
+            try:
+                with pytest.raises(AdminError, match="weight_sync: pause") as info:
+                    await client.admin.weight_sync(path=str(target.weights), version="never", mode="wait")
+                pause = info.value.phases["pause"]
+                assert pause[0].ok and isinstance(pause[1].error, NetworkError)
+                assert [o.ok for o in info.value.phases["resume"]] == [True]  # only the paused one, resumed
+                (outcome,) = await client.admin.run("state", servers=[client.servers[0]])
+                state = outcome.value
+                assert state is not None and state.paused is False and state.weight_version != "never"
+                assert client.weight_version is None
+            finally:  # whatever failed above, the live server is not left paused
+                await client.admin.run("resume", servers=[client.servers[0]])
 
     async def test_deadlines_fail_per_server(self, target: FleetTarget) -> None:
         """A deadline too short for any server fails every server with a timeout and reports all of them."""

@@ -56,6 +56,13 @@ __all__ = [
 RECIPE_VERSION = 1
 """Bumped when :func:`ensure_venv`'s own behaviour changes in a way that needs existing venvs rebuilt."""
 
+INSTALL_COMMAND_TIMEOUT_S = 3600.0
+"""Seconds one install command of :func:`ensure_venv` may run (an install takes minutes; a stuck one is killed)."""
+VENV_LOCK_TIMEOUT_S = 7200.0
+"""Seconds :func:`ensure_venv` waits for another process building the same venv (two installs in a row at most)."""
+KILL_WAIT_S = 30.0
+"""Seconds :meth:`ServerProcess.stop` waits for a server to exit after SIGKILL."""
+
 _MARKER = ".backends-venv.json"
 _INSTALL_LOG = "install.log"
 
@@ -136,7 +143,9 @@ def ensure_venv(
         changing it rebuilds the venv.
     :param venv_args: extra arguments of ``python -m venv`` (e.g. ``["--upgrade-deps"]``; part of the recipe).
     :returns: the venv directory (``<dir>/bin/python`` is its interpreter).
-    :raises VenvInstallError: when a command fails (with the tail of ``<dir>/install.log``).
+    :raises VenvInstallError: when a command fails or runs longer than :data:`INSTALL_COMMAND_TIMEOUT_S` (with the
+        tail of ``<dir>/install.log``).
+    :raises LiveServerError: when another process holds the build lock for :data:`VENV_LOCK_TIMEOUT_S`.
     """
     if not name or "/" in name or name in (".", ".."):
         raise ValueError(f"bad venv name {name!r}")
@@ -206,10 +215,20 @@ def _build_venv(venv: Path, *, python: str, install: Sequence[Sequence[str]], ve
             log.write(f"\n$ {' '.join(args)}\n")
             log.flush()
             try:
-                code = subprocess.call(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+                code = subprocess.call(
+                    args,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    timeout=INSTALL_COMMAND_TIMEOUT_S,
+                )
             except OSError as exc:
                 log.write(f"cannot run: {exc}\n")
                 code = -1
+            except subprocess.TimeoutExpired:  # subprocess.call killed it
+                log.write(f"killed: still running after {INSTALL_COMMAND_TIMEOUT_S:.0f}s\n")
+                code = -9
             log.write(f"# exit {code} after {time.monotonic() - started:.1f}s\n")
             log.flush()
             if code != 0:
@@ -220,9 +239,23 @@ def _build_venv(venv: Path, *, python: str, install: Sequence[Sequence[str]], ve
 
 
 @contextlib.contextmanager
-def _exclusive_lock(path: Path) -> Iterator[None]:
+def _exclusive_lock(path: Path, timeout: float | None = None) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path``, waiting at most ``timeout`` seconds (:data:`VENV_LOCK_TIMEOUT_S`) for
+    another holder to let go."""
+    timeout = VENV_LOCK_TIMEOUT_S if timeout is None else timeout
+    deadline = time.monotonic() + timeout
     with path.open("a") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        while True:
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise LiveServerError(
+                        f"another process has held {path} for {timeout:.0f}s (building the same server venv?): "
+                        "its install may be stuck; see the install.log beside the lock"
+                    ) from None
+                time.sleep(0.5)
         try:
             yield
         finally:
@@ -407,7 +440,12 @@ class ServerProcess:
                 proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 _signal_group(pgid, signal.SIGKILL)
-                proc.wait()
+                try:
+                    proc.wait(timeout=KILL_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    raise LiveServerError(
+                        f"{self.name} (pid {pgid}) did not exit {KILL_WAIT_S:.0f}s after SIGKILL (log {self.log_path})"
+                    ) from None
         # children may outlive the leader (orphans stay in its group): ask, wait a little, then kill
         if _group_alive(pgid):
             _signal_group(pgid, signal.SIGTERM)
