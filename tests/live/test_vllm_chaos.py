@@ -423,17 +423,10 @@ async def test_stale_server_back_after_a_synced_fleet_is_kept_out(fleet: Pair, t
         assert all(same_greedy(a, fresh) for a in spread)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="rejoin check: core work in progress")
 async def test_stale_server_back_after_a_synced_fleet_gets_no_concurrent_request(fleet: Pair, tmp_path: Path) -> None:
     """As above, but the first requests after the cooldown arrive together (8 concurrent ``generate`` calls):
     none may be answered by the restarted server's original weights (each is answered with v1 weights or fails
-    with a typed error).
-
-    Current behaviour (xfail, seen at 575209a): the balancer keeps picking the restarted server while its version
-    is looked up (no request is in flight on it yet, so it stays the least loaded), and of the requests waiting on
-    that one lookup only the first sees the stale version: it ``forget``s it when taking the server out, so every
-    later waiter reads "unknown", which ``_stale`` counts as not stale, and is sent to the stale server (6 of 8
-    answered with the original weights).
+    with a typed error): every request waiting on the one version lookup judges the version it read.
     """
     pair = fleet
     new = write_perturbed_weights(pair.weights, tmp_path / "v1", seed=21, scale=0.2)
@@ -445,16 +438,11 @@ async def test_stale_server_back_after_a_synced_fleet_gets_no_concurrent_request
         assert_never_stale(outcomes, fresh, stale, "synced fleet, 8 concurrent requests after the cooldown")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="rejoin check: core work in progress")
 async def test_state_check_does_not_readmit_a_stale_server(fleet: Pair, tmp_path: Path) -> None:
     """As above, but after the cooldown the trainer first looks at the fleet (``admin.state()``, as a monitoring
     loop would), which reports the restarted server's start-up version next to the survivor's v1. Requests sent
-    one at a time afterwards must still never be answered by the original weights.
-
-    Current behaviour (xfail, seen at 575209a): the state check records the reported version
-    (``ServedVersions.set``), which also clears the server's "in doubt" mark without comparing the version with
-    the fleet's; ``send`` only judges servers in doubt, so the restarted server serves its original weights
-    (salted with its own version) every other request.
+    one at a time afterwards must still never be answered by the original weights: a state check records the
+    version but never vouches for a server in doubt.
     """
     pair = fleet
     new = write_perturbed_weights(pair.weights, tmp_path / "v1", seed=21, scale=0.2)
