@@ -153,23 +153,26 @@ class FleetChecks:
             assert [r.completion_ids for r in restored] == [r.completion_ids for r in before]
 
     async def test_salt_isolates_the_prefix_cache_across_a_sync(self, target: FleetTarget) -> None:
-        """After a weight sync a client salts its requests with the new version: they never hit prefix-cache
-        entries made without it (by another client still on the old version), and they share their own."""
+        """After a weight sync requests are salted with the new version: at once by the client that synced, and by
+        another client (a rollout process) once a state check or an answer showed it the new version. Requests of
+        the new version never hit prefix-cache entries made under the old salt, and they share their own."""
         if not target.cached_tokens:
             raise AssertionError(f"{target.backend}: the servers do not report cached tokens")
         ids = list(range(40, 360))  # 320 prompt tokens: two or more cache blocks on every engine here (vLLM CPU: 128)
         sampling = SamplingParams(max_tokens=1)
         config = target.config([target.urls[0]])
-        async with Client(config) as synced, Client(config) as stale:
+        async with Client(config) as synced, Client(config) as rollout, Client(config) as other:
             found = await found_version(synced)
             try:
                 await synced.admin.weight_sync(path=str(target.weights), version="salted", mode="wait")
-                assert synced.weight_version == "salted" and stale.weight_version is None
-                await stale.generate(prompt_ids=ids, sampling=sampling)
-                warm = await stale.generate(prompt_ids=ids, sampling=sampling)
-                assert cached(warm), "the second identical request was not a prefix-cache hit"
-                first = await synced.generate(prompt_ids=ids, sampling=sampling)
-                assert cached(first) == 0, "a request of the new version hit a cache entry of the old one"
+                assert synced.weight_version == "salted"
+                # two clients that have not seen the new version yet: the old salt, shared
+                await rollout.generate(prompt_ids=ids, sampling=sampling)
+                old = await other.generate(prompt_ids=ids, sampling=sampling)
+                assert cached(old), "the second identical request was not a prefix-cache hit"
+                await rollout.admin.state()  # shows it the new version (if the answer did not already)
+                first = await rollout.generate(prompt_ids=ids, sampling=sampling)
+                assert cached(first) == 0, "a request of the new version hit a cache entry made under the old salt"
                 again = await synced.generate(prompt_ids=ids, sampling=sampling)
                 assert cached(again), "requests of the new version do not share their cache entries"
             finally:
