@@ -149,7 +149,11 @@ class Trainer:
         finally:
             if self.process.returncode is None:
                 self.process.kill()
-            await self.process.wait()
+            try:
+                async with asyncio.timeout(30):
+                    await self.process.wait()
+            except TimeoutError:
+                raise AssertionError(f"the trainer (pid {self.process.pid}) did not exit 30 s after SIGKILL") from None
 
 
 @pytest.fixture
