@@ -30,6 +30,7 @@ from backends_core.errors import (
     AdminError,
     ConfigError,
     InvalidRequestError,
+    RequestError,
     ServerRefusedError,
     ServerStatusError,
     UnsupportedOperationError,
@@ -164,10 +165,13 @@ def raise_for(operation: str, server: Server, outcomes: Sequence[ServerOutcome[A
 
 
 def refused(error: BaseException | None) -> bool:
-    """Whether a worker's error is an answer that the operation did not happen there (a refusal in the body, a
-    4xx, a missing route), as opposed to a lost answer (timeout, connection, 5xx) that leaves it unknown."""
+    """Whether a worker's error says that the operation did not happen there (a refusal in the body, a 4xx, a
+    missing route, a request that never reached the worker), as opposed to a lost answer (timeout, broken
+    connection, 5xx) that leaves it unknown."""
     if isinstance(error, ServerStatusError):
         return error.status_code < 500
+    if isinstance(error, RequestError) and not error.maybe_processed:
+        return True
     return isinstance(error, ServerRefusedError | UnsupportedOperationError | ConfigError | InvalidRequestError)
 
 

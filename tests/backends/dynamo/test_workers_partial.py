@@ -6,9 +6,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import pytest
 
-from backends_core import AdminError, Client, ClientConfig, LoraAdapter, SamplingParams, ServerRefusedError
+from backends_core import (
+    AdminError,
+    Client,
+    ClientConfig,
+    LoraAdapter,
+    NetworkError,
+    SamplingParams,
+    ServerRefusedError,
+)
 from backends_core.types import TensorSpec
 from backends_dynamo.tracking import tracker
 
@@ -204,3 +213,38 @@ async def test_a_single_worker_keeps_its_own_error(deployment: Deployment) -> No
         with pytest.raises(AdminError) as info:
             await c.admin.update_weights(CHECKPOINT, version="step-7")
     assert isinstance(info.value.results[0].error, ServerRefusedError)  # nothing partial to report
+
+
+async def test_an_unreachable_single_worker_keeps_its_network_error(deployment: Deployment) -> None:
+    """A pause that never reached the only worker changed nothing: its error as it is, and no resume is sent."""
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    deployment.call(W1, "POST", "/engine/pause_generation", refuse)
+    options = {"worker_urls": [W1]}
+    config = ClientConfig(backend="dynamo", base_url=FRONTEND, model="tiny-qwen3", backend_options=options)
+    async with Client(config, transport=deployment.transport()) as c:
+        with pytest.raises(AdminError) as info:
+            await c.admin.pause("wait")
+    assert isinstance(info.value.results[0].error, NetworkError)
+    assert deployment.to(W1, "/engine/resume_generation") == []
+
+
+async def test_a_pause_whose_answer_was_lost_is_undone_too(deployment: Deployment) -> None:
+    """A worker whose pause answer was lost may have paused: it is resumed with the ones that did."""
+
+    def lost(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadError("connection reset", request=request)
+
+    deployment.add(W1, "POST", "/engine/pause_generation", json_body=vllm("engine_pause_wait"))
+    deployment.call(W2, "POST", "/engine/pause_generation", lost)
+    for w in WORKERS:
+        deployment.add(w, "POST", "/engine/resume_generation", json_body=vllm("engine_resume_after_wait"))
+    async with client(deployment) as c:
+        with pytest.raises(AdminError) as info:
+            await c.admin.pause("wait")
+    error = inner(info)
+    assert isinstance(by_worker(error)[W2].error, NetworkError)
+    assert f"{W1} and {W2} were resumed again, so nothing behind {FRONTEND} is paused" in str(error)
+    assert all(len(deployment.to(w, "/engine/resume_generation")) == 1 for w in WORKERS)
