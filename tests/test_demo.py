@@ -18,8 +18,9 @@ from backends_core.testing.engine import ReferenceEngine
 from backends_core.testing.http_server import serve
 from backends_core.testing.tinymodel import TinyModels
 
-#: Seconds a demo run here may take (it takes a few): the guard that turns a hang into a failure.
-GUARD_S = 120.0
+#: Seconds a demo run here may take (a few unloaded, a minute on a two-core machine under heavy load): the guard
+#: that turns a hang into a failure.
+GUARD_S = 300.0
 #: The vLLM routes the client reads the fleet's state from, and the pause route.
 ADMIN_ROUTES = {"/is_paused", "/is_sleeping", "/weight_info", "/metrics", "/v1/models", "/pause"}
 
@@ -93,11 +94,18 @@ async def fleet(models: TinyModels, lagging: int) -> AsyncIterator[tuple[list[st
             await engine.aclose()
 
 
+@pytest.fixture
+def short_kept_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kept requests of a few hundred tokens: the attempts run to their end here, and the engine is numpy."""
+    monkeypatch.setattr(demo, "KEPT_TOKENS", (100, 150, 200))
+
+
 async def run(models: TinyModels, urls: list[str]) -> None:
     async with asyncio.timeout(GUARD_S):
         await demo.run_demo_async(urls=urls, models_dir=str(models.root))
 
 
+@pytest.mark.usefixtures("short_kept_requests")
 async def test_a_kept_request_that_ends_before_it_is_seen_in_flight_is_tried_again(
     tiny_models: TinyModels, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -113,6 +121,7 @@ async def test_a_kept_request_that_ends_before_it_is_seen_in_flight_is_tried_aga
     assert behind.long_generations == 2
 
 
+@pytest.mark.usefixtures("short_kept_requests")
 async def test_a_server_always_behind_its_generations_still_shows_the_sync_and_says_why(
     tiny_models: TinyModels, capsys: pytest.CaptureFixture[str]
 ) -> None:
