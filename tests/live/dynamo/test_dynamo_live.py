@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ import pytest
 from dynamo_server import until
 
 from backends_core import AdminError, Client, ClientConfig, ServerRefusedError
+from backends_core.testing.conformance import Attempts
 from backends_core.testing.engine import EngineRequest, ReferenceEngine
 from backends_core.testing.tinymodel import TOKENIZER_SIZE, write_perturbed_weights
 
@@ -38,9 +40,9 @@ TEACHER_TOLERANCE = 2e-5
 """Largest accepted |Δ logprob| between Dynamo's vLLM worker (prompt_logprobs) and the reference engine
 (observed 1.9e-6; standalone vLLM's parity tests use the same bound)."""
 GREEDY_TOLERANCE = 2e-5
-CATCH_ATTEMPTS = 3
+CATCH_ATTEMPTS = 5
 """Streams a pause or abort test starts before its verdict, when the act keeps reaching the worker only after
-the stream ended (which proves nothing either way)."""
+the engine finished the stream (which proves nothing either way: see ``Attempts``)."""
 """Largest accepted |Δ logprob| for generation logprobs (engine_data.completion_logprobs; observed 1.7e-6)."""
 
 NVEXT_FIELDS = (
@@ -539,17 +541,24 @@ async def test_vllm_distributed_weight_routes_answer_with_the_cpu_limitation(
 
 
 async def _long_stream(
-    http: httpx.AsyncClient, url: str, ids: Sequence[int], max_tokens: int, state: dict[str, Any]
+    http: httpx.AsyncClient,
+    url: str,
+    ids: Sequence[int],
+    max_tokens: int,
+    state: dict[str, Any],
+    request_id: str | None = None,
 ) -> dict[str, Any]:
     """Stream a long greedy completion, updating ``state`` live: ``id``, ``tokens``, ``arrivals`` (monotonic
-    time of each token chunk), ``started`` (an event set at the first token) and at the end ``finish_reason``."""
+    time of each token chunk), ``started`` (an event set at the first token) and at the end ``finish_reason``.
+    ``request_id`` (a UUID) is sent as ``x-dynamo-request-id``, the id the worker knows the request by."""
     body = {
         **_completions(ids, max_tokens, "completion_token_ids", "engine_data"),
         "ignore_eos": True,
         "temperature": 0,
         "stream": True,
     }
-    async with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+    headers = {"x-dynamo-request-id": request_id} if request_id else {}
+    async with http.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as response:
         assert response.status_code == 200
         async for line in response.aiter_lines():
             if not line.startswith("data:") or line.strip() == "data: [DONE]":
@@ -563,48 +572,91 @@ async def _long_stream(
                 state["started"].set()
             if event.get("choices") and event["choices"][0].get("finish_reason"):
                 state["finish_reason"] = event["choices"][0]["finish_reason"]
+            # A read that finds bytes already buffered returns without suspending: when the worker outpaces this
+            # loop, the reader would keep the event loop to itself until the stream ended, and the pause or abort
+            # a test sends meanwhile would reach the worker only after the end.
+            await asyncio.sleep(0)
     return state
 
 
-async def _start_long(
-    http: httpx.AsyncClient, url: str, ids: Sequence[int], n: int
-) -> tuple[asyncio.Task[dict[str, Any]], dict[str, Any]]:
-    """Start :func:`_long_stream` in a task; return once its first token arrived."""
+def _metric(text: str, name: str) -> int:
+    """The sum of a metric's samples in Prometheus text (each worker metric carries one label set per engine)."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")]
+    assert values, f"{name} missing from the worker's /metrics"
+    return int(sum(values))
+
+
+async def _engine(http: httpx.AsyncClient, dynamo_vllm: Any) -> tuple[int, int]:
+    """What the worker's engine reports: requests running, and generation tokens produced since it started.
+
+    The tests below judge a pause or an abort by these, not by the stream: while the engine keeps both cores
+    busy, the stream can reach this process in one piece at its end, seconds after the tokens were made. The
+    worker counts a token in the same step that hands it to the stream, so the count never runs behind what the
+    stream has delivered."""
+    response = await http.get(f"{dynamo_vllm.worker_system_urls[0]}/metrics")
+    assert response.status_code == 200, f"/metrics -> {response.status_code}"
+    return _metric(response.text, "vllm:num_requests_running"), _metric(response.text, "vllm:generation_tokens_total")
+
+
+async def _start_running(
+    http: httpx.AsyncClient, dynamo_vllm: Any, ids: Sequence[int], n: int, request_id: str | None = None
+) -> tuple[asyncio.Task[dict[str, Any]], dict[str, Any], int]:
+    """Start :func:`_long_stream` of ``n`` tokens in a task; return once the engine is generating it: the task,
+    its live state, and the engine's generation-token count before it started (tests run one stream at a time,
+    so the count's growth is this stream's)."""
+    _, before = await _engine(http, dynamo_vllm)
     state: dict[str, Any] = {"tokens": [], "arrivals": [], "started": asyncio.Event(), "finish_reason": None}
-    task = asyncio.create_task(_long_stream(http, url, ids, n, state))
-    waiter = asyncio.create_task(state["started"].wait())
-    done, _ = await asyncio.wait({task, waiter}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
-    waiter.cancel()
-    if task in done:
+    task = asyncio.create_task(_long_stream(http, dynamo_vllm.frontend_url, ids, n, state, request_id))
+
+    async def generating() -> bool:
+        if task.done():
+            return True
+        running, generated = await _engine(http, dynamo_vllm)
+        return running >= 1 and generated > before
+
+    try:
+        await until(generating, "the engine generating the stream", within=60, interval=0.01)
+    except BaseException:
+        task.cancel()
+        raise
+    if task.done():
         task.result()  # raises the stream's failure
-    assert state["started"].is_set(), "no token within 60 s"
-    return task, state
+    return task, state, before
 
 
-async def _more_tokens(task: asyncio.Task[dict[str, Any]], state: dict[str, Any], n: int) -> None:
-    """Wait until the stream delivered ``n`` more tokens or ended."""
-    seen = len(state["tokens"])
-
-    async def went_on() -> bool:
-        return len(state["tokens"]) >= seen + n or task.done()
-
-    await until(went_on, f"{n} more tokens", within=30)
+async def _generated_since(http: httpx.AsyncClient, dynamo_vllm: Any, before: int) -> int:
+    return (await _engine(http, dynamo_vllm))[1] - before
 
 
-FROZEN_S = 1.5
-"""A paused stream counts as frozen once no token arrived for this long."""
-
-
-async def _quiet(task: asyncio.Task[dict[str, Any]], state: dict[str, Any], hold: float, within: float = 60.0) -> int:
-    """Wait until the stream ended or delivered no token for ``hold`` seconds (tokens already on their way when
-    a pause was confirmed still arrive); the number of tokens it had then."""
+async def _engine_settled(http: httpx.AsyncClient, dynamo_vllm: Any, hold: float, within: float = 60.0) -> int:
+    """Wait until the engine's generation-token count stayed the same for ``hold`` seconds; that count."""
+    last = {"count": -1, "since": 0.0}
 
     async def settled() -> bool:
-        last = state["arrivals"][-1] if state["arrivals"] else 0.0
-        return task.done() or time.monotonic() - last >= hold
+        count = (await _engine(http, dynamo_vllm))[1]
+        now = time.monotonic()
+        if count != last["count"]:
+            last.update(count=count, since=now)
+            return False
+        return now - last["since"] >= hold
 
-    await until(settled, f"a stream without a token for {hold} s", within=within)
-    return len(state["tokens"])
+    await until(settled, f"an engine without a new token for {hold} s", within=within)
+    return int(last["count"])
+
+
+async def _engine_went_on(http: httpx.AsyncClient, dynamo_vllm: Any, task: asyncio.Task[Any], count: int) -> None:
+    """Wait until the engine's generation-token count reached ``count`` or the stream ended."""
+
+    async def went_on() -> bool:
+        return task.done() or (await _engine(http, dynamo_vllm))[1] >= count
+
+    await until(went_on, f"an engine generation-token count of {count}", within=60, interval=0.01)
+
+
+FROZEN_S = 2.0
+"""An engine counts as frozen once it made no token for this long."""
+LONG = 1900
+"""Tokens of the streams a pause or an abort must catch (the model's context is 2048): several seconds of work."""
 
 
 def _ran_to_the_end(task: asyncio.Task[dict[str, Any]], n: int) -> bool:
@@ -614,28 +666,31 @@ def _ran_to_the_end(task: asyncio.Task[dict[str, Any]], n: int) -> bool:
 
 
 async def test_vllm_pause_keep_freezes_and_resume_continues(http: httpx.AsyncClient, dynamo_vllm: Any) -> None:
-    url = dynamo_vllm.frontend_url
+    attempts = Attempts("a keep pause of the engine")
     for attempt in range(CATCH_ATTEMPTS):
-        task, state = await _start_long(http, url, _ids(70 + attempt, 8), 1000)
+        task, _state, before = await _start_running(http, dynamo_vllm, _ids(70 + attempt, 8), LONG)
         try:
             paused = await _ok(http, dynamo_vllm, "pause_generation", {"mode": "keep"})
             assert paused == {"status": "ok", "message": "Engine paused", "mode": "keep", "clear_cache": False}
-            frozen_at = await _quiet(task, state, FROZEN_S)
-            caught = not _ran_to_the_end(task, 1000)
-            if caught:
-                assert len(state["tokens"]) == frozen_at < 1000 and not task.done(), "tokens kept coming while paused"
+            frozen_at = await _engine_settled(http, dynamo_vllm, FROZEN_S) - before
+            if frozen_at < LONG:  # the engine stopped part-way and holds the request
+                if task.done():
+                    attempts.against(f"the kept request ended while paused ({frozen_at} tokens)")
+                elif (await _engine(http, dynamo_vllm))[1] - before != frozen_at:
+                    attempts.against(f"tokens kept coming while paused (frozen at {frozen_at})")
+            else:
+                attempts.inconclusive("the engine finished the stream before the pause")
         finally:
             await _ok(http, dynamo_vllm, "resume_generation")
         result = await asyncio.wait_for(task, 120)
-        assert result["finish_reason"] == "length" and len(result["tokens"]) == 1000
-        if caught:
+        assert result["finish_reason"] == "length" and len(result["tokens"]) == LONG
+        if frozen_at < LONG and not attempts.evidence:
             return
-    pytest.fail(f"every stream ended before the pause reached the worker ({CATCH_ATTEMPTS} tries)")
+    attempts.verdict("a keep pause did not hold the request")
 
 
 async def test_vllm_pause_wait_drains_in_flight(http: httpx.AsyncClient, dynamo_vllm: Any) -> None:
-    url = dynamo_vllm.frontend_url
-    task, _state = await _start_long(http, url, _ids(71, 8), 400)
+    task, _state, _before = await _start_running(http, dynamo_vllm, _ids(71, 8), 400)
     try:
         paused = await _ok(http, dynamo_vllm, "pause_generation", {"mode": "wait"})
         assert paused["mode"] == "wait"
@@ -646,50 +701,64 @@ async def test_vllm_pause_wait_drains_in_flight(http: httpx.AsyncClient, dynamo_
 
 
 async def test_vllm_pause_abort_ends_in_flight_with_stop(http: httpx.AsyncClient, dynamo_vllm: Any) -> None:
-    url = dynamo_vllm.frontend_url
+    attempts = Attempts("an abort pause of the engine")
     for attempt in range(CATCH_ATTEMPTS):
-        task, _state = await _start_long(http, url, _ids(72 + 10 * attempt, 8), 1900)
+        task, _state, _before = await _start_running(http, dynamo_vllm, _ids(72 + 10 * attempt, 8), LONG)
         try:
             paused = await _ok(http, dynamo_vllm, "pause_generation", {"mode": "abort", "clear_cache": True})
             assert paused["mode"] == "abort" and paused["clear_cache"] is True
             result = await asyncio.wait_for(task, 120)
         finally:
             await _ok(http, dynamo_vllm, "resume_generation")
-        if not _ran_to_the_end(task, 1900) or attempt == CATCH_ATTEMPTS - 1:
-            break
-    # the trap: an aborted request ends with finish_reason "stop", not "abort"
-    assert result["finish_reason"] == "stop" and 0 < len(result["tokens"]) < 1900
-    # serving again after resume
-    assert len((await _greedy(http, url, [1, 2, 3], 4))["completion_token_ids"]) == 4
+        if _ran_to_the_end(task, LONG):
+            attempts.inconclusive("the engine finished the stream before the pause")
+            continue
+        # the trap: an aborted request ends with finish_reason "stop", not "abort"
+        assert result["finish_reason"] == "stop" and 0 < len(result["tokens"]) < LONG, result["finish_reason"]
+        # serving again after resume
+        assert len((await _greedy(http, dynamo_vllm.frontend_url, [1, 2, 3], 4))["completion_token_ids"]) == 4
+        return
+    attempts.verdict("an abort pause did not end the request")
 
 
 async def test_vllm_abort_request_needs_the_bare_uuid(http: httpx.AsyncClient, dynamo_vllm: Any) -> None:
-    url = dynamo_vllm.frontend_url
+    """The prefixed response id is answered "ok" but aborts nothing; the bare uuid aborts the request.
+
+    Each abort lands on a request the engine holds (a keep pause right after the first abort), so the verdict
+    does not depend on sending the second abort before the engine finishes the stream."""
+    attempts = Attempts("an abort of one request")
     for attempt in range(CATCH_ATTEMPTS):
-        task, state = await _start_long(http, url, _ids(73 + 10 * attempt, 8), 1900)
+        request_id = str(uuid.uuid4())
+        response_id = f"cmpl-{request_id}"
+        task, _state, before = await _start_running(
+            http, dynamo_vllm, _ids(73 + 10 * attempt, 8), LONG, request_id=request_id
+        )
         try:
-            response_id = state["id"]
-            assert response_id.startswith("cmpl-")
-            # the prefixed response id is answered "ok" but aborts nothing: the stream goes on
             wrong = await _ok(http, dynamo_vllm, "abort_request", {"request_id": response_id})
             assert wrong == {"status": "ok", "request_id": response_id}
-            seen = len(state["tokens"])
-            await _more_tokens(task, state, 20)
-            if _ran_to_the_end(task, 1900):
-                continue
-            assert not task.done() and len(state["tokens"]) >= seen + 20, "the prefixed id aborted the request"
-            # the bare uuid aborts it: the stream ends at once with finish_reason "stop"
-            uuid = response_id.removeprefix("cmpl-")
-            assert (await _ok(http, dynamo_vllm, "abort_request", {"request_id": uuid}))["request_id"] == uuid
-            result = await asyncio.wait_for(task, 120)
-            if _ran_to_the_end(task, 1900) and attempt < CATCH_ATTEMPTS - 1:
-                continue
-            assert result["finish_reason"] == "stop" and len(result["tokens"]) < 1900
-            return
+            await _ok(http, dynamo_vllm, "pause_generation", {"mode": "keep"})
+            held_at = await _engine_settled(http, dynamo_vllm, FROZEN_S) - before
+            if held_at < LONG:
+                # an abort reaches the engine before a pause sent after it: the request would be gone by now
+                assert not task.done(), f"the prefixed id aborted the request: {task.result()['finish_reason']}"
+                bare = await _ok(http, dynamo_vllm, "abort_request", {"request_id": request_id})
+                assert bare == {"status": "ok", "request_id": request_id}
+        except BaseException:
+            task.cancel()
+            raise
         finally:
-            if not task.done():
-                task.cancel()
-    pytest.fail(f"every stream ended before the abort reached the worker ({CATCH_ATTEMPTS} tries)")
+            await _ok(http, dynamo_vllm, "resume_generation")
+        result = await asyncio.wait_for(task, 120)
+        if held_at >= LONG:
+            attempts.inconclusive("the engine finished the stream before the pause")
+            continue
+        # the trap: an aborted request ends with finish_reason "stop", not "abort"
+        assert result["id"] == response_id
+        assert result["finish_reason"] == "stop" and 0 < len(result["tokens"]) <= held_at, (
+            f"{result['finish_reason']} after {len(result['tokens'])} tokens, held at {held_at}"
+        )
+        return
+    attempts.verdict("an abort by the bare uuid did not end the request")
 
 
 async def test_vllm_update_weights_from_disk_changes_and_restores_outputs(

@@ -31,6 +31,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import live_servers
 import pytest
 import sglang_server  # this directory is on sys.path: pytest's default "prepend" import mode puts it there
 
@@ -54,11 +55,13 @@ def _serve(
     lora: bool = False,
     routed_experts: bool = False,
     tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
 ) -> Iterator[str]:
     log_path = tmp_path_factory.getbasetemp() / "live-logs" / f"{name}.log"
     server = sglang_server.sglang_server(
         venv, model_dir, log_path=log_path, name=name, lora=lora, routed_experts=routed_experts
     )
+    live_servers.stop_when_unused(request, lambda: server.stop(timeout=sglang_server.STOP_TIMEOUT_S))
     server.start()
     try:
         server.wait_ready(sglang_server.READY_PATH, timeout=sglang_server.START_TIMEOUT_S)
@@ -70,27 +73,44 @@ def _serve(
 
 @pytest.fixture(scope="session")
 def sglang_dense_url(
-    sglang_venv: Path, tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
+    sglang_venv: Path, tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[str]:
     """Base URL of a live SGLang server on the tiny dense model, LoRA enabled."""
-    yield from _serve(sglang_venv, tiny_models.dense, name="sglang-dense", lora=True, tmp_path_factory=tmp_path_factory)
+    yield from _serve(
+        sglang_venv,
+        tiny_models.dense,
+        name="sglang-dense",
+        lora=True,
+        tmp_path_factory=tmp_path_factory,
+        request=request,
+    )
 
 
 @pytest.fixture(scope="session")
 def sglang_dense_url_2(
-    sglang_venv: Path, tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
+    sglang_venv: Path, tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[str]:
     """A second live SGLang server on the tiny dense model (LoRA enabled), for fleet tests."""
     yield from _serve(
-        sglang_venv, tiny_models.dense, name="sglang-dense-2", lora=True, tmp_path_factory=tmp_path_factory
+        sglang_venv,
+        tiny_models.dense,
+        name="sglang-dense-2",
+        lora=True,
+        tmp_path_factory=tmp_path_factory,
+        request=request,
     )
 
 
 @pytest.fixture(scope="session")
 def sglang_moe_url(
-    sglang_venv: Path, tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
+    sglang_venv: Path, tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[str]:
     """Base URL of a live SGLang server on the tiny MoE model, routed experts enabled (no LoRA)."""
     yield from _serve(
-        sglang_venv, tiny_models.moe, name="sglang-moe", routed_experts=True, tmp_path_factory=tmp_path_factory
+        sglang_venv,
+        tiny_models.moe,
+        name="sglang-moe",
+        routed_experts=True,
+        tmp_path_factory=tmp_path_factory,
+        request=request,
     )

@@ -51,6 +51,7 @@ from backends_core.plugins import implemented_hooks, make_plugin_manager
 from backends_core.testing.engine import ReferenceEngine
 from backends_core.testing.fakes import fault_transport
 from backends_core.testing.tinymodel import TinyModels, write_perturbed_weights
+from backends_core.testing.watch import in_flight_or_ended
 
 __all__ = ["BackendConformance"]
 
@@ -470,35 +471,17 @@ class BackendConformance:
         if not self._observes_in_flight():
             done, _ = await asyncio.wait({task}, timeout=UNOBSERVED_START_S)
             return not done
-        deadline = asyncio.timeout(IN_FLIGHT_TIMEOUT_S)
-        state = None
         try:
-            async with deadline:
-                while not task.done():
-                    poll = asyncio.ensure_future(client.admin.state())
-                    try:
-                        await asyncio.wait({poll, task}, return_when=asyncio.FIRST_COMPLETED)
-                    finally:
-                        if not poll.done():
-                            poll.cancel()
-                            await asyncio.wait({poll})
-                    if poll.cancelled():
-                        return False
-                    (state,) = poll.result()
-                    if state.in_flight is None:  # this server does not count them after all
-                        done, _ = await asyncio.wait({task}, timeout=UNOBSERVED_START_S)
-                        return not done
-                    if state.in_flight > 0:
-                        return True
-                    await asyncio.sleep(POLL_S)
-                return False
+            seen = await in_flight_or_ended(client, task, within=IN_FLIGHT_TIMEOUT_S, poll_s=POLL_S)
         except TimeoutError:
-            if not deadline.expired():
-                raise
             raise AssertionError(
                 f"the server did not report the generation in flight within {IN_FLIGHT_TIMEOUT_S:.0f} s although it "
-                f"had not ended (last state: {state})"
+                "had not ended"
             ) from None
+        if seen is None:  # this server does not count them after all
+            done, _ = await asyncio.wait({task}, timeout=UNOBSERVED_START_S)
+            return not done
+        return seen
 
     async def _held(self, client: Client, task: asyncio.Task[GenerateResult]) -> bool:
         """Right after ``pause("keep")`` returned: the server reports itself paused, and the generation has not
