@@ -2,9 +2,11 @@
 
 Left running until the session ends, an idle vLLM or SGLang server keeps a good part of a core busy, and the
 servers of finished modules would pile up under the tests that come after them. A server fixture registers its
-stop with :func:`stop_when_unused`; ``tests/live/conftest.py`` calls :func:`after_teardown` after each test's
-teardown. A server stops at a module boundary, so its module-scoped users (which may restore its state at their
-teardown) are gone by then; the fixture's own stop at the end of the session then finds nothing to do.
+stop with :func:`stop_when_unused`; a test that requests a server fixture at run time (``getfixturevalue``)
+names it with ``@pytest.mark.uses_live_servers("<fixture>", ...)`` so the server is kept for it; and
+``tests/live/conftest.py`` calls :func:`after_teardown` after each test's teardown. A server stops at a module
+boundary, so its module-scoped users (which may restore its state at their teardown) are gone by then; the
+fixture's own stop at the end of the session then finds nothing to do.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ class LiveServers:
         for index, item in enumerate(items):
             for name in getattr(item, "fixturenames", ()):
                 self._last_use[name] = index
+            for marker in item.iter_markers("uses_live_servers"):
+                for name in marker.args:
+                    self._last_use[name] = index
         self._stops: dict[str, Callable[[], object]] = {}
 
     def add(self, fixture_name: str, stop: Callable[[], object]) -> None:

