@@ -125,7 +125,7 @@ def tokenizer_dir() -> Path:
 
 
 def tokenizer() -> Any:
-    from backends_core.rendering import load_tokenizer
+    from backends_core.multiturn.rendering import load_tokenizer
 
     return load_tokenizer(str(tokenizer_dir()))
 

@@ -8,7 +8,7 @@ entries) carrying routed experts of 4,096 and 32,768 rows. Methods, interleaved 
 * ``stdlib``: ``json.loads`` + ``base64.b64decode`` + ``np.frombuffer`` (vLLM's string form, ``.npy`` inside);
 * ``renderers``: renderers 0.1.12's splice parser ``parse_generate_response`` (object form, which it needs) +
   ``base64.b64decode`` of its memoryview + ``np.frombuffer``;
-* ``ours_decode``: ``backends_core._http.loads_lifting`` (the routed-experts string stays a memoryview of the body)
+* ``ours_decode``: ``backends_core.server.loads_lifting`` (the routed-experts string stays a memoryview of the body)
   + ``decode_routed_experts``;
 * ``ours_full``: the same + the vLLM backend's whole ``parse_generate`` (ids, logprobs, checks): what a generate
   call really costs after the bytes arrive.
@@ -36,7 +36,7 @@ SIZES = (4096, 32768)
 def methods(rows: int, tok: Any) -> tuple[dict[str, Callable[[], np.ndarray]], dict[str, int]]:
     from renderers.client import parse_generate_response
 
-    from backends_core._http import loads_lifting
+    from backends_core.jsonio import loads_lifting
     from backends_core.routed_experts import decode_routed_experts
     from backends_core.types import GenerateRequest
     from backends_vllm import wire

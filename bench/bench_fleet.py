@@ -37,7 +37,7 @@ async def fan_out(urls: list[str], rounds: int, *, via_httpx_send: bool = False)
     """Wall seconds of each operation, and the client's CPU seconds during it (``cpu_…``); ``construct``: wall
     seconds to build the ``Client`` (one admin pool per server). ``via_httpx_send``: admin calls through
     ``httpx.AsyncClient.request`` as before the direct admin path (same transport), for a paired comparison."""
-    import backends_core._http as http
+    import backends_core.server as http
 
     direct = http._send_admin
     if via_httpx_send:

@@ -6,7 +6,7 @@ In-process, the tiny tokenizer (byte-level BPE, Qwen3-style template). A turn is
 an assistant answer of ~200 tokens; turn t's prompt is [u1, a1, …, u(t-1), a(t-1), u(t)] + the generation prompt.
 
 * ``full_render``: ``apply_chat_template`` of the whole conversation + encode (what a client without a bridge pays);
-* ``bridge``: ``backends_core.bridge.extend_prompt`` (what ``Conversation.send`` runs): previous prompt + previous
+* ``bridge``: ``multiturn.extension.extend_prompt`` (what ``Conversation.send`` runs): previous prompt + previous
   completion ids reused untouched, only the new user message rendered (t = 1: ``render_text`` + ``encode`` of [u1],
   the core's default ``render`` hook, which the first ``send`` runs);
 * ``stateless``: ``TurnCache.prompt_ids`` (``client.generate(messages=…, session=…)``): the whole message list is
@@ -105,11 +105,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     c.pin(0)
-    from backends_core.bridge import BridgeStats, clear_template_cache, extend_prompt
     from backends_core.config import StatelessPolicy
-    from backends_core.messages import normalize_messages
-    from backends_core.rendering import encode, render_text
-    from backends_core.stateless import TurnCache
+    from backends_core.multiturn.extension import BridgeStats, clear_template_cache, extend_prompt
+    from backends_core.multiturn.messages import normalize_messages
+    from backends_core.multiturn.rendering import encode, render_text
+    from backends_core.multiturn.turn_cache import TurnCache
     from backends_core.types import GenerateResult
 
     tok = c.tokenizer()

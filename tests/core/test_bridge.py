@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from backends_core import BridgeError, GenerateResult, extend_prompt
-from backends_core.rendering import encode, load_tokenizer, render_text
+from backends_core.multiturn.rendering import encode, load_tokenizer, render_text
 
 TOOLS = [
     {

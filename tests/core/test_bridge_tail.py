@@ -12,11 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from backends_core import BridgeError, BridgeStats, GenerateResult, extend_prompt
-from backends_core.bridge import clear_template_cache
 from backends_core.config import StatelessPolicy
-from backends_core.messages import normalize_messages
-from backends_core.rendering import encode, load_tokenizer, render_text
-from backends_core.stateless import TurnCache
+from backends_core.multiturn.extension import clear_template_cache
+from backends_core.multiturn.messages import normalize_messages
+from backends_core.multiturn.rendering import encode, load_tokenizer, render_text
+from backends_core.multiturn.turn_cache import TurnCache
 
 TOOLS = [
     {

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from backends_core import BridgeError, Client, ClientConfig, Event, SamplingParams, hookimpl
-from backends_core.bridge import clear_template_cache
+from backends_core.multiturn.extension import clear_template_cache
 from backends_core.reference.emulator import ReferenceEmulator
 from backends_core.testing.engine import ReferenceEngine
 

@@ -17,10 +17,11 @@ import pytest
 from hypothesis import given, settings
 
 from backends_core import GenerateResult, ResponseParseError, decode_routed_experts
-from backends_core._http import Server, dumps, loads, loads_lifting
 from backends_core.client import _all_token_ints
 from backends_core.driver import check_result
+from backends_core.jsonio import dumps, loads, loads_lifting
 from backends_core.routed_experts import _b64decode
+from backends_core.server import Server
 
 B64_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 

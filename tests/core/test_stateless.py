@@ -12,12 +12,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from backends_core import BridgeError, Client, ClientConfig, GenerateResult, SamplingParams, extend_prompt
-from backends_core.bridge import clear_template_cache
 from backends_core.config import StatelessPolicy
 from backends_core.errors import InvalidRequestError
-from backends_core.messages import normalize_message, normalize_messages
+from backends_core.multiturn.extension import clear_template_cache
+from backends_core.multiturn.messages import normalize_message, normalize_messages
+from backends_core.multiturn.rendering import encode, load_tokenizer, render_text
 from backends_core.reference.emulator import ReferenceEmulator
-from backends_core.rendering import encode, load_tokenizer, render_text
 from backends_core.testing.engine import ReferenceEngine
 
 TOOLS = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object", "properties": {}}}}]

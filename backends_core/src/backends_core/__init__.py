@@ -7,8 +7,6 @@ distributions registered under the ``backends_core.backends`` entry-point group.
 
 from __future__ import annotations
 
-from backends_core._http import Server
-from backends_core.bridge import BridgeStats, Conversation, extend_prompt
 from backends_core.client import Client
 from backends_core.config import AdminPolicy, ClientConfig, FleetPolicy, Limits, RetryPolicy, Timeouts
 from backends_core.errors import (
@@ -36,8 +34,10 @@ from backends_core.errors import (
 from backends_core.events import Event
 from backends_core.fleet import ServerOutcome, ServerReport, SyncReport
 from backends_core.hookspecs import hookimpl
+from backends_core.multiturn import BridgeStats, Conversation, extend_prompt
 from backends_core.plugins import ENTRY_POINT_GROUP, BackendInfo, available_backends
 from backends_core.routed_experts import align_routed_experts, decode_routed_experts
+from backends_core.server import Server, StatusHint
 from backends_core.types import (
     DistributedGroup,
     GenerateRequest,
@@ -96,6 +96,7 @@ __all__ = [
     "ServerState",
     "ServerStatusError",
     "StaleServerError",
+    "StatusHint",
     "SyncReport",
     "TeacherLogprobs",
     "TeacherRequest",

@@ -569,7 +569,7 @@ class LeanTransport(httpx.AsyncBaseTransport):
                         else "Server disconnected without sending a response."
                     )
                     error = _eof_error(conn, what, request)
-                    error.answer_started = started  # type: ignore[attr-defined]  # read by the retry rule in _http
+                    error.answer_started = started  # type: ignore[attr-defined]  # read by the retry rule in server.py
                     raise error
                 data = conn.joined()
                 end = data.find(b"\r\n\r\n", max(0, scanned - 3))

@@ -15,10 +15,8 @@ from typing import Any
 import attrs
 import httpx
 
-from backends_core._http import Server
 from backends_core._transport import LeanTransport
 from backends_core.balancer import Balancer
-from backends_core.bridge import BridgeStats, Conversation
 from backends_core.config import ClientConfig
 from backends_core.driver import BackendDriver
 from backends_core.errors import (
@@ -30,9 +28,11 @@ from backends_core.errors import (
     TransportError,
 )
 from backends_core.fleet import Admin, ServedVersions
-from backends_core.messages import as_plain, normalize_messages
-from backends_core.rendering import load_tokenizer
-from backends_core.stateless import TurnCache
+from backends_core.multiturn import BridgeStats, Conversation
+from backends_core.multiturn.messages import as_plain, normalize_messages
+from backends_core.multiturn.rendering import load_tokenizer
+from backends_core.multiturn.turn_cache import TurnCache
+from backends_core.server import Server
 from backends_core.types import (
     GenerateRequest,
     GenerateResult,

@@ -17,11 +17,11 @@ import numpy as np
 import pluggy
 
 from backends_core import hookspecs
-from backends_core._http import Server
 from backends_core.config import ClientConfig
 from backends_core.errors import BackendError, ConfigError, ResponseParseError, UnsupportedOperationError
 from backends_core.events import Event, EventKind
 from backends_core.plugins import implemented_hooks, make_plugin_manager
+from backends_core.server import Server
 from backends_core.types import (
     GenerateRequest,
     GenerateResult,

@@ -30,7 +30,7 @@
 
 Backends raise :class:`RenderError`, :class:`ResponseParseError`, :class:`InvalidRequestError`,
 :class:`ServerRefusedError` and :class:`ConfigError` themselves; HTTP failures are mapped to
-:class:`RequestError` subclasses at one choke point (:mod:`backends_core._http`), so a backend never constructs
+:class:`RequestError` subclasses at one choke point (:mod:`backends_core.server`), so a backend never constructs
 them.
 """
 

@@ -30,8 +30,8 @@ from backends_core.errors import (
 from backends_core.types import PAUSE_MODES, DistributedGroup, LoraAdapter, PauseMode, ServerState, TensorSpec, text
 
 if TYPE_CHECKING:
-    from backends_core._http import Server
     from backends_core.driver import BackendDriver
+    from backends_core.server import Server
 
 __all__ = ["IDEMPOTENT_OPERATIONS", "Admin", "ServedVersions", "ServerOutcome", "ServerReport", "SyncReport"]
 

@@ -11,7 +11,7 @@ Rules every hook follows:
 
 * All specs are ``firstresult``: one backend is registered per client, and its answer is the answer.
   Returning ``None`` declines (only meaningful for hooks with a core default).
-* Sync hooks are pure (no I/O). Async hooks do I/O only through the :class:`~backends_core._http.Server`
+* Sync hooks are pure (no I/O). Async hooks do I/O only through the :class:`~backends_core.server.Server`
   they are given, which maps every HTTP failure to a :mod:`backends_core.errors` type.
 * Required hooks: ``post_generate`` and ``parse_response``. Every other hook is optional; the optional
   hooks a backend implements are its *capabilities*, and calling a missing one raises
@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from backends_core._http import Server
     from backends_core.config import ClientConfig
     from backends_core.events import Event
+    from backends_core.server import Server
     from backends_core.types import (
         DistributedGroup,
         GenerateRequest,

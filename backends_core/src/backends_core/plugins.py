@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -22,9 +22,12 @@ from backends_core.errors import (
     BackendLoadError,
     BackendNotFoundError,
     BackendValidationError,
+    ConfigError,
 )
+from backends_core.hookspecs import hookimpl
+from backends_core.multiturn.rendering import encode, render_text
 
-__all__ = ["ENTRY_POINT_GROUP", "BackendInfo", "available_backends", "make_plugin_manager"]
+__all__ = ["ENTRY_POINT_GROUP", "BackendInfo", "CoreDefaults", "available_backends", "make_plugin_manager"]
 
 #: Entry-point group backends register under.
 ENTRY_POINT_GROUP = "backends_core.backends"
@@ -81,11 +84,9 @@ def make_plugin_manager(
     :raises BackendLoadError: the backend's module failed to import.
     :raises BackendValidationError: a hook has a bad signature or a required hook is missing.
     """
-    from backends_core import rendering
-
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
-    pm.register(rendering.CoreDefaults(), name="backends_core.defaults")
+    pm.register(CoreDefaults(), name="backends_core.defaults")
     if plugin is None:
         plugin = _load_entry_point(backend)
     try:
@@ -124,3 +125,33 @@ def _load_entry_point(backend: str) -> Any:
         return ep.load()
     except Exception as exc:
         raise BackendLoadError(backend, ep.value, exc) from exc
+
+
+class CoreDefaults:
+    """Default implementations every plugin manager carries; backends override by implementing the hook."""
+
+    @hookimpl(trylast=True)
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        chat_template_kwargs: Mapping[str, Any],
+        add_generation_prompt: bool,
+        tokenizer: Any,
+    ) -> list[int]:
+        if tokenizer is None:
+            raise ConfigError(
+                ["rendering messages needs a tokenizer: set tokenizer (or model) to a local path @ $.tokenizer"]
+            )
+        text = render_text(
+            tokenizer,
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return encode(tokenizer, text)
+
+    @hookimpl(trylast=True)
+    def prepare_request(self, request: Any) -> Any:
+        return request

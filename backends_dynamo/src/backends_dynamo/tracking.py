@@ -21,7 +21,7 @@ import uuid
 
 import attrs
 
-from backends_core._http import Server
+from backends_core import Server
 
 __all__ = ["REQUEST_ID_HEADER", "Flight", "Tracker", "dynamo_request_id", "tracker"]
 

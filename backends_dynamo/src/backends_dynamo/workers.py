@@ -12,7 +12,7 @@ An operation that changes the workers runs on each of them to the end (:func:`ea
 worker's outcome when one failed (:func:`raise_for`): with several workers behind one frontend, a failure on one
 of them can leave the others changed (new weights, an adapter, a pause), and the caller needs to know which.
 
-All I/O goes through the core :class:`~backends_core._http.Server`; a worker is the same server handle with
+All I/O goes through the core :class:`~backends_core.server.Server`; a worker is the same server handle with
 its admin URL pointed at the worker (same connection pool, same per-server cache).
 """
 
@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import attrs
 
-from backends_core._http import Server
+from backends_core import Server
 from backends_core.errors import (
     AdminError,
     ConfigError,

@@ -14,7 +14,7 @@ import asyncio
 import logging
 from typing import Any, Literal
 
-from backends_core._http import Server, StatusHint
+from backends_core import Server, StatusHint
 from backends_core.errors import ServerRefusedError, ServerStatusError
 from backends_sglang import wire
 from backends_sglang.options import SglangOptions

@@ -28,8 +28,7 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from backends_core import Server, hookimpl
-from backends_core._http import StatusHint
+from backends_core import Server, StatusHint, hookimpl
 from backends_core.config import ClientConfig
 from backends_core.errors import InvalidRequestError, ServerStatusError
 from backends_core.types import (

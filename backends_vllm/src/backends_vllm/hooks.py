@@ -6,8 +6,7 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from backends_core import Server, hookimpl
-from backends_core._http import StatusHint
+from backends_core import Server, StatusHint, hookimpl
 from backends_core.config import ClientConfig
 from backends_core.errors import InvalidRequestError, ServerRefusedError
 from backends_core.types import (

@@ -350,7 +350,7 @@ async def test_destroy_weight_transfer_shuts_the_engine_down_and_a_refusal_names
 
 
 async def test_check_tokenizer_compares_local_rendering_with_the_servers(tiny_models) -> None:
-    from backends_core.rendering import load_tokenizer
+    from backends_core.multiturn.rendering import load_tokenizer
 
     cap = capture("tokenize_messages_tools_nothink")
     request = cap["request"]["body"]

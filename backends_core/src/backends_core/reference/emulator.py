@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 
 from backends_core.errors import RenderError
-from backends_core.rendering import encode, load_tokenizer, render_text
+from backends_core.multiturn.rendering import encode, load_tokenizer, render_text
 from backends_core.testing.engine import EngineError, EngineOutput, EngineRequest, ReferenceEngine
 
 __all__ = ["ReferenceEmulator"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from backends_core._http import Server
+from backends_core import Server
 from backends_core.config import ClientConfig
 from backends_core.converters import structure_response
 from backends_core.hookspecs import hookimpl

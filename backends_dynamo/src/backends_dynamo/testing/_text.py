@@ -10,7 +10,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from backends_core.errors import RenderError
-from backends_core.rendering import encode, load_tokenizer, render_text
+from backends_core.multiturn.rendering import encode, load_tokenizer, render_text
 
 __all__ = ["Text"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from backends_core.rendering import load_tokenizer
+from backends_core.multiturn.rendering import load_tokenizer
 from backends_vllm.testing._errors import bad_request
 from backends_vllm.testing._formatting import Detokenizer
 from backends_vllm.testing._serving import Serving

@@ -2,7 +2,7 @@
 
 A :class:`TurnCache` remembers, per session (trajectory), the messages of each turn and the exact ids the
 server produced for them. For a new message list it finds the longest remembered turn whose messages, followed
-by an assistant message, are a prefix of the new list (compared in :func:`~backends_core.messages.normalize_message`
+by an assistant message, are a prefix of the new list (compared in :func:`.messages.normalize_message`
 form, so dicts vs Pydantic objects, ``None`` keys or JSON spacing in tool arguments don't matter), reuses that
 turn's prompt + completion ids untouched, and renders only the tail through the multi-turn bridge.
 
@@ -21,10 +21,10 @@ from typing import Any
 
 import attrs
 
-from backends_core.bridge import BridgeStats, extend_prompt
 from backends_core.config import StatelessPolicy
 from backends_core.errors import BridgeError
-from backends_core.messages import _flat_strings, normal_forms
+from backends_core.multiturn.extension import BridgeStats, extend_prompt
+from backends_core.multiturn.messages import _flat_strings, normal_forms
 from backends_core.types import GenerateResult
 
 __all__ = ["Turn", "TurnCache"]
@@ -110,11 +110,11 @@ class TurnCache:
         stats: BridgeStats | None = None,
     ) -> list[int] | None:
         """Prompt ids reusing an earlier turn, ``None`` for a session's first turn; ``stats`` counts how the
-        tail was rendered (see :func:`~backends_core.bridge.extend_prompt`).
+        tail was rendered (see :func:`~backends_core.multiturn.extension.extend_prompt`).
 
         :raises BridgeError: reasons ``no_prefix`` (no remembered turn prefixes the list: history rewritten
             or folded), ``history_rewritten`` (the tail holds an assistant or system message), or any
-            :func:`~backends_core.bridge.extend_prompt` reason.
+            :func:`~backends_core.multiturn.extension.extend_prompt` reason.
         """
         if session not in self._sessions:
             return None

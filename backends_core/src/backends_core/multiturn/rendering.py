@@ -1,4 +1,4 @@
-"""Chat-template rendering with transformers, and the core's default hook implementations."""
+"""Chat-template rendering with transformers."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from backends_core.errors import ConfigError, RenderError
-from backends_core.hookspecs import hookimpl
 
-__all__ = ["CoreDefaults", "load_tokenizer", "render_text", "encode"]
+__all__ = ["encode", "load_tokenizer", "render_text"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -72,33 +71,3 @@ def render_text(
 def encode(tokenizer: Any, text: str) -> list[int]:
     """Token ids of ``text`` exactly as written (special-token strings become their ids; nothing added)."""
     return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-class CoreDefaults:
-    """Default implementations every plugin manager carries; backends override by implementing the hook."""
-
-    @hookimpl(trylast=True)
-    def render(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Mapping[str, Any]] | None,
-        chat_template_kwargs: Mapping[str, Any],
-        add_generation_prompt: bool,
-        tokenizer: Any,
-    ) -> list[int]:
-        if tokenizer is None:
-            raise ConfigError(
-                ["rendering messages needs a tokenizer: set tokenizer (or model) to a local path @ $.tokenizer"]
-            )
-        text = render_text(
-            tokenizer,
-            messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            chat_template_kwargs=chat_template_kwargs,
-        )
-        return encode(tokenizer, text)
-
-    @hookimpl(trylast=True)
-    def prepare_request(self, request: Any) -> Any:
-        return request

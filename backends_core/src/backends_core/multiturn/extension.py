@@ -1,7 +1,7 @@
 """Multi-turn token-in/token-out: turn N extends turn N-1's exact ids and renders only the new messages.
 
 Re-rendering a conversation from messages silently changes tokens (BPE drift, dropped reasoning, tool-call
-formatting), which corrupts RL training data. A :class:`Conversation` therefore never re-tokenizes history.
+formatting), which corrupts RL training data. A ``Conversation`` therefore never re-tokenizes history.
 For turn N it sends ``previous prompt + previous completion + close + delta`` where
 
 * ``close`` finishes the previous assistant turn with the template's own end-of-turn tokens: only the part
@@ -42,23 +42,18 @@ falls back to re-rendering or text. Attempts, successes and failures (by reason)
 from __future__ import annotations
 
 import json
-import time
-import uuid
 import weakref
 from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
 from backends_core.errors import BridgeError, RenderError
-from backends_core.rendering import encode, render_text
-from backends_core.types import GenerateResult, Message, SamplingParams
+from backends_core.multiturn.rendering import encode, render_text
+from backends_core.types import GenerateResult, Message
 
-if TYPE_CHECKING:
-    from backends_core.client import Client
-
-__all__ = ["BridgeStats", "Conversation", "clear_template_cache", "extend_prompt"]
+__all__ = ["BridgeStats", "clear_template_cache", "extend_prompt"]
 
 _SENTINEL = "\u27e6backends-bridge-sentinel\u27e7"
 _CONTEXT_USER = "\u27e6backends-bridge-context\u27e7"
@@ -74,7 +69,7 @@ class BridgeStats:
     in full (``StatelessPolicy.on_break = "rerender"``); and how each bridged turn's new messages were
     rendered: ``tail_renders`` (alone, in a verified minimal context) or ``full_renders`` keyed by why the
     whole history was rendered around them (``verify``, ``short_history``, ``position_dependent``,
-    ``tail_error``, ``uncacheable``, ``disabled``; see :mod:`backends_core.bridge`)."""
+    ``tail_error``, ``uncacheable``, ``disabled``; see :mod:`backends_core.multiturn.extension`)."""
 
     attempts: int = 0
     successes: int = 0
@@ -352,100 +347,3 @@ def extend_prompt(
             stats.full_renders[how] += 1
     # one copy of the previous ids (C speed), untouched: the new prompt starts with them by construction
     return [*previous.prompt_ids, *completion, *close, *delta_ids]
-
-
-class Conversation:
-    """A multi-turn exchange that keeps exact ids between turns.
-
-    ``await conv.send(messages)`` renders the first turn in full; every later ``send`` takes only the new
-    messages (tool results, the next user message) and extends the previous ids through
-    :func:`extend_prompt`. Pass ``assistant_message=`` when the previous turn's parsed tool calls matter to
-    the template.
-    """
-
-    def __init__(
-        self,
-        client: Client,
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        server: int | str | None = None,
-    ) -> None:
-        self._client = client
-        self.tools = list(tools) if tools else None
-        self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        self._server = server
-        #: Session key: every turn sticks to one server (its prefix cache) unless ``server`` pins one.
-        self.session = uuid.uuid4().hex
-        #: Every message so far; assistant turns appear as the caller described them (or their decoded text).
-        self.messages: list[Message] = []
-        #: Each turn's result, in order.
-        self.turns: list[GenerateResult] = []
-
-    @property
-    def token_ids(self) -> tuple[int, ...]:
-        """The exact ids so far (last prompt + last completion)."""
-        return self.turns[-1].token_ids if self.turns else ()
-
-    async def send(
-        self,
-        new_messages: Sequence[Message],
-        *,
-        sampling: SamplingParams | None = None,
-        assistant_message: Message | None = None,
-        **generate_kwargs: Any,
-    ) -> GenerateResult:
-        """Run the next turn.
-
-        :param new_messages: the first turn's messages, then only what is new.
-        :param sampling: sampling parameters for this turn.
-        :param assistant_message: the previous turn parsed as a message (tool calls), if the caller has it.
-        :param generate_kwargs: passed to :meth:`Client.generate` (``request_id``, ``lora``...).
-        :raises BridgeError: the new prompt cannot be proven to extend the previous ids.
-        """
-        client = self._client
-        if generate_kwargs.get("server") is None:
-            generate_kwargs["server"] = self._server
-        generate_kwargs.setdefault("session", self.session)
-        if not self.turns:
-            result = await client.generate(
-                messages=list(new_messages),
-                sampling=sampling,
-                tools=self.tools,
-                chat_template_kwargs=self.chat_template_kwargs,
-                **generate_kwargs,
-            )
-        else:
-            previous = self.turns[-1]
-            history = self.messages
-            stats = client.bridge_stats
-            stats.attempts += 1
-            started = time.perf_counter()
-            try:
-                ids = extend_prompt(
-                    client.tokenizer,
-                    history=history,
-                    previous=previous,
-                    new_messages=new_messages,
-                    assistant_message=assistant_message,
-                    tools=self.tools,
-                    chat_template_kwargs=self.chat_template_kwargs,
-                    stats=stats,
-                )
-            except BridgeError as exc:
-                stats.failures[exc.reason] += 1
-                client.driver.emit("bridge", "bridge", None, started, exc, reason=exc.reason)
-                raise
-            stats.successes += 1
-            client.driver.emit("bridge", "bridge", None, started, None, delta_tokens=len(ids) - len(previous.token_ids))
-            result = await client.generate(prompt_ids=ids, sampling=sampling, **generate_kwargs)
-            self.messages.append(self._assistant(previous, assistant_message))
-        self.messages.extend(new_messages)
-        self.turns.append(result)
-        return result
-
-    def _assistant(self, previous: GenerateResult, given: Message | None) -> Message:
-        if given is not None:
-            return given
-        text = self._client.tokenizer.decode(list(previous.completion_ids), skip_special_tokens=True)
-        return {"role": "assistant", "content": text}

@@ -8,11 +8,8 @@ chained: timeouts as :class:`RequestTimeout`, connection trouble as :class:`Netw
 the server certainly did not act (connect errors), said "not now" (the policy's refused statuses), or, for a
 request that is safe to repeat (``idempotent``), answered one of the policy's retry statuses.
 
-JSON goes through orjson both ways (2-3x faster than the stdlib on these bodies); whatever orjson refuses (NaN
-literals, integers beyond 64 bits, non-UTF-8 encodings, non-string keys) takes the stdlib path, so what is
-accepted and how failures read is unchanged. ``large_strings`` lets a backend name keys whose big string values
-(base64 routed experts: megabytes) are cut out of the raw body before parsing and handed back as ``memoryview`` objects
-into it, so they are neither scanned by the JSON parser nor copied into a ``str``.
+Bodies are encoded and decoded by :mod:`backends_core.jsonio`; ``large_strings`` lets a backend name keys whose
+big string values (base64 routed experts) come back as ``memoryview`` objects of the raw body.
 
 Some servers (uvicorn behind vLLM's admin routes) answer a 5xx and then reset that keep-alive connection, so the
 *next* request on the pooled connection dies with a connection error although the server never saw it. After a
@@ -25,19 +22,17 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import re
-import secrets as _secrets
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
 import httpx
-import orjson
 
 from backends_core.config import RetryPolicy
 from backends_core.errors import NetworkError, RequestTimeout, ResponseParseError, ServerStatusError
+from backends_core.jsonio import dumps, loads, loads_lifting
 
-__all__ = ["Server"]
+__all__ = ["Plane", "Server", "StatusHint"]
 
 #: Where a request goes: the data plane (generation, scoring) or the admin plane (separate pool and timeout).
 Plane = Literal["data", "admin"]
@@ -257,92 +252,6 @@ def _map_transport(exc: httpx.TransportError, method: str, url: str) -> RequestT
     return NetworkError(
         f"{type(exc).__name__}: {exc or 'connection failed'}", method=method, url=url, maybe_processed=not unsent
     )
-
-
-#: Types the stdlib serialises differently or refuses go to the stdlib (orjson would serialise them natively).
-_DUMPS_OPTIONS = orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
-
-
-def dumps(value: Any) -> bytes:
-    """Compact JSON bytes of ``value`` (orjson; the stdlib for what orjson refuses, e.g. int keys or big ints)."""
-    try:
-        return orjson.dumps(value, option=_DUMPS_OPTIONS)
-    except TypeError:  # orjson.JSONEncodeError is a TypeError
-        return json.dumps(value, separators=(",", ":")).encode()
-
-
-def loads(content: bytes) -> Any:
-    """Parse a JSON body: orjson, or the stdlib for what orjson refuses (NaN literals, big ints, UTF-16...).
-
-    :raises json.JSONDecodeError | UnicodeDecodeError: it is not JSON.
-    """
-    try:
-        return orjson.loads(content)
-    except orjson.JSONDecodeError:
-        return json.loads(content)
-
-
-#: Strings shorter than this are parsed as usual: lifting them out would cost more than it saves.
-_LIFT_MIN = 4096
-_NONCE = _secrets.token_hex(8)
-
-
-def loads_lifting(content: bytes, keys: Sequence[str]) -> Any:
-    """:func:`loads`, with the escape-free string values of ``keys`` (at least 4 KiB long) returned as
-    ``memoryview`` objects of ``content``: the parser never sees them and they are never copied.
-
-    Each value is replaced in a copy of the rest of the body by a placeholder no server can forge (a per-process
-    nonce), the rest is parsed, and the views are put back where the placeholders landed; if any is not found
-    (a match inside a string, an unusual layout), the whole body is parsed as usual instead.
-    """
-    spans: list[tuple[int, int]] = []
-    for key in keys:
-        pattern = re.compile(b'"' + re.escape(key.encode()) + rb'"\s*:\s*"')
-        at = 0
-        while (m := pattern.search(content, at)) is not None:
-            start = m.end()
-            end = content.find(b'"', start)
-            if end < 0:
-                break
-            at = end + 1
-            if end - start >= _LIFT_MIN and content.find(b"\\", start, end) < 0:
-                spans.append((start, end))
-    if not spans:
-        return loads(content)
-    spans.sort()
-    view = memoryview(content)
-    pieces: list[bytes] = []
-    table: dict[str, memoryview] = {}
-    pos = 0
-    for i, (start, end) in enumerate(spans):
-        pieces += (content[pos:start], b"\\u0000%s:%d" % (_NONCE.encode(), i))
-        table[f"\x00{_NONCE}:{i}"] = view[start:end]
-        pos = end
-    pieces.append(content[pos:])
-    try:
-        parsed = orjson.loads(b"".join(pieces))
-    except orjson.JSONDecodeError:
-        return loads(content)
-    if not _put_back(parsed, frozenset(keys), table):
-        return loads(content)
-    return parsed
-
-
-def _put_back(document: Any, keys: frozenset[str], table: dict[str, memoryview]) -> bool:
-    """Replace the placeholders of ``table`` under ``keys`` in ``document``; stop once all are back."""
-    stack = [document]
-    while stack and table:
-        node = stack.pop()
-        if type(node) is dict:
-            for key, value in node.items():
-                if type(value) is str:
-                    if key in keys and value in table:
-                        node[key] = table.pop(value)
-                elif type(value) is dict or type(value) is list:
-                    stack.append(value)
-        elif type(node) is list:
-            stack.extend(v for v in node if type(v) is dict or type(v) is list)
-    return not table
 
 
 def _decode(response: httpx.Response, expect: str, url: str, large_strings: Sequence[str] = ()) -> Any:
