@@ -27,8 +27,8 @@ def recorder() -> tuple[dict[str, set[str | None]], httpx.MockTransport]:
 async def exercise(config: ClientConfig) -> dict[str, set[str | None]]:
     seen, transport = recorder()
     async with Client(config, transport=transport) as client:
-        await client.admin.run("state")
-        await client.admin.run("flush_cache")
+        await client.admin.outcomes().state()
+        await client.admin.outcomes().flush_cache()
         with pytest.raises(Exception):  # noqa: B017,PT011 - only the headers matter here
             await client.generate(prompt_ids=[1, 2])
     return seen

@@ -264,7 +264,7 @@ async def test_a_server_back_with_other_weights_gets_no_requests_until_it_is_cau
         assert {r.server for r in results} == {"http://s0", "http://s2"}
         assert not [r for r in seen if r.url.host == "s1" and r.url.path == "/generate"]
         assert client.balancer.healthy() == [True, False, True]
-        await client.admin.run("update_weights", servers=[client.servers[1]], path=str(new), version="v6")
+        await client.admin.outcomes([client.servers[1]]).update_weights(str(new), version="v6")
         clock.now += 10
         caught_up = await client.generate(prompt_ids=[1, 2], server=1)
     assert caught_up.server == "http://s1" and caught_up.weight_version == "v6"
@@ -403,7 +403,7 @@ async def test_a_pause_that_fails_somewhere_names_the_servers_it_left_paused(fle
                 await client.admin.pause("wait")
             states = await client.admin.state()
         finally:
-            await client.admin.run("resume")
+            await client.admin.outcomes().resume()
     err = info.value
     assert [s.paused for s in states] == [True, False, True]
     assert err.failed == ["http://s1"] and err.succeeded == ["http://s0", "http://s2"]

@@ -189,12 +189,12 @@ class FleetChecks:
                 pause = info.value.phases["pause"]
                 assert pause[0].ok and isinstance(pause[1].error, NetworkError)
                 assert [o.ok for o in info.value.phases["resume"]] == [True]  # only the paused one, resumed
-                (outcome,) = await client.admin.run("state", servers=[client.servers[0]])
+                (outcome,) = await client.admin.outcomes([client.servers[0]]).state()
                 state = outcome.value
                 assert state is not None and state.paused is False and state.weight_version != "never"
                 assert client.weight_version is None
             finally:  # whatever failed above, the live server is not left paused
-                await client.admin.run("resume", servers=[client.servers[0]])
+                await client.admin.outcomes([client.servers[0]]).resume()
 
     async def test_deadlines_fail_per_server(self, target: FleetTarget) -> None:
         """A deadline too short for any server fails every server with a timeout and reports all of them."""

@@ -281,7 +281,7 @@ async def test_sigkill_mid_weight_sync_resumes_the_survivor(fleet: Pair, tmp_pat
         assert (error.failed, error.succeeded) == ([pair.urls[VICTIM]], [pair.urls[SURVIVOR]]), error
         assert error.state is not None and f"mixed weights: {pair.urls[SURVIVOR]} switched" in error.state, error
 
-        (outcome,) = await client.admin.run("state", servers=[client.servers[SURVIVOR]])
+        (outcome,) = await client.admin.outcomes([client.servers[SURVIVOR]]).state()
         state = outcome.value
         assert state is not None and state.paused is False, outcome
         assert state.weight_version == "v1", state

@@ -441,7 +441,7 @@ class Client:
         if "admin_state" not in self.driver.capabilities:
             self.versions.set(server, None)
             return
-        (outcome,) = await self.admin.run("state", servers=[server])
+        (outcome,) = await self.admin.outcomes([server]).state()
         if not outcome.ok:
             self.versions.set(server, None)
             log.warning(

@@ -23,11 +23,16 @@ from backends_core.events import Event, EventKind
 from backends_core.plugins import implemented_hooks, make_plugin_manager
 from backends_core.server import Server
 from backends_core.types import (
+    DistributedGroup,
     GenerateRequest,
     GenerateResult,
+    LoraAdapter,
     Message,
+    PauseMode,
+    ServerState,
     TeacherLogprobs,
     TeacherRequest,
+    TensorSpec,
 )
 
 __all__ = ["BackendDriver"]
@@ -223,21 +228,81 @@ class BackendDriver:
 
         return await self._observed("generate", "tokenize_messages", server, call)
 
-    async def admin(self, operation: str, server: Server, **kwargs: Any) -> Any:
-        """Call ``admin_<operation>`` with ``kwargs`` plus ``server``, ``config`` and ``options``."""
-        hook_name = f"admin_{operation}"
-        self.require(hook_name)
-        hook = getattr(self.pm.hook, hook_name)
+    # -- admin: one typed method per hook -----------------------------------------------------------
 
-        async def call() -> Any:
+    async def _admin(self, server: Server, hook: pluggy.HookCaller, expect: type[T], **kwargs: Any) -> T:
+        """Call an admin hook on ``server``: the backend must implement it and answer with an ``expect``."""
+        self.require(hook.name)
+
+        async def call() -> T:
             result = await hook(server=server, config=self.config, options=self.options, **kwargs)
             if result is None:
                 raise ResponseParseError(
-                    f"backend {self.backend!r} returned nothing from {hook_name}", url=server.admin_url
+                    f"backend {self.backend!r} returned nothing from {hook.name}", url=server.admin_url
+                )
+            if not isinstance(result, expect):
+                raise ResponseParseError(
+                    f"backend {self.backend!r} returned {type(result).__name__} from {hook.name}, "
+                    f"expected {expect.__name__}",
+                    url=server.admin_url,
                 )
             return result
 
-        return await self._observed("admin", hook_name, server, call)
+        return await self._observed("admin", hook.name, server, call)
+
+    async def admin_health(self, server: Server) -> bool:
+        return await self._admin(server, self.pm.hook.admin_health, bool)
+
+    async def admin_ready(self, server: Server) -> bool:
+        return await self._admin(server, self.pm.hook.admin_ready, bool)
+
+    async def admin_pause(self, server: Server, *, mode: PauseMode, clear_cache: bool) -> bool:
+        return await self._admin(server, self.pm.hook.admin_pause, bool, mode=mode, clear_cache=clear_cache)
+
+    async def admin_resume(self, server: Server) -> bool:
+        return await self._admin(server, self.pm.hook.admin_resume, bool)
+
+    async def admin_flush_cache(self, server: Server) -> bool:
+        return await self._admin(server, self.pm.hook.admin_flush_cache, bool)
+
+    async def admin_update_weights(self, server: Server, *, path: str, version: str | None) -> bool:
+        return await self._admin(server, self.pm.hook.admin_update_weights, bool, path=path, version=version)
+
+    async def admin_init_weight_transfer(self, server: Server, *, group: DistributedGroup) -> bool:
+        return await self._admin(server, self.pm.hook.admin_init_weight_transfer, bool, group=group)
+
+    async def admin_destroy_weight_transfer(self, server: Server, *, group_name: str) -> bool:
+        return await self._admin(server, self.pm.hook.admin_destroy_weight_transfer, bool, group_name=group_name)
+
+    async def admin_update_weights_distributed(
+        self, server: Server, *, group_name: str, tensors: Sequence[TensorSpec], version: str | None
+    ) -> bool:
+        return await self._admin(
+            server,
+            self.pm.hook.admin_update_weights_distributed,
+            bool,
+            group_name=group_name,
+            tensors=tensors,
+            version=version,
+        )
+
+    async def admin_load_lora(self, server: Server, *, adapter: LoraAdapter) -> bool:
+        return await self._admin(server, self.pm.hook.admin_load_lora, bool, adapter=adapter)
+
+    async def admin_unload_lora(self, server: Server, *, name: str) -> bool:
+        return await self._admin(server, self.pm.hook.admin_unload_lora, bool, name=name)
+
+    async def admin_state(self, server: Server) -> ServerState:
+        return await self._admin(server, self.pm.hook.admin_state, ServerState)
+
+    async def admin_sleep(self, server: Server, *, level: int) -> bool:
+        return await self._admin(server, self.pm.hook.admin_sleep, bool, level=level)
+
+    async def admin_wake(self, server: Server) -> bool:
+        return await self._admin(server, self.pm.hook.admin_wake, bool)
+
+    async def admin_abort(self, server: Server, *, request_ids: Sequence[str] | None) -> int:
+        return await self._admin(server, self.pm.hook.admin_abort, int, request_ids=request_ids)
 
 
 def check_result(result: GenerateResult, *, where: str, url: str | None) -> None:

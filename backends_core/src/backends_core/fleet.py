@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import attrs
@@ -33,7 +33,15 @@ if TYPE_CHECKING:
     from backends_core.driver import BackendDriver
     from backends_core.server import Server
 
-__all__ = ["IDEMPOTENT_OPERATIONS", "Admin", "ServedVersions", "ServerOutcome", "ServerReport", "SyncReport"]
+__all__ = [
+    "IDEMPOTENT_OPERATIONS",
+    "Admin",
+    "AdminOutcomes",
+    "ServedVersions",
+    "ServerOutcome",
+    "ServerReport",
+    "SyncReport",
+]
 
 T = TypeVar("T")
 
@@ -154,7 +162,9 @@ class Admin:
         """Seconds one server gets for ``operation``, retries included (``None``: no limit)."""
         return self._policy.deadlines.get(operation, self._default_deadline)
 
-    async def _one(self, operation: str, server: Server, kwargs: dict[str, Any]) -> ServerOutcome[Any]:
+    async def _one(
+        self, operation: str, server: Server, call: Callable[[Server], Awaitable[T]], version: str | None
+    ) -> ServerOutcome[T]:
         started = time.perf_counter()
         attempts = 1 + (self._policy.retries if operation in IDEMPOTENT_OPERATIONS else 0)
         deadline = self.deadline(operation)
@@ -162,7 +172,7 @@ class Admin:
             async with asyncio.timeout(deadline):
                 for attempt in range(1, attempts + 1):
                     try:
-                        value = await self._driver.admin(operation, server, **kwargs)
+                        value = await call(server)
                         break
                     except RequestError as exc:
                         retryable = not isinstance(exc, ServerStatusError) or exc.status_code >= 500
@@ -182,47 +192,54 @@ class Admin:
         if operation == "state" and isinstance(value, ServerState):
             self.versions.set(server, value.weight_version)
         elif operation in _CHANGES_WEIGHTS:
-            version = kwargs.get("version")
             if version is None:
                 self.versions.forget(server)
             else:
                 self.versions.set(server, version)
         return ServerOutcome(server=server.base_url, value=value, duration_s=time.perf_counter() - started)
 
-    async def run(
-        self, operation: str, *, servers: Sequence[Server] | None = None, **kwargs: Any
-    ) -> list[ServerOutcome[Any]]:
-        """Run ``admin_<operation>`` on every server (or ``servers``) concurrently and collect every outcome
-        (never raises for a server's failure; the typed methods do)."""
-        self._driver.require(f"admin_{operation}")
-        targets = self._servers if servers is None else list(servers)
-        return list(await asyncio.gather(*(self._one(operation, s, kwargs) for s in targets)))
+    def outcomes(self, servers: Sequence[Server] | None = None) -> AdminOutcomes:
+        """The same operations on every server (or ``servers``), returning each server's
+        :class:`ServerOutcome` instead of raising for a server's failure."""
+        return AdminOutcomes(self, self._servers if servers is None else list(servers))
 
-    async def _all(self, operation: str, *, left: Callable[[list[str]], str] | None = None, **kwargs: Any) -> list[Any]:
-        """Run ``operation`` everywhere; on any failure raise :class:`AdminError`, whose message ends with
-        ``left(servers where it took effect)`` when those servers now need the caller's attention."""
-        outcomes = await self.run(operation, **kwargs)
+    async def _fan(
+        self,
+        operation: str,
+        servers: Sequence[Server],
+        call: Callable[[Server], Awaitable[T]],
+        version: str | None = None,
+    ) -> list[ServerOutcome[T]]:
+        self._driver.require(f"admin_{operation}")
+        return list(await asyncio.gather(*(self._one(operation, s, call, version) for s in servers)))
+
+    @staticmethod
+    def _values(
+        operation: str, outcomes: list[ServerOutcome[T]], left: Callable[[list[str]], str] | None = None
+    ) -> list[T]:
+        """Every server's value; on any failure :class:`AdminError`, whose message ends with ``left(servers where
+        it took effect)`` when those servers now need the caller's attention."""
         if any(o.error is not None for o in outcomes):
             done = [o.server for o in outcomes if o.ok]
             raise AdminError(f"admin_{operation}", outcomes, state=left(done) if left and done else None)
-        return [o.value for o in outcomes]
+        return [o.value for o in outcomes]  # type: ignore[misc]  # no error: every value is set
 
     async def health(self) -> list[bool]:
-        return await self._all("health")
+        return self._values("health", await self.outcomes().health())
 
     async def ready(self) -> list[bool]:
-        return await self._all("ready")
+        return self._values("ready", await self.outcomes().ready())
 
     async def pause(self, mode: PauseMode = "abort", *, clear_cache: bool = False) -> list[bool]:
         """Pause every server; if any fails, the :class:`AdminError` names the servers left paused."""
         _check_mode(mode)
-        return await self._all("pause", mode=mode, clear_cache=clear_cache, left=_left_paused)
+        return self._values("pause", await self.outcomes().pause(mode, clear_cache=clear_cache), _left_paused)
 
     async def resume(self) -> list[bool]:
-        return await self._all("resume", left=lambda done: f"resumed: {', '.join(done)}")
+        return self._values("resume", await self.outcomes().resume(), lambda done: f"resumed: {', '.join(done)}")
 
     async def flush_cache(self) -> list[bool]:
-        return await self._all("flush_cache")
+        return self._values("flush_cache", await self.outcomes().flush_cache())
 
     async def update_weights(self, path: str, *, version: str | None = None) -> list[bool]:
         """Load the checkpoint at ``path`` on every server; ``version`` is recorded only if all succeed.
@@ -234,7 +251,8 @@ class Admin:
         text(path, "path")
         if version is not None:
             text(version, "version")
-        values = await self._all("update_weights", path=path, version=version, left=_mixed_weights(path))
+        outcomes = await self.outcomes().update_weights(path, version=version)
+        values = self._values("update_weights", outcomes, _mixed_weights(path))
         self._remember(version)
         return values
 
@@ -242,10 +260,10 @@ class Admin:
         self._driver.require("admin_init_weight_transfer")
         if not isinstance(group, DistributedGroup):
             raise InvalidRequestError(f"group must be a DistributedGroup, got {type(group).__name__}")
-        return await self._all(
+        return self._values(
             "init_weight_transfer",
-            group=group,
-            left=lambda done: f"joined {group.group_name!r} on {', '.join(done)}: leave with destroy_weight_transfer",
+            await self.outcomes().init_weight_transfer(group),
+            lambda done: f"joined {group.group_name!r} on {', '.join(done)}: leave with destroy_weight_transfer",
         )
 
     async def destroy_weight_transfer(self, group_name: str = "weight_sync") -> list[bool]:
@@ -261,7 +279,7 @@ class Admin:
         """
         self._driver.require("admin_destroy_weight_transfer")
         text(group_name, "group_name")
-        return await self._all("destroy_weight_transfer", group_name=group_name)
+        return self._values("destroy_weight_transfer", await self.outcomes().destroy_weight_transfer(group_name))
 
     async def update_weights_distributed(
         self, group_name: str, tensors: Sequence[TensorSpec], *, version: str | None = None
@@ -277,12 +295,10 @@ class Admin:
         if version is not None:
             text(version, "version")
         tensors = _tensor_list(tensors)
-        values = await self._all(
+        values = self._values(
             "update_weights_distributed",
-            group_name=group_name,
-            tensors=tensors,
-            version=version,
-            left=_mixed_weights(f"the tensors broadcast over {group_name!r}"),
+            await self.outcomes().update_weights_distributed(group_name, tensors, version=version),
+            _mixed_weights(f"the tensors broadcast over {group_name!r}"),
         )
         self._remember(version)
         return values
@@ -300,10 +316,10 @@ class Admin:
         self._driver.require("admin_load_lora")
         if not isinstance(adapter, LoraAdapter):
             raise InvalidRequestError(f"adapter must be a LoraAdapter, got {type(adapter).__name__}")
-        values = await self._all(
+        values = self._values(
             "load_lora",
-            adapter=adapter,
-            left=lambda done: (
+            await self.outcomes().load_lora(adapter),
+            lambda done: (
                 f"adapter {adapter.name!r} from {adapter.path} is loaded on {', '.join(done)} only: "
                 "retry load_lora with replace=True, or unload_lora"
             ),
@@ -312,7 +328,7 @@ class Admin:
             if self._on_swap is not None:
                 self._on_swap(adapter.name)
             if "admin_flush_cache" in self._driver.capabilities:
-                outcomes = await self.run("flush_cache")
+                outcomes = await self.outcomes().flush_cache()
                 if not all(o.ok for o in outcomes):
                     stale = ", ".join(o.server for o in outcomes if not o.ok)
                     raise AdminError(
@@ -329,22 +345,22 @@ class Admin:
     async def unload_lora(self, name: str) -> list[bool]:
         self._driver.require("admin_unload_lora")
         text(name, "adapter name")
-        return await self._all(
+        return self._values(
             "unload_lora",
-            name=name,
-            left=lambda done: f"adapter {name!r} is unloaded on {', '.join(done)} only: retry unload_lora",
+            await self.outcomes().unload_lora(name),
+            lambda done: f"adapter {name!r} is unloaded on {', '.join(done)} only: retry unload_lora",
         )
 
     async def state(self) -> list[ServerState]:
-        return await self._all("state")
+        return self._values("state", await self.outcomes().state())
 
     async def sleep(self, level: int = 1) -> list[bool]:
         if level not in (1, 2):
             raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}")
-        return await self._all("sleep", level=level, left=lambda done: f"left asleep: {', '.join(done)}")
+        return self._values("sleep", await self.outcomes().sleep(level), lambda done: f"left asleep: {', '.join(done)}")
 
     async def wake(self) -> list[bool]:
-        return await self._all("wake")
+        return self._values("wake", await self.outcomes().wake())
 
     async def abort(self, request_ids: Sequence[str] | None = None) -> list[int]:
         self._driver.require("admin_abort")
@@ -352,7 +368,7 @@ class Admin:
             if isinstance(request_ids, str):
                 raise InvalidRequestError("request_ids must be a list of request ids, not one string")
             request_ids = [text(r, "request id") for r in request_ids]
-        return await self._all("abort", request_ids=request_ids)
+        return self._values("abort", await self.outcomes().abort(request_ids))
 
     def _remember(self, version: str | None) -> None:
         if version is not None and self._on_version is not None:
@@ -366,15 +382,15 @@ class Admin:
         async def report(server: Server) -> ServerReport:
             try:
                 if "admin_health" in caps:
-                    (health,) = await self.run("health", servers=[server])
+                    (health,) = await self.outcomes([server]).health()
                     if not health.ok:
                         return ServerReport(server=server.base_url, reachable=False, error=health.error)
                 ready = state = None
                 if "admin_ready" in caps:
-                    (r,) = await self.run("ready", servers=[server])
+                    (r,) = await self.outcomes([server]).ready()
                     ready = r.value if r.ok else None
                 if "admin_state" in caps:
-                    (st,) = await self.run("state", servers=[server])
+                    (st,) = await self.outcomes([server]).state()
                     if not st.ok:
                         return ServerReport(server=server.base_url, reachable=True, ready=ready, error=st.error)
                     state = st.value
@@ -425,7 +441,7 @@ class Admin:
         paused: list[Server] = []
         failure: _Failure | None = None
         try:
-            phases["pause"] = await self.run("pause", mode=mode, clear_cache=False)
+            phases["pause"] = await self.outcomes().pause(mode, clear_cache=False)
             paused = [s for s, o in zip(self._servers, phases["pause"], strict=True) if o.ok]
             if len(paused) < len(self._servers):
                 failure = ("pause", phases["pause"], "nothing was updated; the paused servers were resumed")
@@ -433,13 +449,13 @@ class Admin:
                 failure = await self._apply(phases, version, path, group_name, tensors, source, mode, flush_cache)
         finally:
             if paused:
-                phases["resume"] = await self.run("resume", servers=paused)
+                phases["resume"] = await self.outcomes(paused).resume()
         stuck = [o.server for o in phases.get("resume", ()) if not o.ok]
         if stuck:
             note = f"left paused: {', '.join(stuck)} (resume them with admin.resume())"
             failure = ("resume", phases["resume"], note) if failure is None else (*failure[:2], f"{failure[2]}; {note}")
         if failure is None and "admin_state" in self._driver.capabilities:
-            phases["verify"] = outcomes = [_check_version(o, version) for o in await self.run("state")]
+            phases["verify"] = outcomes = [_check_version(o, version) for o in await self.outcomes().state()]
             if not all(o.ok for o in outcomes):
                 failure = ("verify", outcomes, f"the servers that failed the check may not serve {version!r}")
         if failure is not None:
@@ -460,17 +476,16 @@ class Admin:
     ) -> _Failure | None:
         """The paused part of :meth:`weight_sync`: update, record the version, flush. Returns what failed."""
         if path is not None:
-            phases["update"] = await self.run("update_weights", path=path, version=version)
+            phases["update"] = await self.outcomes().update_weights(path, version=version)
         else:
-            phases["update"] = await self.run(
-                "update_weights_distributed", group_name=group_name, tensors=list(tensors), version=version
-            )
+            assert group_name is not None
+            phases["update"] = await self.outcomes().update_weights_distributed(group_name, tensors, version=version)
         done = [o.server for o in phases["update"] if o.ok]
         if len(done) < len(phases["update"]):
             return ("update", phases["update"], _mixed_weights(source)(done) if done else "nothing was updated")
         self._remember(version)
         if flush_cache and mode != "keep" and "admin_flush_cache" in self._driver.capabilities:
-            phases["flush"] = await self.run("flush_cache")
+            phases["flush"] = await self.outcomes().flush_cache()
             if not all(o.ok for o in phases["flush"]):
                 return (
                     "flush_cache",
@@ -479,6 +494,83 @@ class Admin:
                     "weights (this client's requests are salted with the new version)",
                 )
         return None
+
+
+class AdminOutcomes:
+    """:meth:`Admin.outcomes`: each admin operation on a set of servers, concurrently, under the operation's
+    deadline and retries, returning every server's :class:`ServerOutcome` (a server's failure is its outcome's
+    ``error``). Arguments are not validated here: :class:`Admin`'s methods do that before sending."""
+
+    def __init__(self, admin: Admin, servers: Sequence[Server]) -> None:
+        self._admin = admin
+        self._driver = admin._driver
+        self._servers = servers
+
+    async def health(self) -> list[ServerOutcome[bool]]:
+        return await self._admin._fan("health", self._servers, self._driver.admin_health)
+
+    async def ready(self) -> list[ServerOutcome[bool]]:
+        return await self._admin._fan("ready", self._servers, self._driver.admin_ready)
+
+    async def pause(self, mode: PauseMode, *, clear_cache: bool) -> list[ServerOutcome[bool]]:
+        pause = self._driver.admin_pause
+        return await self._admin._fan("pause", self._servers, lambda s: pause(s, mode=mode, clear_cache=clear_cache))
+
+    async def resume(self) -> list[ServerOutcome[bool]]:
+        return await self._admin._fan("resume", self._servers, self._driver.admin_resume)
+
+    async def flush_cache(self) -> list[ServerOutcome[bool]]:
+        return await self._admin._fan("flush_cache", self._servers, self._driver.admin_flush_cache)
+
+    async def update_weights(self, path: str, *, version: str | None) -> list[ServerOutcome[bool]]:
+        update = self._driver.admin_update_weights
+        return await self._admin._fan(
+            "update_weights", self._servers, lambda s: update(s, path=path, version=version), version
+        )
+
+    async def init_weight_transfer(self, group: DistributedGroup) -> list[ServerOutcome[bool]]:
+        init = self._driver.admin_init_weight_transfer
+        return await self._admin._fan("init_weight_transfer", self._servers, lambda s: init(s, group=group))
+
+    async def destroy_weight_transfer(self, group_name: str) -> list[ServerOutcome[bool]]:
+        destroy = self._driver.admin_destroy_weight_transfer
+        return await self._admin._fan(
+            "destroy_weight_transfer", self._servers, lambda s: destroy(s, group_name=group_name)
+        )
+
+    async def update_weights_distributed(
+        self, group_name: str, tensors: Sequence[TensorSpec], *, version: str | None
+    ) -> list[ServerOutcome[bool]]:
+        update = self._driver.admin_update_weights_distributed
+        items = list(tensors)
+        return await self._admin._fan(
+            "update_weights_distributed",
+            self._servers,
+            lambda s: update(s, group_name=group_name, tensors=items, version=version),
+            version,
+        )
+
+    async def load_lora(self, adapter: LoraAdapter) -> list[ServerOutcome[bool]]:
+        load = self._driver.admin_load_lora
+        return await self._admin._fan("load_lora", self._servers, lambda s: load(s, adapter=adapter))
+
+    async def unload_lora(self, name: str) -> list[ServerOutcome[bool]]:
+        unload = self._driver.admin_unload_lora
+        return await self._admin._fan("unload_lora", self._servers, lambda s: unload(s, name=name))
+
+    async def state(self) -> list[ServerOutcome[ServerState]]:
+        return await self._admin._fan("state", self._servers, self._driver.admin_state)
+
+    async def sleep(self, level: int) -> list[ServerOutcome[bool]]:
+        sleep = self._driver.admin_sleep
+        return await self._admin._fan("sleep", self._servers, lambda s: sleep(s, level=level))
+
+    async def wake(self) -> list[ServerOutcome[bool]]:
+        return await self._admin._fan("wake", self._servers, self._driver.admin_wake)
+
+    async def abort(self, request_ids: Sequence[str] | None) -> list[ServerOutcome[int]]:
+        abort = self._driver.admin_abort
+        return await self._admin._fan("abort", self._servers, lambda s: abort(s, request_ids=request_ids))
 
 
 #: A failed phase of a weight sync: its name, its outcomes, and the state it left.

@@ -102,7 +102,7 @@ async def test_sigkill_with_200_requests_in_flight(doomed_sglang: ServerProcess,
 
             async def all_arrived() -> bool:
                 nonlocal in_flight_on_server
-                (outcome,) = await client.admin.run("state")
+                (outcome,) = await client.admin.outcomes().state()
                 state: ServerState | None = outcome.value
                 if state is None or state.in_flight is None:
                     raise ChaosSetupError(f"no in-flight count from the server before the kill: {outcome!r}")
