@@ -65,7 +65,6 @@ SPECIAL_TOKENS: tuple[tuple[str, bool], ...] = (
 
 _TOKEN_ID = {content: BPE_VOCAB_SIZE + i for i, (content, _) in enumerate(SPECIAL_TOKENS)}
 ENDOFTEXT_ID = _TOKEN_ID["<|endoftext|>"]
-IM_START_ID = _TOKEN_ID["<|im_start|>"]
 IM_END_ID = _TOKEN_ID["<|im_end|>"]
 TOKENIZER_SIZE = BPE_VOCAB_SIZE + len(SPECIAL_TOKENS)
 MODEL_VOCAB_SIZE = -(-TOKENIZER_SIZE // 64) * 64
