@@ -13,7 +13,7 @@ import attrs
 
 from backends_core.config import ClientConfig
 from backends_core.errors import ConfigError
-from backends_sglang.routing import RoutingGeometry, geometry_from_model_dir
+from backends_sglang.experts import RoutingGeometry, geometry_from_model_dir
 
 __all__ = ["SglangOptions", "parse_options"]
 
@@ -37,7 +37,7 @@ class SglangOptions:
         pausing anyway with SGLang's ``retract`` mode (nothing is lost; the rest finishes after resume).
     :param poll_interval: seconds between two ``/flush_cache`` attempts or two ``/v1/loads`` polls.
     :param routed_experts_layers: layers of the MoE model's routing (default: from the model's ``config.json``,
-        see :mod:`backends_sglang.routing`); give it together with ``routed_experts_top_k``.
+        see :mod:`backends_sglang.experts`); give it together with ``routed_experts_top_k``.
     :param routed_experts_top_k: experts per token of the MoE model.
     :ivar routing: the routing geometry in use (``None``: unknown, routed experts cannot be decoded).
     """
