@@ -19,7 +19,7 @@ Transport = Literal["chat", "completions"]
 #: ``nvext.token_data``. ``completions``: ``POST /v1/completions`` with a token-id ``prompt``.
 TRANSPORTS: tuple[Transport, ...] = ("chat", "completions")
 #: ``nvext.extra_fields`` values that only add metadata to the answer (read them with
-#: :func:`backends_dynamo.extras.worker_ids` / :func:`backends_dynamo.extras.timing`).
+#: :func:`backends_dynamo.wire.worker_ids` / :func:`backends_dynamo.wire.timing`).
 MetadataField = Literal["worker_id", "timing"]
 METADATA_FIELDS: tuple[MetadataField, ...] = ("worker_id", "timing")
 #: An http(s) URL without query or fragment, trailing ``/`` removed.

@@ -28,9 +28,9 @@ from backends_core import (
 from backends_core.testing.engine import ReferenceEngine
 from backends_core.testing.tinymodel import TinyModels
 from backends_core.types import GenerateRequest
-from backends_dynamo.checks import check_generation
+from backends_dynamo.admin import REQUEST_ID_HEADER, dynamo_request_id
 from backends_dynamo.testing import WORKER_URL, DynamoEmulator
-from backends_dynamo.tracking import REQUEST_ID_HEADER, dynamo_request_id
+from backends_dynamo.wire import check_generation
 
 from ._captures import FIXTURES, capture, sse_text
 from ._fake import FRONTEND, WORKERS, Deployment
