@@ -17,7 +17,7 @@ from backends_core.driver import check_result, check_teacher
 from backends_core.reference import wire as reference_wire
 from backends_dynamo import wire as dynamo_wire
 from backends_sglang import wire as sglang_wire
-from backends_sglang.routing import RoutingGeometry
+from backends_sglang.experts import RoutingGeometry
 from backends_vllm import wire as vllm_wire
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "wire"

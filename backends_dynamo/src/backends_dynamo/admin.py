@@ -1,13 +1,68 @@
 """Admin hooks of the ``dynamo`` backend: the frontend for health, readiness and state, every worker's
-``/engine/<route>`` for the rest (see :mod:`backends_dynamo.workers`), and what Dynamo 1.6.1 does not report
-kept client-side (:mod:`backends_dynamo.tracking`)."""
+``/engine/<route>`` for the rest, and what Dynamo 1.6.1 does not report kept client-side.
+
+Workers. Where admin calls go: the frontend (``base_url``) and every worker's system URL, with Dynamo's failures
+turned into errors that say what to do.
+
+Admin routes of Dynamo 1.6.1 live on each worker's system port as ``/engine/<route>``, not on the frontend
+(where they answer 404). A worker without a route (no ``--enable-rl``, no ``--enable-lora``, the mocker)
+answers 404 too, in another shape; the two are told apart:
+
+* frontend-shaped 404: :class:`ConfigError` (the worker URLs are not configured);
+* worker-shaped 404: :class:`UnsupportedOperationError` naming the route and the flag that adds it.
+
+An operation that changes the workers runs on each of them to the end (:func:`each_worker`) and reports every
+worker's outcome when one failed (:func:`raise_for`): with several workers behind one frontend, a failure on one
+of them can leave the others changed (new weights, an adapter, a pause), and the caller needs to know which.
+
+All I/O goes through the core :class:`~backends_core.server.Server`; a worker is the same server handle with
+its admin URL pointed at the worker (same connection pool, same per-server cache).
+
+Client-side state. What this client knows about a Dynamo frontend that Dynamo 1.6.1 does not report, kept per
+server in ``Server.cache``.
+
+* Pause and sleep state: 1.6.1 has no route that reports them; they are what this client last set
+  (``None`` until it set them).
+* The weight version: not attached to answers; it is the version this client last set or read, attached to a
+  result only when it did not change while the request was in flight. It is unknown (``None``) from the start
+  of a weight update until the update succeeded on every worker, so a failed update leaves no version to trust
+  until ``state()`` reads the workers' versions again.
+* Aborts: aborted requests end with ``finish_reason: "stop"``; a request that was in flight when this client
+  aborted it (pause with mode abort, abort of its id, abort of everything) is reported as aborted.
+* Request ids: the frontend takes its request id from the ``x-dynamo-request-id`` header (a UUID) and the
+  worker's ``abort_request`` wants that bare UUID; caller ids map to UUIDs deterministically, and the
+  in-flight ones are remembered so an abort reaches every sample of a fanned-out request.
+
+Wire shapes. The admin answers of Dynamo 1.6.1, read by pure functions (no I/O).
+
+Frontend (``base_url``)::
+
+    GET /health                  200 {"status": "healthy", "endpoints": [...], "instances": [...]}
+    GET /v1/models               {"object": "list", "data": [{"id", "object", "created", "owned_by", ...}]}
+                                 (loaded LoRA adapters are listed as models; a sleeping worker's are not)
+    GET /v1/models/{id}/ready    {"model", "ready": bool, "namespaces": {...}}
+    GET /metrics                 Prometheus text; dynamo_request_plane_inflight_requests is the in-flight gauge
+
+Worker system port (``DYN_SYSTEM_PORT``)::
+
+    GET  /health                 200 {"status": "ready", ...} | 503 {"status": "notready", ...}
+    POST /engine/<route> {...}   200 {"status": "ok" | "success", ...} | 200 {"status": "error", "message"}
+                                 | 404 {"error": "Route not found", "message": "Route /engine/<route> not found"}
+                                 | 500 {"error": "Handler error", "message"}
+
+A 200 whose body says ``"status": "error"`` is a failure (:class:`ServerRefusedError`), whatever HTTP says.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import math
+import re
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import attrs
@@ -15,33 +70,27 @@ import attrs
 from backends_core import Server, hookimpl
 from backends_core.config import ClientConfig
 from backends_core.errors import (
+    AdminError,
+    ConfigError,
     InvalidRequestError,
+    RequestError,
     RequestTimeout,
     ResponseParseError,
     ServerRefusedError,
     ServerStatusError,
+    UnsupportedOperationError,
 )
 from backends_core.errors import UnsupportedOperationError as Unsupported
 from backends_core.fleet import ServerOutcome
+from backends_core.jsonnode import Node
 from backends_core.types import DistributedGroup, LoraAdapter, PauseMode, ServerState, TensorSpec
-from backends_dynamo import admin_wire
 from backends_dynamo.options import DynamoOptions
-from backends_dynamo.tracking import REQUEST_ID_HEADER, Tracker, tracker
-from backends_dynamo.workers import (
-    BACKEND,
-    at,
-    each_worker,
-    engine_call,
-    frontend,
-    gather_all,
-    names,
-    on_workers,
-    raise_for,
-    refused,
-    worker_urls,
-)
 
 __all__ = [
+    "ENGINE_PREFIX",
+    "Flight",
+    "REQUEST_ID_HEADER",
+    "Tracker",
     "admin_abort",
     "admin_destroy_weight_transfer",
     "admin_flush_cache",
@@ -57,7 +106,383 @@ __all__ = [
     "admin_update_weights",
     "admin_update_weights_distributed",
     "admin_wake",
+    "already_loaded",
+    "at",
+    "dynamo_request_id",
+    "each_worker",
+    "engine_answer",
+    "engine_call",
+    "frontend",
+    "frontend_healthy",
+    "gather_all",
+    "gauge",
+    "is_frontend_404",
+    "lora_not_found",
+    "lora_uri",
+    "missing_route_hint",
+    "model_ids",
+    "model_ready",
+    "names",
+    "needs_pause",
+    "on_workers",
+    "raise_for",
+    "refused",
+    "tracker",
+    "weight_version",
+    "worker_ready",
+    "worker_urls",
 ]
+
+
+# -- wire shapes (pure functions, no I/O) -----------------------------------------------------------------
+
+
+ENGINE_PREFIX = "/engine/"
+_OK = ("ok", "success")
+_LORA_ROUTES = ("load_lora", "unload_lora")
+_SAMPLE = re.compile(r"^(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)(?:\{[^}]*\})?\s+(?P<value>\S+)")
+
+
+def engine_answer(raw: Any, route: str, *, url: str, method: str = "POST") -> Mapping[str, Any]:
+    """The body of a successful ``/engine/<route>`` call.
+
+    :raises ServerRefusedError: the body says ``"status": "error"`` (or any status but ok/success).
+    :raises ResponseParseError: the body is not an object with a ``status``.
+    """
+    body = Node(raw, "$", url)
+    status = body.get("status").string()
+    if status not in _OK:
+        raise ServerRefusedError(f"/engine/{route}", method=method, url=url, body=raw)
+    return body.obj()
+
+
+def needs_pause(error: ServerRefusedError) -> bool:
+    """Whether a refused weight update asks for ``pause_generation`` first."""
+    body = error.body if isinstance(error.body, Mapping) else {}
+    return "paused" in str(body.get("message", "")).lower()
+
+
+def already_loaded(answer: Mapping[str, Any]) -> bool:
+    """Whether a ``load_lora`` success only says the name was loaded before (the new path was NOT loaded;
+    Dynamo swaps in place only with ``DYN_LORA_HOTSWAP_ENABLED``, and then says ``hot_swap: true``)."""
+    return answer.get("hot_swap") is not True and "already loaded" in str(answer.get("message", ""))
+
+
+def lora_not_found(error: BaseException | None) -> bool:
+    """Whether a refused ``unload_lora`` says the worker has no adapter of that name
+    (``"LoRA adapter '<name>' not found. Available LoRAs: [...]"``)."""
+    if not isinstance(error, ServerRefusedError) or not isinstance(error.body, Mapping):
+        return False
+    message = str(error.body.get("message", ""))
+    return message.startswith("LoRA adapter") and "not found" in message
+
+
+def weight_version(answer: Mapping[str, Any]) -> str | None:
+    """The version in a ``get_weight_version`` / ``update_weights_*`` answer; ``None`` until one is declared."""
+    if answer.get("version_declared") is False or answer.get("version") is None:
+        return None
+    value = answer["version"]
+    return value if isinstance(value, str) else str(value)
+
+
+def is_frontend_404(body: Any) -> bool:
+    """A 404 in the frontend's error shape (``{"message", "type": "Not Found", "code"}``), not a worker's."""
+    return isinstance(body, Mapping) and body.get("type") == "Not Found" and "code" in body
+
+
+def missing_route_hint(route: str, url: str) -> str:
+    """Why a worker may lack ``/engine/<route>``."""
+    if route in _LORA_ROUTES:
+        why = "LoRA routes exist only when dynamo.vllm runs with --enable-lora (and DYN_LORA_ENABLED=true)"
+    else:
+        why = "RL admin routes exist only when the worker runs with --enable-rl (the mocker registers none)"
+    return f"worker {url} has no {ENGINE_PREFIX}{route} (404): {why}"
+
+
+def lora_uri(path: str) -> str:
+    """``source.uri`` of an adapter: URIs pass through, local paths become absolute ``file://`` URIs."""
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", path):
+        return path
+    return Path(path).absolute().as_uri()
+
+
+def frontend_healthy(raw: Any, url: str) -> bool:
+    """The frontend's ``/health``: healthy when ``status`` is ``healthy``."""
+    return Node(raw, "$", url).get("status").string() == "healthy"
+
+
+def worker_ready(raw: Any, url: str) -> bool:
+    """A worker system port's ``/health``: ready when ``status`` is ``ready``."""
+    return Node(raw, "$", url).get("status").string() == "ready"
+
+
+def model_ready(raw: Any, url: str) -> bool:
+    """``/v1/models/{id}/ready``."""
+    return Node(raw, "$", url).get("ready").boolean()
+
+
+def model_ids(raw: Any, url: str) -> list[str]:
+    """Every served name in ``/v1/models`` (base models and LoRA adapters alike)."""
+    return [entry.get("id").string() for entry in Node(raw, "$", url).get("data").items()]
+
+
+def gauge(text: str, name: str, url: str | None = None) -> float | None:
+    """The sum over label sets of a Prometheus sample ``name``; ``None`` when the text has none.
+
+    :raises ResponseParseError: a sample of ``name`` whose value is not a number.
+    """
+    total, found = 0.0, False
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is None or match["name"] != name:
+            continue
+        try:
+            value = float(match["value"])
+        except ValueError as exc:
+            raise ResponseParseError(f"metric {name} has value {match['value']!r}", url=url) from exc
+        if not math.isnan(value):
+            total, found = total + value, True
+    return total if found else None
+
+
+# -- client-side state ------------------------------------------------------------------------------------
+
+
+#: The header the Dynamo frontend reads its request id from (it must be a UUID).
+REQUEST_ID_HEADER = "x-dynamo-request-id"
+_NAMESPACE = uuid.uuid5(uuid.NAMESPACE_URL, "https://pypi.org/project/backends-dynamo/request-id")
+_KEY = "dynamo.tracker"
+
+
+def dynamo_request_id(caller_id: str | None, sample: int = 0) -> str:
+    """The UUID sent for sample ``sample`` of a request: the caller's id itself when it is a UUID (sample 0),
+    a name-based UUID of it otherwise, a random one without a caller id."""
+    if caller_id is None:
+        return str(uuid.uuid4())
+    if sample == 0:
+        try:
+            return str(uuid.UUID(caller_id))
+        except ValueError:
+            return str(uuid.uuid5(_NAMESPACE, caller_id))
+    return str(uuid.uuid5(_NAMESPACE, f"{caller_id}#{sample}"))
+
+
+@attrs.frozen
+class Flight:
+    """One request in flight: its UUID, the caller's id, and the tracker's counters when it started."""
+
+    uuid: str
+    caller_id: str | None
+    abort_epoch: int
+    version_epoch: int
+
+
+@attrs.define(eq=False)
+class Tracker:
+    """Client-side state of one frontend (and the workers behind it)."""
+
+    paused: bool | None = None
+    sleeping: bool | None = None
+    weight_version: str | None = None
+    #: The frontend answered with another request id than the one sent in ``x-dynamo-request-id``.
+    ignores_request_ids: bool = False
+    _abort_epoch: int = 0
+    _version_epoch: int = 0
+    _aborted: set[str] = attrs.field(factory=set)
+    _in_flight: dict[str, str | None] = attrs.field(factory=dict)
+    #: Set whenever a request ends.
+    _ended: asyncio.Event = attrs.field(factory=asyncio.Event)
+
+    def begin(self, request_uuid: str, caller_id: str | None) -> Flight:
+        """Record a request about to be sent."""
+        self._in_flight[request_uuid] = caller_id
+        return Flight(request_uuid, caller_id, self._abort_epoch, self._version_epoch)
+
+    def end(self, flight: Flight) -> tuple[bool, str | None]:
+        """Forget a finished request; returns whether this client aborted it while in flight, and the weight
+        version when it was known and did not change meanwhile."""
+        self._in_flight.pop(flight.uuid, None)
+        self._ended.set()
+        aborted = flight.abort_epoch != self._abort_epoch or flight.uuid in self._aborted
+        self._aborted.discard(flight.uuid)
+        version = self.weight_version if flight.version_epoch == self._version_epoch else None
+        return aborted, version
+
+    def in_flight(self) -> frozenset[str]:
+        """The UUIDs of the requests in flight now."""
+        return frozenset(self._in_flight)
+
+    async def answered(self, uuids: frozenset[str]) -> None:
+        """Return once none of ``uuids`` is in flight any more (each answer arrived or its request failed)."""
+        while any(u in self._in_flight for u in uuids):
+            self._ended.clear()
+            await self._ended.wait()
+
+    def abort_everything(self) -> list[str]:
+        """Mark every request now in flight as aborted (pause with mode abort, abort of all); their UUIDs."""
+        self._abort_epoch += 1
+        return list(self._in_flight)
+
+    def abort_ids(self, caller_ids: list[str]) -> list[str]:
+        """Mark the requests of these caller ids as aborted; the UUIDs to send (the in-flight samples, plus the
+        derived UUID of each id, for requests this client does not know about)."""
+        wanted = set(caller_ids)
+        uuids = [u for u, caller in self._in_flight.items() if caller in wanted]
+        uuids.extend(dynamo_request_id(c) for c in caller_ids)
+        uuids = list(dict.fromkeys(uuids))
+        self._aborted.update(u for u in uuids if u in self._in_flight)
+        return uuids
+
+    def set_weight_version(self, version: str | None) -> None:
+        """The server now serves ``version`` (``None``: unknown); requests in flight get no version."""
+        self.weight_version = version
+        self._version_epoch += 1
+
+
+def tracker(server: Server) -> Tracker:
+    """The :class:`Tracker` of ``server`` (created on first use)."""
+    found = server.cache.get(_KEY)
+    if not isinstance(found, Tracker):
+        found = server.cache[_KEY] = Tracker()
+    return found
+
+
+# -- where admin calls go ---------------------------------------------------------------------------------
+
+
+T = TypeVar("T")
+BACKEND = "dynamo"
+
+
+def at(server: Server, url: str) -> Server:
+    """``server`` with its admin plane pointed at ``url`` (shares the pools and the cache)."""
+    return attrs.evolve(server, admin_url=url.rstrip("/"), cache=server.cache)
+
+
+def frontend(server: Server) -> Server:
+    """The frontend, on the admin pool."""
+    return at(server, server.base_url)
+
+
+def worker_urls(server: Server, options: DynamoOptions) -> tuple[str, ...]:
+    """System URLs of the workers behind ``server``."""
+    return options.workers(server.base_url, server.admin_url)
+
+
+async def gather_all(calls: Iterable[Awaitable[T]]) -> list[T]:
+    """Run every call to the end; if any failed, raise the first failure (the others are added as notes)."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        first = errors[0]
+        for other in errors[1:]:
+            first.add_note(f"also failed: {type(other).__name__}: {other}")
+        raise first
+    return [r for r in results if not isinstance(r, BaseException)]
+
+
+async def engine_call(
+    server: Server,
+    url: str,
+    route: str,
+    body: Mapping[str, Any] | None = None,
+    *,
+    operation: str,
+    retry: bool = False,
+) -> Mapping[str, Any]:
+    """``POST /engine/<route>`` on the worker at ``url``; the body of a successful answer.
+
+    :param operation: the admin hook this serves (named in errors).
+    :param retry: allow the client's retry policy (only for calls that change nothing).
+    :raises ConfigError: ``url`` answered like a Dynamo frontend.
+    :raises UnsupportedOperationError: the worker has no such route.
+    :raises ServerRefusedError: the worker answered ``"status": "error"``.
+    """
+    worker = at(server, url)
+    path = ENGINE_PREFIX + route
+    try:
+        raw = await worker.request("POST", path, json_body=dict(body or {}), plane="admin", retry=retry)
+    except ServerStatusError as exc:
+        if exc.status_code != 404:
+            raise
+        if is_frontend_404(exc.body):
+            raise ConfigError(
+                [
+                    f"{url} answered like a Dynamo frontend: {path} lives on each worker's system port "
+                    "(DYN_SYSTEM_PORT); list them in backend_options.worker_urls (or set admin_base_url) "
+                    "@ $.backend_options.worker_urls"
+                ]
+            ) from exc
+        raise UnsupportedOperationError(BACKEND, operation, hint=missing_route_hint(route, url)) from exc
+    return engine_answer(raw, route, url=worker.url(path, plane="admin"))
+
+
+async def on_workers(
+    server: Server,
+    options: DynamoOptions,
+    route: str,
+    body: Mapping[str, Any] | None = None,
+    *,
+    operation: str,
+    retry: bool = False,
+) -> list[Mapping[str, Any]]:
+    """:func:`engine_call` on every worker behind ``server``, concurrently; fails if any fails."""
+    return await gather_all(
+        engine_call(server, url, route, body, operation=operation, retry=retry) for url in worker_urls(server, options)
+    )
+
+
+async def _outcome(url: str, call: Awaitable[T]) -> ServerOutcome[T]:
+    started = time.perf_counter()
+    try:
+        value = await call
+    except Exception as exc:
+        return ServerOutcome(server=url, error=exc, duration_s=time.perf_counter() - started)
+    return ServerOutcome(server=url, value=value, duration_s=time.perf_counter() - started)
+
+
+async def each_worker(urls: Iterable[str], run: Callable[[str], Awaitable[T]]) -> list[ServerOutcome[T]]:
+    """``run(url)`` for every worker URL, concurrently, each to its end; every worker's outcome, in order
+    (never raises for a worker's failure)."""
+    return list(await asyncio.gather(*(_outcome(url, run(url)) for url in urls)))
+
+
+def raise_for(operation: str, server: Server, outcomes: Sequence[ServerOutcome[Any]], state: str | None) -> None:
+    """Raise if a worker failed; return otherwise.
+
+    A single worker's failure that left nothing to report (``state`` is ``None``) is raised as it is; otherwise
+    the error is an :class:`AdminError` over every worker's outcome (successes included), named after the
+    frontend, whose message ends with ``state``: what the deployment now serves and what to do.
+    """
+    failed = [o.error for o in outcomes if o.error is not None]
+    if not failed:
+        return
+    if len(outcomes) == 1 and state is None:
+        raise failed[0]
+    raise AdminError(f"{operation} on the workers behind {server.base_url}", outcomes, state=state)
+
+
+def refused(error: BaseException | None) -> bool:
+    """Whether a worker's error says that the operation did not happen there (a refusal in the body, a 4xx, a
+    missing route, a request that never reached the worker), as opposed to a lost answer (timeout, broken
+    connection, 5xx) that leaves it unknown."""
+    if isinstance(error, ServerStatusError):
+        return error.status_code < 500
+    if isinstance(error, RequestError) and not error.maybe_processed:
+        return True
+    return isinstance(error, ServerRefusedError | UnsupportedOperationError | ConfigError | InvalidRequestError)
+
+
+def names(urls: Iterable[str]) -> str:
+    """Worker URLs for a message: ``a``, ``a and b``, ``a, b and c``."""
+    listed = list(urls)
+    if len(listed) < 2:
+        return "".join(listed) or "no worker"
+    return ", ".join(listed[:-1]) + " and " + listed[-1]
+
+
+# -- admin hooks ------------------------------------------------------------------------------------------
+
 
 #: How long ``admin_wake`` waits for the frontend to route to the model again.
 WAKE_READY_TIMEOUT_S = 30.0
@@ -86,9 +511,9 @@ async def _status(server: Server, path: str, read: Any) -> bool:
 @hookimpl
 async def admin_health(server: Server, options: DynamoOptions) -> bool:
     """The frontend's ``/health`` and, for every worker configured apart from it, the worker's system ``/health``."""
-    checks = [_status(frontend(server), "/health", admin_wire.frontend_healthy)]
+    checks = [_status(frontend(server), "/health", frontend_healthy)]
     checks.extend(
-        _status(at(server, url), "/health", admin_wire.worker_ready)
+        _status(at(server, url), "/health", worker_ready)
         for url in worker_urls(server, options)
         if url != server.base_url
     )
@@ -98,9 +523,9 @@ async def admin_health(server: Server, options: DynamoOptions) -> bool:
 async def _model_ready(server: Server, model: str | None) -> bool:
     front = frontend(server)
     if model is None:
-        return bool(admin_wire.model_ids(await front.request("GET", "/v1/models", plane="admin"), front.admin_url))
+        return bool(model_ids(await front.request("GET", "/v1/models", plane="admin"), front.admin_url))
     try:
-        return await _status(front, f"/v1/models/{quote(model, safe='')}/ready", admin_wire.model_ready)
+        return await _status(front, f"/v1/models/{quote(model, safe='')}/ready", model_ready)
     except ServerStatusError as exc:
         if exc.status_code == 404:  # not registered (a sleeping worker leaves discovery)
             return False
@@ -117,7 +542,7 @@ async def admin_ready(server: Server, config: ClientConfig) -> bool:
     return await _model_ready(server, config.model)
 
 
-# -- pause, cache, weights ----------------------------------------------------------------------------------
+# -- pause, cache, weights --------------------------------------------------------------------------------
 
 
 def _budget(config: ClientConfig, operation: str) -> float:
@@ -303,7 +728,7 @@ async def _update_worker(
     try:
         answer = await engine_call(server, url, route, body, operation=operation)
     except ServerRefusedError as exc:
-        if not admin_wire.needs_pause(exc):
+        if not needs_pause(exc):
             raise
     else:
         update.switched[url] = answer
@@ -381,7 +806,7 @@ async def _paused_update(
         worker_urls(server, options), lambda url: _update_worker(server, url, route, body, operation, update)
     )
     raise_for(operation, server, outcomes, _update_state(server, outcomes, update, target, retry))
-    versions = {admin_wire.weight_version(a) for a in update.switched.values()}
+    versions = {weight_version(a) for a in update.switched.values()}
     track.set_weight_version(versions.pop() if len(versions) == 1 else version)
 
 
@@ -480,11 +905,11 @@ async def admin_update_weights_distributed(
 
 
 async def _load_lora(server: Server, url: str, adapter: LoraAdapter, unloaded: list[str]) -> None:
-    body = {"lora_name": adapter.name, "source": {"uri": admin_wire.lora_uri(adapter.path)}}
+    body = {"lora_name": adapter.name, "source": {"uri": lora_uri(adapter.path)}}
     answer = await engine_call(server, url, "load_lora", body, operation="admin_load_lora")
-    if not admin_wire.already_loaded(answer):
+    if not already_loaded(answer):
         return
-    where = f"{url}{admin_wire.ENGINE_PREFIX}load_lora"
+    where = f"{url}{ENGINE_PREFIX}load_lora"
     if not adapter.replace:
         raise ServerRefusedError(
             f"load_lora of {adapter.name!r} (the name is loaded already and Dynamo kept the loaded adapter; "
@@ -497,7 +922,7 @@ async def _load_lora(server: Server, url: str, adapter: LoraAdapter, unloaded: l
     await engine_call(server, url, "unload_lora", {"lora_name": adapter.name}, operation="admin_load_lora")
     unloaded.append(url)
     answer = await engine_call(server, url, "load_lora", body, operation="admin_load_lora")
-    if admin_wire.already_loaded(answer):
+    if already_loaded(answer):
         what = f"load_lora of {adapter.name!r} after unloading it"
         raise ServerRefusedError(what, method="POST", url=where, body=answer)
     unloaded.remove(url)
@@ -505,7 +930,7 @@ async def _load_lora(server: Server, url: str, adapter: LoraAdapter, unloaded: l
 
 async def _served_names(server: Server) -> list[str]:
     front = frontend(server)
-    return admin_wire.model_ids(await front.request("GET", "/v1/models", plane="admin", retry=True), front.admin_url)
+    return model_ids(await front.request("GET", "/v1/models", plane="admin", retry=True), front.admin_url)
 
 
 async def _until_frontend(
@@ -581,7 +1006,7 @@ async def admin_unload_lora(server: Server, name: str, config: ClientConfig, opt
         lambda url: engine_call(server, url, "unload_lora", {"lora_name": name}, operation="admin_unload_lora"),
     )
     unloaded = [o.server for o in outcomes if o.ok]
-    kept = [o.server for o in outcomes if not o.ok and not admin_wire.lora_not_found(o.error)]
+    kept = [o.server for o in outcomes if not o.ok and not lora_not_found(o.error)]
     if not unloaded or kept:
         state = None
         if unloaded:
@@ -604,7 +1029,7 @@ async def admin_unload_lora(server: Server, name: str, config: ClientConfig, opt
     return True
 
 
-# -- state, sleep, abort ------------------------------------------------------------------------------------
+# -- state, sleep, abort ----------------------------------------------------------------------------------
 
 
 async def _versions(server: Server, options: DynamoOptions) -> list[str | None] | None:
@@ -612,7 +1037,7 @@ async def _versions(server: Server, options: DynamoOptions) -> list[str | None] 
         answers = await on_workers(server, options, "get_weight_version", operation="admin_state", retry=True)
     except Unsupported:  # a worker without RL routes (the mocker): the version is unknown
         return None
-    return [admin_wire.weight_version(a) for a in answers]
+    return [weight_version(a) for a in answers]
 
 
 @hookimpl
@@ -634,8 +1059,8 @@ async def admin_state(server: Server, config: ClientConfig, options: DynamoOptio
         version = versions[0] if versions else None
         if version != track.weight_version:
             track.set_weight_version(version)
-    in_flight = admin_wire.gauge(metrics, "dynamo_request_plane_inflight_requests", front.admin_url)
-    served = admin_wire.model_ids(models, front.admin_url)
+    in_flight = gauge(metrics, "dynamo_request_plane_inflight_requests", front.admin_url)
+    served = model_ids(models, front.admin_url)
     return ServerState(
         paused=track.paused,
         sleeping=track.sleeping,

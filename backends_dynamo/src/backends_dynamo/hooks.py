@@ -1,6 +1,7 @@
 """Hook implementations of the ``dynamo`` backend (the entry point): generation, teacher scoring, tokenization
-and options here; the admin hooks live in :mod:`backends_dynamo.admin` and are registered from here. Wire
-mapping is in ``wire.py`` / ``answer.py`` / ``admin_wire.py``, client-side state in ``tracking.py``."""
+and options here. The admin hooks, the admin wire shapes and the client-side state live in
+:mod:`backends_dynamo.admin` (registered from here); the generation wire mapping, streaming included, in
+:mod:`backends_dynamo.wire`; the options in :mod:`backends_dynamo.options`."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from backends_dynamo import wire
 
 # The admin hooks: importing them here registers them with this entry point module.
 from backends_dynamo.admin import (
+    REQUEST_ID_HEADER,
+    Tracker,
     admin_abort,
     admin_destroy_weight_transfer,
     admin_flush_cache,
@@ -38,11 +41,10 @@ from backends_dynamo.admin import (
     admin_update_weights,
     admin_update_weights_distributed,
     admin_wake,
+    dynamo_request_id,
+    tracker,
 )
-from backends_dynamo.checks import check_generation, check_teacher, served_name
 from backends_dynamo.options import DynamoOptions, parse_options
-from backends_dynamo.stream import fold, parse_sse
-from backends_dynamo.tracking import REQUEST_ID_HEADER, Tracker, dynamo_request_id, tracker
 
 __all__ = [
     "admin_abort",
@@ -136,7 +138,7 @@ async def _send(
     finally:
         aborted, version = track.end(flight)
     if options.stream:
-        raw = fold(parse_sse(raw, server.base_url), server.base_url)
+        raw = wire.fold(wire.parse_sse(raw, server.base_url), server.base_url)
     _note_request_id(track, raw, rid)
     return wire.Sample(raw, aborted=aborted, weight_version=version)
 
@@ -145,8 +147,8 @@ async def _send(
 async def post_generate(
     server: Server, request: GenerateRequest, config: ClientConfig, options: DynamoOptions
 ) -> wire.Exchange:
-    model = served_name(request.lora, request.model, config.model)
-    check_generation(request, fan_out=options.fan_out_n)
+    model = wire.served_name(request.lora, request.model, config.model)
+    wire.check_generation(request, fan_out=options.fan_out_n)
     tasks = [asyncio.ensure_future(_send(server, request, i, model, options)) for i in range(request.sampling.n)]
     try:
         samples = await asyncio.gather(*tasks)
@@ -167,8 +169,8 @@ def parse_response(raw: Any, request: GenerateRequest, server_url: str) -> list[
 async def teacher_logprobs(
     server: Server, request: TeacherRequest, config: ClientConfig, options: DynamoOptions
 ) -> TeacherLogprobs:
-    model = served_name(request.lora, request.model, config.model)
-    check_teacher(request)
+    model = wire.served_name(request.lora, request.model, config.model)
+    wire.check_teacher(request)
     path, body = wire.teacher_payload(request, model, transport=options.transport)
     track = tracker(server)
     rid = dynamo_request_id(request.request_id)
@@ -196,6 +198,6 @@ async def tokenize_messages(
         raise InvalidRequestError(
             "Dynamo's chat route always renders the generation prompt: add_generation_prompt=False cannot be checked"
         )
-    path, body = wire.tokenize_payload(messages, tools, chat_template_kwargs, served_name(config.model))
+    path, body = wire.tokenize_payload(messages, tools, chat_template_kwargs, wire.served_name(config.model))
     raw = await server.request("POST", path, json_body=body, idempotent=True, status_hint=_hint)
     return wire.parse_prompt_ids(raw, server.base_url)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, Literal, NewType
 from urllib.parse import urlsplit
 
 import attrs
 
 from backends_core.config import ClientConfig
 from backends_core.errors import ConfigError
+from backends_core.options import OPTIONS_PATH, options_converter, require, structure_options
 
 __all__ = ["METADATA_FIELDS", "TRANSPORTS", "DynamoOptions", "parse_options"]
 
@@ -18,8 +19,17 @@ Transport = Literal["chat", "completions"]
 #: ``nvext.token_data``. ``completions``: ``POST /v1/completions`` with a token-id ``prompt``.
 TRANSPORTS: tuple[Transport, ...] = ("chat", "completions")
 #: ``nvext.extra_fields`` values that only add metadata to the answer (read them with
-#: :func:`backends_dynamo.extras.worker_ids` / :func:`backends_dynamo.extras.timing`).
-METADATA_FIELDS = ("worker_id", "timing")
+#: :func:`backends_dynamo.wire.worker_ids` / :func:`backends_dynamo.wire.timing`).
+MetadataField = Literal["worker_id", "timing"]
+METADATA_FIELDS: tuple[MetadataField, ...] = ("worker_id", "timing")
+#: An http(s) URL without query or fragment, trailing ``/`` removed.
+HttpUrl = NewType("HttpUrl", str)
+#: The key of the list form of ``worker_urls`` (the workers of the only frontend) until ``base_url`` is known.
+_ONLY_FRONTEND = ""
+
+
+def _unique(fields: tuple[MetadataField, ...]) -> tuple[MetadataField, ...]:
+    return tuple(dict.fromkeys(fields))
 
 
 @attrs.frozen(kw_only=True)
@@ -41,82 +51,63 @@ class DynamoOptions:
     """
 
     transport: Transport = "chat"
-    worker_urls: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict)
+    worker_urls: Mapping[str, tuple[str, ...]] = attrs.field(
+        factory=dict,
+        validator=require(lambda v: all(v.values()), "every frontend needs a non-empty list of worker system URLs"),
+    )
     fan_out_n: bool = True
     stream: bool = False
-    extra_fields: tuple[str, ...] = ()
+    extra_fields: tuple[MetadataField, ...] = attrs.field(default=(), converter=_unique)
 
     def workers(self, base_url: str, admin_url: str) -> tuple[str, ...]:
         """System URLs of the workers behind the frontend at ``base_url``."""
         return self.worker_urls.get(base_url) or (admin_url,)
 
 
-_SIMPLE = {"transport": str, "fan_out_n": bool, "stream": bool}
-_KNOWN = (*_SIMPLE, "worker_urls", "extra_fields")
-
-
-def _url(value: Any, where: str, problems: list[str]) -> str | None:
+def _http_url(value: Any, _type: Any) -> HttpUrl:
     parts = urlsplit(value) if isinstance(value, str) else None
     if parts is None or parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
-        problems.append(f"expected an http(s) URL, got {value!r} @ {where}")
-        return None
-    return str(value).rstrip("/")
+        raise ValueError(f"expected an http(s) URL, got {value!r}")
+    return HttpUrl(value.rstrip("/"))
 
 
-def _url_list(value: Any, where: str, problems: list[str]) -> tuple[str, ...]:
-    if isinstance(value, str) or not isinstance(value, Sequence) or not value:
-        problems.append(f"expected a non-empty list of worker system URLs, got {value!r} @ {where}")
-        return ()
-    urls = [_url(v, f"{where}[{i}]", problems) for i, v in enumerate(value)]
-    return tuple(u for u in urls if u is not None)
+_converter = options_converter()
+_converter.register_structure_hook(HttpUrl, _http_url)
 
 
-def _workers(value: Any, config: ClientConfig | None, problems: list[str]) -> dict[str, tuple[str, ...]]:
-    where = "$.backend_options.worker_urls"
-    frontends = [u.rstrip("/") for u in config.base_url] if config is not None else []
+def _worker_urls(value: Any, _type: Any) -> dict[str, tuple[str, ...]]:
+    """``{frontend base URL: [worker system URLs]}``, or a list: the workers of the only frontend."""
     if isinstance(value, Mapping):
-        out: dict[str, tuple[str, ...]] = {}
-        for key, urls in value.items():
-            frontend = _url(key, f"{where} key", problems)
-            if frontend is None:
-                continue
-            if config is not None and frontend not in frontends:
-                problems.append(f"{frontend!r} is not one of base_url {frontends} @ {where}")
-            out[frontend] = _url_list(urls, f"{where}[{key!r}]", problems)
-        return out
-    urls = _url_list(value, where, problems)
-    if config is None or len(frontends) != 1:
-        problems.append(
-            f"a list of worker URLs needs exactly one frontend in base_url (got {len(frontends)}): "
-            f"give a mapping {{frontend base URL: [worker system URLs]}} @ {where}"
-        )
-        return {}
-    return {frontends[0]: urls}
+        workers = _converter.structure(value, dict[HttpUrl, tuple[HttpUrl, ...]])
+        return {frontend: urls for frontend, urls in workers.items()}
+    return {_ONLY_FRONTEND: _converter.structure(value, tuple[HttpUrl, ...])}
+
+
+def _frontends(workers: Mapping[str, tuple[str, ...]], config: ClientConfig | None) -> dict[str, tuple[str, ...]]:
+    """``worker_urls`` checked against ``base_url``: each key one of its frontends, the list form only with one."""
+    where = f"{OPTIONS_PATH}.worker_urls"
+    frontends = [u.rstrip("/") for u in config.base_url] if config is not None else []
+    if _ONLY_FRONTEND in workers:
+        if len(frontends) != 1:
+            raise ConfigError(
+                [
+                    f"a list of worker URLs needs exactly one frontend in base_url (got {len(frontends)}): "
+                    f"give a mapping {{frontend base URL: [worker system URLs]}} @ {where}"
+                ]
+            )
+        return {frontends[0]: workers[_ONLY_FRONTEND]}
+    if config is not None:
+        problems = [f"{key!r} is not one of base_url {frontends} @ {where}" for key in workers if key not in frontends]
+        if problems:
+            raise ConfigError(problems)
+    return dict(workers)
 
 
 def parse_options(options: Mapping[str, Any], config: ClientConfig | None = None) -> DynamoOptions:
-    """Validate ``backend_options``; every problem is reported with its path.
+    """``backend_options`` structured into :class:`DynamoOptions`, worker URLs checked against ``base_url``.
 
-    :raises ConfigError: unknown keys, wrong types, unknown transport, bad worker URLs.
+    :raises ConfigError: unknown keys, wrong types, unknown transport or metadata field, bad worker URLs; each
+        named with its path.
     """
-    problems = [
-        f"unknown option @ $.backend_options.{key} (known: {', '.join(_KNOWN)})" for key in options if key not in _KNOWN
-    ]
-    for key, kind in _SIMPLE.items():
-        if key in options and not isinstance(options[key], kind):
-            problems.append(f"expected {kind.__name__}, got {options[key]!r} @ $.backend_options.{key}")
-    if isinstance(options.get("transport"), str) and options["transport"] not in TRANSPORTS:
-        problems.append(
-            f"transport must be one of {list(TRANSPORTS)}, got {options['transport']!r} @ $.backend_options.transport"
-        )
-    extra = options.get("extra_fields", ())
-    if isinstance(extra, str) or not isinstance(extra, Sequence) or any(f not in METADATA_FIELDS for f in extra):
-        problems.append(
-            f"extra_fields must be a list drawn from {list(METADATA_FIELDS)}, got {extra!r} "
-            "@ $.backend_options.extra_fields"
-        )
-    workers = _workers(options["worker_urls"], config, problems) if "worker_urls" in options else {}
-    if problems:
-        raise ConfigError(problems)
-    simple = {key: options[key] for key in _SIMPLE if key in options}
-    return DynamoOptions(**simple, worker_urls=workers, extra_fields=tuple(dict.fromkeys(extra)))
+    parsed = structure_options(options, DynamoOptions, hooks={"worker_urls": _worker_urls}, converter=_converter)
+    return attrs.evolve(parsed, worker_urls=_frontends(parsed.worker_urls, config))

@@ -30,43 +30,335 @@ The abort trap: Dynamo 1.6.1 ends aborted requests with ``finish_reason: "stop"`
 reason is reported as ``"abort"`` when it cannot be anything else (an empty completion, or ``ignore_eos``
 without a matched stop id) or when this client aborted the request while it was in flight
 (:attr:`Sample.aborted`).
+
+Streaming. Server-sent events are read into chunks, and the chunks folded into the shape of a non-streamed
+answer.
+
+Dynamo streams ``data: {chunk}`` events ending with ``data: [DONE]``. Per chunk, ``nvext.completion_token_ids``
+holds that chunk's new ids (the final chunk of the mocker carries ``[]``); ``engine_data``, ``timing`` and
+``stop_reason`` come on the chunk that carries ``finish_reason``; usage comes last when
+``stream_options.include_usage`` is set. :func:`fold` concatenates the deltas (text, OpenAI logprobs, ids) and
+keeps the last value of everything else, so :func:`parse_sample` reads a folded stream
+like any answer, including the check that the concatenated ids equal ``engine_data.completion_token_ids``.
+
+Metadata. What Dynamo adds to an answer when asked (``nvext.extra_fields``): which worker served it, and timing.
+
+Every result carries them in ``GenerateResult.metadata`` (``"worker_id"``: :class:`WorkerIds`, ``"timing"``:
+:class:`Timing`) when they were asked for with ``backend_options.extra_fields``; they can also be read from a raw
+answer with :func:`worker_ids` and :func:`timing`. Worker ids are u64 (above 2**53 in practice) and stay exact
+Python ints.
+
+Limits. What Dynamo 1.6.1 cannot do, refused before anything is sent (:class:`InvalidRequestError` naming the limit).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 
+from backends_core.converters import make_converter, structure_response
+from backends_core.errors import InvalidRequestError, ResponseParseError
+from backends_core.jsonnode import U32, Node
+from backends_core.routed_experts import ALLOWED_DTYPES, align_routed_experts, decode_routed_experts
 from backends_core.types import (
+    FinishReason,
     GenerateRequest,
     GenerateResult,
+    Message,
+    RoutedExperts,
     SamplingParams,
     TeacherLogprobs,
     TeacherRequest,
     TopLogprob,
+    Usage,
 )
-from backends_dynamo import answer
-from backends_dynamo._json import U32, Node
 
 __all__ = [
     "CHAT_PATH",
     "COMPLETIONS_PATH",
+    "Exchange",
     "MAX_STOP_TOKEN_IDS",
     "PLACEHOLDER_MESSAGES",
-    "Exchange",
     "Sample",
+    "Timing",
+    "U64",
+    "WorkerIds",
+    "best_alternatives",
+    "check_generation",
+    "check_prompt",
+    "check_teacher",
+    "completion_ids",
+    "completion_logprobs",
+    "engine_data",
     "extra_fields_for",
+    "f32",
+    "finish_reason",
+    "fold",
     "generation_payload",
+    "nvext_of",
     "parse_generation",
-    "parse_sample",
     "parse_prompt_ids",
+    "parse_sample",
+    "parse_sse",
     "parse_teacher",
+    "routed_experts",
+    "served_name",
+    "stop_reason",
     "teacher_payload",
+    "timing",
     "tokenize_payload",
+    "top_logprobs",
+    "usage",
+    "worker_ids",
 ]
+
+
+# -- integer widths ---------------------------------------------------------------------------------------
+
+
+#: Dynamo's worker ids are u64.
+U64 = 2**64
+
+
+# -- pieces of an answer, each read and checked on its own ------------------------------------------------
+
+
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort", "tool_calls": "stop"}
+_TOKEN_ID_PREFIX = "token_id:"
+
+
+def nvext_of(body: Node) -> Node:
+    """``$.nvext`` (its value is ``None`` when the answer has none)."""
+    return body.get("nvext", required=False)
+
+
+def engine_data(nvext: Node) -> Node | None:
+    """``nvext.engine_data``, the worker's own record, when present."""
+    return nvext.get("engine_data") if nvext.has("engine_data") else None
+
+
+def completion_ids(nvext: Node) -> tuple[int, ...]:
+    """The completion ids: ``engine_data.completion_token_ids`` (checked against ``nvext.completion_token_ids``
+    when both are there), else ``nvext.completion_token_ids``."""
+    engine = engine_data(nvext)
+    frontend = nvext.get("completion_token_ids").token_ids() if nvext.has("completion_token_ids") else None
+    if engine is not None and engine.has("completion_token_ids"):
+        ids = engine.get("completion_token_ids").token_ids()
+        if frontend is not None and frontend != ids:
+            raise engine.get("completion_token_ids").fail(
+                f"the engine's ids {list(ids)} disagree with nvext.completion_token_ids {list(frontend)}"
+            )
+        return ids
+    if frontend is not None:
+        return frontend
+    raise nvext.fail(
+        "no completion token ids: neither nvext.engine_data.completion_token_ids nor nvext.completion_token_ids "
+        "is in the answer (both were asked for in nvext.extra_fields)"
+    )
+
+
+def _token_id_of(node: Node) -> int:
+    text = node.string()
+    if not text.startswith(_TOKEN_ID_PREFIX) or not text[len(_TOKEN_ID_PREFIX) :].isdigit():
+        raise node.fail(
+            f"expected 'token_id:<id>', got {text!r}: the frontend ignored return_tokens_as_token_ids, so the "
+            "alternatives cannot be identified (ask for top_logprobs=0)"
+        )
+    return int(text[len(_TOKEN_ID_PREFIX) :])
+
+
+def _openai_logprobs(choice: Node, ids: tuple[int, ...], *, chat: bool) -> list[Node]:
+    """The per-token logprob nodes of the OpenAI channel, checked to belong to ``ids`` one to one."""
+    block = choice.get("logprobs", required=False)
+    if block.value is None and not ids:
+        return []  # a request aborted before its first token: nothing to align (seen live on the completions route)
+    if block.value is None:
+        raise block.fail(
+            "no logprobs: the answer has neither nvext.engine_data.completion_logprobs nor OpenAI logprobs "
+            "(the backend always asks for them; the Dynamo mocker never returns logprobs)"
+        )
+    if chat:
+        entries = block.get("content").items()
+        if len(entries) != len(ids):
+            raise block.get("content").fail(f"{len(entries)} logprob entries for {len(ids)} completion ids")
+        for i, (token, entry) in enumerate(zip(ids, entries, strict=True)):
+            claimed = entry.get("token_id").integer() if entry.has("token_id") else token
+            if claimed != token:
+                message = f"logprob entry is for token {claimed} but completion id {i} is {token}"
+                raise entry.get("token_id").fail(message)
+        return [entry.get("logprob") for entry in entries]
+    values = block.get("token_logprobs").items()
+    tokens = block.get("tokens").items()
+    if not len(values) == len(tokens) == len(ids):
+        raise block.fail(f"{len(tokens)} tokens and {len(values)} logprobs for {len(ids)} completion ids")
+    for i, (token, node) in enumerate(zip(ids, tokens, strict=True)):
+        if isinstance(node.value, str) and node.value.startswith(_TOKEN_ID_PREFIX) and _token_id_of(node) != token:
+            raise node.fail(f"logprob entry is for {node.value!r} but completion id {i} is {token}")
+    return values
+
+
+def completion_logprobs(nvext: Node, choice: Node, ids: tuple[int, ...], *, chat: bool) -> npt.NDArray[np.float32]:
+    """float32 logprob of every completion id; the engine's ``completion_logprobs`` win over the OpenAI channel."""
+    engine = engine_data(nvext)
+    if engine is not None and engine.has("completion_logprobs"):
+        nodes = engine.get("completion_logprobs").items()
+        if len(nodes) != len(ids):
+            raise engine.get("completion_logprobs").fail(f"{len(nodes)} logprobs for {len(ids)} completion ids")
+    else:
+        nodes = _openai_logprobs(choice, ids, chat=chat)
+    return np.asarray([n.logprob() for n in nodes], dtype=np.float32)
+
+
+def f32(node: Node) -> float:
+    """A logprob at float32 precision: the OpenAI channel prints float32 digits, the engine record doubles of
+    the same float32 values, and alternatives must compare equal whichever channel they came from."""
+    return float(np.float32(node.logprob()))
+
+
+def best_alternatives(candidates: list[TopLogprob], k: int, where: Node) -> tuple[TopLogprob, ...]:
+    unique = {c.token_id: c for c in candidates}
+    ranked = all(c.rank is not None for c in unique.values())
+    ordered = sorted(unique.values(), key=lambda c: (c.rank or 0, -c.logprob) if ranked else (0, -c.logprob))
+    top = tuple(ordered[:k])
+    if len(top) < k or (ranked and [c.rank for c in top] != list(range(1, k + 1))):
+        raise where.fail(f"expected the top {k} alternatives, got {len(unique)} (ranks {[c.rank for c in ordered]})")
+    return top
+
+
+def top_logprobs(choice: Node, count: int, k: int, *, chat: bool) -> tuple[tuple[TopLogprob, ...], ...]:
+    """The ``k`` best alternatives at each of ``count`` positions, from ``token_id:<id>`` entries."""
+    block = choice.get("logprobs")
+    rows: list[tuple[TopLogprob, ...]] = []
+    if chat:
+        entries = block.get("content").items()
+        for entry in entries:
+            alts = [
+                TopLogprob(token_id=_token_id_of(a.get("token")), logprob=f32(a.get("logprob")))
+                for a in entry.get("top_logprobs").items()
+            ]
+            rows.append(best_alternatives(alts, k, entry.get("top_logprobs")))
+    else:
+        for row in block.get("top_logprobs").items():
+            alts = [
+                TopLogprob(token_id=_token_id_of(Node(key, f"{row.path} key", row.url)), logprob=f32(row.get(key)))
+                for key in row.obj()
+            ]
+            rows.append(best_alternatives(alts, k, row))
+    if len(rows) != count:
+        raise block.fail(f"{len(rows)} rows of alternatives for {count} completion ids")
+    return tuple(rows)
+
+
+def stop_reason(nvext: Node) -> int | str | None:
+    """``nvext.stop_reason``: the matched stop token id (int) or stop string; None for EOS and length."""
+    if not nvext.has("stop_reason"):
+        return None
+    node = nvext.get("stop_reason")
+    if isinstance(node.value, str):
+        return node.value
+    return node.integer(below=U32)
+
+
+def finish_reason(
+    choice: Node, request: GenerateRequest, ids: tuple[int, ...], reason: int | str | None, *, aborted: bool
+) -> FinishReason:
+    """The finish reason, with Dynamo's ``stop`` for aborted requests turned back into ``abort`` where it can
+    only mean that (see the module docstring)."""
+    node = choice.get("finish_reason")
+    raw = node.string()
+    if raw not in _FINISH:
+        raise node.fail(f"finish_reason {raw!r} is not one of {sorted(_FINISH)}")
+    finish = _FINISH[raw]
+    if finish == "stop" and reason is None and (aborted or not ids or request.sampling.ignore_eos):
+        return "abort"
+    return finish
+
+
+def _dtype(node: Node) -> np.dtype[Any]:
+    name = node.string().removeprefix("torch.")
+    try:
+        dtype = np.dtype(name)
+    except TypeError as exc:
+        raise node.fail(f"unknown dtype {name!r}") from exc
+    if dtype not in ALLOWED_DTYPES:
+        raise node.fail(f"unsupported dtype {name!r}; expected one of {sorted(map(str, ALLOWED_DTYPES))}")
+    return dtype
+
+
+def routed_experts(nvext: Node, request: GenerateRequest, ids: tuple[int, ...]) -> RoutedExperts | None:
+    """Routing from ``nvext.routed_experts`` or ``engine_data.routed_experts`` (``{data: base64, shape, start,
+    dtype}``), trimmed client-side to ``request.routed_experts_start`` (Dynamo has no request field for it)."""
+    if not request.return_routed_experts:
+        return None
+    engine = engine_data(nvext)
+    if nvext.has("routed_experts"):
+        field = nvext.get("routed_experts")
+    elif engine is not None and engine.has("routed_experts"):
+        field = engine.get("routed_experts")
+    else:
+        raise nvext.fail(
+            "routed experts were asked for but the answer has none: Dynamo's vLLM worker returns them only for "
+            "MoE models started with --enable-return-routed-experts (vLLM's CPU build cannot)"
+        )
+    if isinstance(field.value, str):  # a bare base64 payload: only a .npy file carries its own shape
+        experts = decode_routed_experts(field.value, field=field.path)
+        start = 0
+    else:
+        shape = [n.integer() for n in field.get("shape").items()]
+        if len(shape) != 3:
+            raise field.get("shape").fail(f"expected [tokens, layers, top_k], got {shape}")
+        experts = decode_routed_experts(
+            field.get("data").string(),
+            num_layers=shape[1],
+            top_k=shape[2],
+            dtype=_dtype(field.get("dtype")),
+            field=f"{field.path}.data",
+        )
+        if list(experts.shape) != shape:
+            raise field.fail(f"data decodes to shape {list(experts.shape)}, the answer says {shape}")
+        start = field.get("start").integer() if field.has("start") else 0
+    return align_routed_experts(
+        experts,
+        total_tokens=len(request.prompt_ids) + len(ids),
+        server_start=start,
+        wanted_start=request.routed_experts_start,
+        field=field.path,
+    )
+
+
+def check_prompt(nvext: Node, prompt: tuple[int, ...]) -> None:
+    engine = engine_data(nvext)
+    if engine is not None and engine.has("prompt_token_ids"):
+        seen = engine.get("prompt_token_ids").token_ids()
+        if seen != prompt:
+            raise engine.get("prompt_token_ids").fail(
+                f"the worker received {len(seen)} prompt ids that differ from the {len(prompt)} sent"
+            )
+
+
+def usage(body: Node, prompt: tuple[int, ...], completion_tokens: int) -> Usage:
+    """Token accounting; ``usage.prompt_tokens`` must equal the number of prompt ids sent (token-in echo)."""
+    node = body.get("usage", required=False)
+    cached = None
+    if node.value is not None:
+        reported = node.get("prompt_tokens").integer()
+        if reported != len(prompt):
+            raise node.get("prompt_tokens").fail(
+                f"the frontend counted {reported} prompt tokens but {len(prompt)} prompt ids were sent: it did not "
+                "generate from nvext.token_data / the token-id prompt"
+            )
+        if node.has("prompt_tokens_details") and node.get("prompt_tokens_details").has("cached_tokens"):
+            cached = node.get("prompt_tokens_details").get("cached_tokens").integer()
+    return Usage(prompt_tokens=len(prompt), completion_tokens=completion_tokens, cached_tokens=cached)
+
+
+# -- request and answer types -----------------------------------------------------------------------------
+
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -100,7 +392,7 @@ class Exchange:
     samples: tuple[Sample, ...]
 
 
-# -- requests -------------------------------------------------------------------------------------------
+# -- requests ---------------------------------------------------------------------------------------------
 
 
 def extra_fields_for(request: GenerateRequest, metadata: Sequence[str] = ()) -> list[str]:
@@ -213,7 +505,7 @@ def tokenize_payload(
     return CHAT_PATH, body
 
 
-# -- answers: whole results -----------------------------------------------------------------------------
+# -- answers: whole results -------------------------------------------------------------------------------
 
 
 def _only_choice(body: Node) -> Node:
@@ -235,27 +527,25 @@ def parse_sample(sample: Sample, request: GenerateRequest, server_url: str | Non
     body = Node(sample.body, "$", server_url)
     chat = _is_chat(body)
     choice = _only_choice(body)
-    nvext = answer.nvext_of(body)
-    ids = answer.completion_ids(nvext)
-    answer.check_prompt(nvext, request.prompt_ids)
+    nvext = nvext_of(body)
+    ids = completion_ids(nvext)
+    check_prompt(nvext, request.prompt_ids)
     k = request.sampling.top_logprobs
-    reason = answer.stop_reason(nvext)
-    from backends_dynamo import extras  # extras reads Exchange from this module
-
+    reason = stop_reason(nvext)
     served_by = {
-        "worker_id": extras.worker_ids(sample.body, server_url),
-        "timing": extras.timing(sample.body, server_url),
+        "worker_id": worker_ids(sample.body, server_url),
+        "timing": timing(sample.body, server_url),
     }
     return GenerateResult(
         prompt_ids=request.prompt_ids,
         completion_ids=ids,
-        logprobs=answer.completion_logprobs(nvext, choice, ids, chat=chat),
-        finish_reason=answer.finish_reason(choice, request, ids, reason, aborted=sample.aborted),
+        logprobs=completion_logprobs(nvext, choice, ids, chat=chat),
+        finish_reason=finish_reason(choice, request, ids, reason, aborted=sample.aborted),
         stop_reason=reason,
-        top_logprobs=answer.top_logprobs(choice, len(ids), k, chat=chat) if k else None,
-        routed_experts=answer.routed_experts(nvext, request, ids),
+        top_logprobs=top_logprobs(choice, len(ids), k, chat=chat) if k else None,
+        routed_experts=routed_experts(nvext, request, ids),
         weight_version=sample.weight_version,
-        usage=answer.usage(body, request.prompt_ids, len(ids)),
+        usage=usage(body, request.prompt_ids, len(ids)),
         request_id=body.get("id").string(),
         server=server_url,
         metadata={key: value for key, value in served_by.items() if value is not None},
@@ -274,20 +564,20 @@ def parse_generation(raw: Any, request: GenerateRequest, server_url: str | None)
 def parse_prompt_ids(raw: Any, server_url: str | None) -> list[int]:
     """The prompt ids the worker received: ``engine_data.prompt_token_ids``, checked against ``usage``."""
     body = Node(raw, "$", server_url)
-    engine = answer.engine_data(answer.nvext_of(body))
+    engine = engine_data(nvext_of(body))
     if engine is None or not engine.has("prompt_token_ids"):
-        raise answer.nvext_of(body).fail(
+        raise nvext_of(body).fail(
             "no nvext.engine_data.prompt_token_ids: the server's tokenization is only visible through the engine "
             "record of Dynamo's vLLM worker (the mocker has none)"
         )
     ids = engine.get("prompt_token_ids").token_ids()
-    answer.usage(body, ids, 0)
+    usage(body, ids, 0)
     return list(ids)
 
 
 def _prompt_rows(body: Node) -> Node:
-    nvext = answer.nvext_of(body)
-    engine = answer.engine_data(nvext)
+    nvext = nvext_of(body)
+    engine = engine_data(nvext)
     if engine is not None and engine.has("prompt_logprobs"):
         return engine.get("prompt_logprobs")
     if nvext.has("prompt_logprobs"):
@@ -313,7 +603,7 @@ def parse_teacher(
     position 0 becomes NaN."""
     body = Node(raw, "$", server_url)
     ids = request.token_ids
-    answer.check_prompt(answer.nvext_of(body), ids)
+    check_prompt(nvext_of(body), ids)
     field = _prompt_rows(body)
     rows = field.items()
     if len(rows) != len(ids):
@@ -333,12 +623,251 @@ def parse_teacher(
             alts = [
                 TopLogprob(
                     token_id=_key_id(rows[i], t),
-                    logprob=answer.f32(rows[i].get(t).get("logprob")),
+                    logprob=f32(rows[i].get(t).get("logprob")),
                     rank=rows[i].get(t).get("rank").integer(),
                 )
                 for t in entries
             ]
-            top.append(answer.best_alternatives(alts, k, rows[i]))
+            top.append(best_alternatives(alts, k, rows[i]))
     return TeacherLogprobs(
         token_ids=ids, logprobs=logprobs, top_logprobs=tuple(top) if k else None, weight_version=weight_version
     )
+
+
+# -- streamed answers -------------------------------------------------------------------------------------
+
+
+_DONE = "[DONE]"
+
+
+def parse_sse(text: str, url: str | None = None) -> list[Any]:
+    """The decoded ``data`` payloads of an event stream, in order, without the closing ``[DONE]``.
+
+    :raises ResponseParseError: an ``error`` event, a payload that is not JSON, or no ``[DONE]`` (truncated).
+    """
+    chunks: list[Any] = []
+    for number, block in enumerate(text.replace("\r\n", "\n").split("\n\n")):
+        event, data = "message", []
+        for line in block.split("\n"):
+            if not line or line.startswith(":"):
+                continue
+            name, _, value = line.partition(":")
+            value = value.removeprefix(" ")
+            if name == "event":
+                event = value
+            elif name == "data":
+                data.append(value)
+        if not data:
+            continue
+        payload = "\n".join(data)
+        if payload == _DONE:
+            return chunks
+        if event == "error":
+            raise ResponseParseError(f"the stream reported an error in event {number}: {payload}", url=url)
+        try:
+            chunks.append(json.loads(payload))
+        except json.JSONDecodeError as exc:
+            raise ResponseParseError(f"event {number} is not JSON ({exc.msg}): {payload[:200]!r}", url=url) from exc
+    raise ResponseParseError(f"the stream ended without 'data: {_DONE}' after {len(chunks)} event(s)", url=url)
+
+
+@attrs.define
+class _Choice:
+    pieces: list[str] = attrs.field(factory=list)
+    finish_reason: Any = None
+    content: list[Any] | None = None  # chat logprobs entries
+    legacy: dict[str, list[Any]] | None = None  # completions logprobs lists
+
+
+def _add_logprobs(acc: _Choice, block: Node, *, chat: bool) -> None:
+    if block.value is None:
+        return
+    if chat:
+        acc.content = (acc.content or []) + [e.value for e in block.get("content").items()]
+        return
+    acc.legacy = acc.legacy or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for key in ("tokens", "token_logprobs", "top_logprobs"):
+        acc.legacy[key].extend(n.value for n in block.get(key).items())
+
+
+def _choice_body(index: int, acc: _Choice, *, chat: bool) -> dict[str, Any]:
+    if chat:
+        logprobs = None if acc.content is None else {"content": acc.content, "refusal": None}
+        message = {"content": "".join(acc.pieces), "refusal": None, "role": "assistant"}
+        return {"index": index, "message": message, "finish_reason": acc.finish_reason, "logprobs": logprobs}
+    choice: dict[str, Any] = {"text": "".join(acc.pieces), "index": index, "finish_reason": acc.finish_reason}
+    if acc.legacy is not None:
+        choice["logprobs"] = acc.legacy
+    return choice
+
+
+def fold(chunks: list[Any], url: str | None = None) -> dict[str, Any]:
+    """One answer with the shape of a non-streamed one, built from stream chunks.
+
+    :raises ResponseParseError: no chunks, chunks of another kind, or id deltas for more than one choice.
+    """
+    if not chunks:
+        raise ResponseParseError("the stream carried no chunks", url=url)
+    first = Node(chunks[0], "$[0]", url)
+    kind = first.get("object").string()
+    if kind not in ("chat.completion.chunk", "text_completion"):
+        raise first.get("object").fail(f"expected 'chat.completion.chunk' or 'text_completion', got {kind!r}")
+    chat = kind == "chat.completion.chunk"
+    choices: dict[int, _Choice] = {}
+    nvext: dict[str, Any] = {}
+    ids: list[int] | None = None
+    top: dict[str, Any] = {}
+    for i, raw in enumerate(chunks):
+        chunk = Node(raw, f"$[{i}]", url)
+        for choice in chunk.get("choices").items():
+            acc = choices.setdefault(choice.get("index").integer(), _Choice())
+            piece = choice.get("delta").get("content", required=False) if chat else choice.get("text", required=False)
+            if piece.value is not None:
+                acc.pieces.append(piece.string())
+            if choice.has("finish_reason"):
+                acc.finish_reason = choice.get("finish_reason").value
+            _add_logprobs(acc, choice.get("logprobs", required=False), chat=chat)
+        for key in ("usage", "prompt_logprobs"):
+            if chunk.has(key):
+                top[key] = chunk.get(key).value
+        if chunk.has("nvext"):
+            for key, value in chunk.get("nvext").obj().items():
+                if key == "completion_token_ids":
+                    ids = (ids or []) + list(value or [])
+                elif value is not None:
+                    nvext[key] = value
+    if ids is not None:
+        if len(choices) > 1:
+            raise first.fail("completion id deltas cannot be assigned to one of several choices (send n=1)")
+        nvext["completion_token_ids"] = ids
+    body: dict[str, Any] = {
+        "id": first.get("id").value,
+        "choices": [_choice_body(index, choices[index], chat=chat) for index in sorted(choices)],
+        "created": first.get("created", required=False).value,
+        "model": first.get("model", required=False).value,
+        "object": "chat.completion" if chat else "text_completion",
+        **top,
+    }
+    if nvext:
+        body["nvext"] = nvext
+    return body
+
+
+# -- metadata asked for with extra_fields -----------------------------------------------------------------
+
+
+_converter = make_converter()
+
+
+def _u64(_instance: Any, attribute: attrs.Attribute[Any], value: int | None) -> None:
+    if value is not None and not 0 <= value < U64:
+        raise ValueError(f"{attribute.name} must be a u64, got {value}")
+
+
+@attrs.frozen(kw_only=True)
+class WorkerIds:
+    """``nvext.worker_id``: the prefill and decode workers (the same one when serving is aggregated)."""
+
+    prefill_worker_id: int = attrs.field(validator=_u64)
+    decode_worker_id: int = attrs.field(validator=_u64)
+    prefill_dp_rank: int | None = None
+    decode_dp_rank: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Timing:
+    """``nvext.timing`` (final chunk only); ``kv_hit_rate`` and ``router_queue_depth`` come with the KV router."""
+
+    request_received_ms: float | None = None
+    prefill_wait_time_ms: float | None = None
+    prefill_time_ms: float | None = None
+    ttft_ms: float | None = None
+    total_time_ms: float | None = None
+    kv_hit_rate: float | None = None
+    router_queue_depth: int | None = None
+
+
+def _nvext_field(raw: Any, key: str, url: str | None) -> Any:
+    body = raw.samples[0].body if isinstance(raw, Exchange) and raw.samples else raw
+    if not isinstance(body, dict):
+        raise ResponseParseError(f"expected an answer object, got {type(body).__name__} @ $", url=url)
+    nvext = body.get("nvext")
+    return nvext.get(key) if isinstance(nvext, dict) else None
+
+
+def worker_ids(raw: Any, url: str | None = None) -> WorkerIds | None:
+    """``nvext.worker_id`` of an answer (of the first sample of an exchange); ``None`` when not asked for."""
+    value = _nvext_field(raw, "worker_id", url)
+    return None if value is None else structure_response(_converter, value, WorkerIds, url=url)
+
+
+def timing(raw: Any, url: str | None = None) -> Timing | None:
+    """``nvext.timing`` of an answer (of the first sample of an exchange); ``None`` when not asked for."""
+    value = _nvext_field(raw, "timing", url)
+    return None if value is None else structure_response(_converter, value, Timing, url=url)
+
+
+# -- limits refused before sending ------------------------------------------------------------------------
+
+
+_I32 = 2**31
+_I64 = 2**63
+
+
+def served_name(*candidates: str | None) -> str:
+    """The first given model name (LoRA adapter, per-request model, ``ClientConfig.model``)."""
+    for name in candidates:
+        if name:
+            return name
+    raise InvalidRequestError("no model name: Dynamo needs one; set ClientConfig.model (or pass model=)")
+
+
+def _ids(name: str, ids: Sequence[int]) -> None:
+    bad = [t for t in ids if t >= U32]
+    if bad:
+        raise InvalidRequestError(f"{name} has token id {bad[0]}; Dynamo's token ids are u32 (< {U32})")
+
+
+def _text_only(messages: Sequence[Message] | None) -> None:
+    for i, message in enumerate(messages or ()):
+        content = message.get("content")
+        if isinstance(content, list):
+            kinds = {part.get("type") for part in content if isinstance(part, Mapping)}
+            if kinds - {"text"}:
+                raise InvalidRequestError(
+                    f"messages[{i}] has {sorted(str(k) for k in kinds - {'text'})} content: multimodal inputs cannot "
+                    "be sent token-in to Dynamo (nvext.token_data carries text token ids only)"
+                )
+
+
+def check_generation(request: GenerateRequest, *, fan_out: bool) -> None:
+    """Refuse a generation Dynamo would reject or mishandle.
+
+    :raises InvalidRequestError: more than 32 stop token ids, ``n > 1`` without fan-out (Dynamo refuses ``n > 1``
+        with completion ids), non-u32 ids, a priority outside i32, a seed that overflows i64, multimodal content.
+    """
+    s = request.sampling
+    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(
+            f"{len(s.stop_token_ids)} stop_token_ids: Dynamo 1.6.1 accepts at most {MAX_STOP_TOKEN_IDS}"
+        )
+    if s.n > 1 and not fan_out:
+        raise InvalidRequestError(
+            f"n={s.n}: Dynamo 1.6.1 refuses n > 1 together with completion token ids; "
+            "set backend_options.fan_out_n = true to send n requests of one sample"
+        )
+    _ids("prompt_ids", request.prompt_ids)
+    _ids("stop_token_ids", s.stop_token_ids)
+    if request.priority is not None and not -_I32 <= request.priority < _I32:
+        raise InvalidRequestError(f"priority {request.priority} does not fit nvext.agent_hints.priority (i32)")
+    if s.seed is not None and not (s.seed >= -_I64 and s.seed + s.n - 1 < _I64):
+        raise InvalidRequestError(f"seed {s.seed} (+ n - 1) does not fit an i64")
+    _text_only(request.messages)
+
+
+def check_teacher(request: TeacherRequest) -> None:
+    """Refuse scoring ids Dynamo cannot take.
+
+    :raises InvalidRequestError: a token id that is not u32.
+    """
+    _ids("token_ids", request.token_ids)

@@ -43,7 +43,6 @@ from backends_core.types import (
     TensorSpec,
 )
 from backends_sglang import control, wire
-from backends_sglang._body import Body
 from backends_sglang.options import SglangOptions, parse_options
 
 _LIMIT = "sglang.max_req_input_len"  # Server.cache: read once from /server_info
@@ -136,7 +135,7 @@ async def tokenize_messages(
     if tools:
         body["tools"] = [dict(t) for t in tools]
     raw = await server.request("POST", "/v1/tokenize", json_body=body, idempotent=True)
-    return list(Body(raw, "$", server.base_url).get("tokens").token_ids())
+    return wire.token_list(raw, server.base_url)
 
 
 @hookimpl

@@ -13,11 +13,14 @@ import attrs
 
 from backends_core.config import ClientConfig
 from backends_core.errors import ConfigError
-from backends_sglang.routing import RoutingGeometry, geometry_from_model_dir
+from backends_core.options import OPTIONS_PATH, require, structure_options
+from backends_sglang.experts import RoutingGeometry, geometry_from_model_dir
 
 __all__ = ["SglangOptions", "parse_options"]
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_SECONDS = require(lambda v: math.isfinite(v) and v >= 0, "must be a finite number >= 0, got {value!r}")
+_COUNT = require(lambda v: v >= 1, "must be >= 1, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -37,18 +40,27 @@ class SglangOptions:
         pausing anyway with SGLang's ``retract`` mode (nothing is lost; the rest finishes after resume).
     :param poll_interval: seconds between two ``/flush_cache`` attempts or two ``/v1/loads`` polls.
     :param routed_experts_layers: layers of the MoE model's routing (default: from the model's ``config.json``,
-        see :mod:`backends_sglang.routing`); give it together with ``routed_experts_top_k``.
+        see :mod:`backends_sglang.experts`); give it together with ``routed_experts_top_k``.
     :param routed_experts_top_k: experts per token of the MoE model.
     :ivar routing: the routing geometry in use (``None``: unknown, routed experts cannot be decoded).
     """
 
     check_prompt_length: bool = True
-    admin_api_key_var: str | None = None
-    flush_cache_timeout: float = 60.0
-    pause_drain_timeout: float = 600.0
-    poll_interval: float = 0.05
-    routed_experts_layers: int | None = None
-    routed_experts_top_k: int | None = None
+    admin_api_key_var: str | None = attrs.field(
+        default=None,
+        validator=[
+            require(_ENV_NAME.match, "must be an environment variable NAME, not the key itself"),
+            require(os.environ.get, "environment variable {value} is not set or empty"),
+        ],
+    )
+    flush_cache_timeout: float = attrs.field(default=60.0, validator=_SECONDS)
+    pause_drain_timeout: float = attrs.field(default=600.0, validator=_SECONDS)
+    poll_interval: float = attrs.field(
+        default=0.05,
+        validator=require(lambda v: math.isfinite(v) and v > 0, "must be a finite number > 0, got {value!r}"),
+    )
+    routed_experts_layers: int | None = attrs.field(default=None, validator=_COUNT)
+    routed_experts_top_k: int | None = attrs.field(default=None, validator=_COUNT)
     routing: RoutingGeometry | None = None
 
     def admin_headers(self) -> dict[str, str]:
@@ -66,28 +78,6 @@ class SglangOptions:
         return {"authorization": f"Bearer {key}"}
 
 
-def _kind(value: Any, kind: str) -> bool:
-    if kind == "bool":
-        return isinstance(value, bool)
-    if kind == "int?":
-        return value is None or (isinstance(value, int) and not isinstance(value, bool))
-    if kind == "str?":
-        return value is None or isinstance(value, str)
-    return isinstance(value, int | float) and not isinstance(value, bool)  # "number"
-
-
-_FIELDS = {
-    "check_prompt_length": "bool",
-    "admin_api_key_var": "str?",
-    "flush_cache_timeout": "number",
-    "pause_drain_timeout": "number",
-    "poll_interval": "number",
-    "routed_experts_layers": "int?",
-    "routed_experts_top_k": "int?",
-}
-_KIND_NAMES = {"bool": "a boolean", "str?": "a string or null", "number": "a number", "int?": "an integer or null"}
-
-
 def _local_model_dir(config: ClientConfig) -> str | None:
     for candidate in (config.tokenizer, config.model):
         if candidate and Path(candidate).is_dir():
@@ -96,39 +86,15 @@ def _local_model_dir(config: ClientConfig) -> str | None:
 
 
 def parse_options(options: Mapping[str, Any], config: ClientConfig) -> SglangOptions:
-    """Validate ``backend_options`` and resolve the routing geometry; every problem names its path.
+    """``backend_options`` structured into :class:`SglangOptions`, with the routing geometry resolved.
 
     :raises ConfigError: unknown keys, wrong types, out-of-range numbers, an invalid or unset admin key
-        variable, only one of the two routing fields.
+        variable, only one of the two routing fields; each named with its path.
     """
-    where = "@ $.backend_options"
-    problems = [f"unknown option {where}.{k} (known: {', '.join(_FIELDS)})" for k in options if k not in _FIELDS]
-    for key, kind in _FIELDS.items():
-        if key in options and not _kind(options[key], kind):
-            problems.append(f"expected {_KIND_NAMES[kind]}, got {options[key]!r} {where}.{key}")
-    if problems:
-        raise ConfigError(problems)
-    values: dict[str, Any] = {k: (float(v) if _FIELDS[k] == "number" else v) for k, v in options.items()}
-    parsed = SglangOptions(**values)
-    for key in ("flush_cache_timeout", "pause_drain_timeout"):
-        value = getattr(parsed, key)
-        if not (math.isfinite(value) and value >= 0):
-            problems.append(f"must be a finite number >= 0, got {value!r} {where}.{key}")
-    if not (math.isfinite(parsed.poll_interval) and parsed.poll_interval > 0):
-        problems.append(f"must be a finite number > 0, got {parsed.poll_interval!r} {where}.poll_interval")
-    var = parsed.admin_api_key_var
-    if var is not None and not _ENV_NAME.match(var):
-        problems.append(f"must be an environment variable NAME, not the key itself {where}.admin_api_key_var")
-    elif var is not None and not os.environ.get(var):
-        problems.append(f"environment variable {var} is not set or empty {where}.admin_api_key_var")
+    parsed = structure_options(options, SglangOptions, derived=("routing",))
     layers, top_k = parsed.routed_experts_layers, parsed.routed_experts_top_k
     if (layers is None) != (top_k is None):
-        problems.append(f"give routed_experts_layers and routed_experts_top_k together {where}")
-    for key, value in (("routed_experts_layers", layers), ("routed_experts_top_k", top_k)):
-        if value is not None and value < 1:
-            problems.append(f"must be >= 1, got {value!r} {where}.{key}")
-    if problems:
-        raise ConfigError(problems)
+        raise ConfigError([f"give routed_experts_layers and routed_experts_top_k together @ {OPTIONS_PATH}"])
     if layers is not None and top_k is not None:
         routing: RoutingGeometry | None = RoutingGeometry(num_layers=layers, top_k=top_k, source="backend_options")
     else:

@@ -10,7 +10,7 @@ Generation and teacher scoring both use ``POST /generate`` with token ids:
   ``output_token_logprobs = [[logprob, token_id, text|null], ...]`` (each id checked against ``output_ids``),
   ``finish_reason = {"type": "length"|"stop"|"abort", "matched"?, "message"?}``, ``weight_version``,
   ``weight_versions`` spans, ``cached_tokens`` and, when asked, ``routed_experts`` (see
-  :mod:`backends_sglang.routing`).
+  :mod:`backends_sglang.experts`).
 * teacher: ``max_new_tokens: 0`` with ``logprob_start_len: 0``; ``input_token_logprobs`` then has one entry per
   token and entry 0 is ``[null, id, text]``. (With ``logprob_start_len = k`` the list starts at position ``k``
   and entry ``k`` is null too, although that token has a logprob: never score from ``k > 0``.)
@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from backends_core.jsonnode import Node
 from backends_core.types import (
     FinishReason,
     GenerateRequest,
@@ -37,8 +38,7 @@ from backends_core.types import (
     Usage,
     WeightVersionSpan,
 )
-from backends_sglang import routing
-from backends_sglang._body import Body
+from backends_sglang import experts
 
 __all__ = [
     "SAMPLING_KEYS",
@@ -52,6 +52,7 @@ __all__ = [
     "sampling_params",
     "succeeded",
     "teacher_payload",
+    "token_list",
     "weight_version",
 ]
 
@@ -164,7 +165,7 @@ def teacher_payload(request: TeacherRequest) -> dict[str, Any]:
 # -- generation answers ---------------------------------------------------------------------------------
 
 
-def _triple(entry: Body) -> tuple[Body, int]:
+def _triple(entry: Node) -> tuple[Node, int]:
     """``[logprob, token_id, text|null]`` -> (logprob body, token id)."""
     parts = entry.items()
     if len(parts) not in (2, 3):
@@ -172,7 +173,7 @@ def _triple(entry: Body) -> tuple[Body, int]:
     return parts[0], parts[1].integer()
 
 
-def _alternatives(row: Body, k: int) -> tuple[TopLogprob, ...]:
+def _alternatives(row: Node, k: int) -> tuple[TopLogprob, ...]:
     """The first ``k`` ``[logprob, id, text]`` of a top-logprobs row, checked to be in descending order."""
     entries = row.items()
     if len(entries) < k:
@@ -186,7 +187,7 @@ def _alternatives(row: Body, k: int) -> tuple[TopLogprob, ...]:
     return tuple(top)
 
 
-def _finish(meta: Body) -> tuple[FinishReason, int | str | None]:
+def _finish(meta: Node) -> tuple[FinishReason, int | str | None]:
     field = meta.get("finish_reason")
     kind = field.get("type").string()
     if kind not in _FINISH:
@@ -199,7 +200,7 @@ def _finish(meta: Body) -> tuple[FinishReason, int | str | None]:
     return "stop", matched
 
 
-def _spans(meta: Body) -> tuple[WeightVersionSpan, ...]:
+def _spans(meta: Node) -> tuple[WeightVersionSpan, ...]:
     field = meta.get("weight_versions", required=False)
     if field.value is None:
         return ()
@@ -209,15 +210,15 @@ def _spans(meta: Body) -> tuple[WeightVersionSpan, ...]:
     )
 
 
-def _samples(raw: Any, n: int, url: str) -> list[Body]:
-    body = Body(raw, "$", url)
+def _samples(raw: Any, n: int, url: str) -> list[Node]:
+    body = Node(raw, "$", url)
     samples = body.items() if isinstance(raw, list) else [body]
     if len(samples) != n:
         raise body.fail(f"expected {n} sample(s) (n={n}), got {len(samples)}")
     return samples
 
 
-def _completion_logprobs(meta: Body, completion: tuple[int, ...]) -> np.ndarray[Any, np.dtype[np.float32]]:
+def _completion_logprobs(meta: Node, completion: tuple[int, ...]) -> np.ndarray[Any, np.dtype[np.float32]]:
     field = meta.get("output_token_logprobs", required=False)
     if field.value is None:
         raise field.fail("no output logprobs in the answer although return_logprob was sent")
@@ -233,7 +234,7 @@ def _completion_logprobs(meta: Body, completion: tuple[int, ...]) -> np.ndarray[
     return logprobs
 
 
-def _top_rows(meta: Body, k: int, count: int) -> tuple[tuple[TopLogprob, ...], ...] | None:
+def _top_rows(meta: Node, k: int, count: int) -> tuple[tuple[TopLogprob, ...], ...] | None:
     if not k:
         return None
     field = meta.get("output_top_logprobs", required=False)
@@ -245,7 +246,7 @@ def _top_rows(meta: Body, k: int, count: int) -> tuple[tuple[TopLogprob, ...], .
     return tuple(_alternatives(row, k) for row in rows)
 
 
-def _usage(meta: Body, prompt: int, completion: int) -> Usage:
+def _usage(meta: Node, prompt: int, completion: int) -> Usage:
     reported = meta.get("prompt_tokens").integer()
     if reported != prompt:
         raise meta.get("prompt_tokens").fail(f"prompt_tokens is {reported} but {prompt} prompt ids were sent")
@@ -261,7 +262,7 @@ def _usage(meta: Body, prompt: int, completion: int) -> Usage:
 
 
 def parse_generate(
-    raw: Any, request: GenerateRequest, server_url: str, geometry: routing.RoutingGeometry | None
+    raw: Any, request: GenerateRequest, server_url: str, geometry: experts.RoutingGeometry | None
 ) -> list[GenerateResult]:
     """One :class:`GenerateResult` per sample of a ``/generate`` answer.
 
@@ -283,7 +284,7 @@ def parse_generate(
                     "routed experts were asked for but the answer has none: start SGLang with "
                     "--enable-return-routed-experts (MoE models only)"
                 )
-            routed = routing.decode(
+            routed = experts.decode(
                 field.value,
                 geometry,
                 total_tokens=len(request.prompt_ids) + len(completion),
@@ -358,7 +359,7 @@ def parse_teacher(raw: Any, request: TeacherRequest, server_url: str) -> Teacher
 def max_req_input_len(raw: Any, server_url: str) -> int:
     """The longest prompt the scheduler accepts (``max_req_input_len`` of ``/server_info``; the scheduler's
     ``max_req_len`` is 5 more, and ``prompt + max_new_tokens`` is clipped to ``max_req_len - 1``)."""
-    body = Body(raw, "$", server_url)
+    body = Node(raw, "$", server_url)
     if body.has("max_req_input_len"):
         value = body.get("max_req_input_len").integer()
     else:
@@ -373,24 +374,29 @@ def max_req_input_len(raw: Any, server_url: str) -> int:
 
 def weight_version(raw: Any, server_url: str) -> str:
     """``weight_version`` of a ``/model_info`` answer."""
-    return Body(raw, "$", server_url).get("weight_version").string()
+    return Node(raw, "$", server_url).get("weight_version").string()
 
 
 def in_flight(raw: Any, server_url: str) -> int:
     """Running plus waiting requests over every data-parallel rank of a ``/v1/loads`` answer."""
-    loads = Body(raw, "$", server_url).get("loads").items()
+    loads = Node(raw, "$", server_url).get("loads").items()
     return sum(load.get("num_running_reqs").integer() + load.get("num_waiting_reqs").integer() for load in loads)
 
 
 def lora_names(raw: Any, server_url: str) -> tuple[str, ...]:
     """Loaded adapters in a ``/v1/models`` answer: the entries with a ``parent`` model."""
-    entries = Body(raw, "$", server_url).get("data").items()
+    entries = Node(raw, "$", server_url).get("data").items()
     return tuple(e.get("id").string() for e in entries if e.get("parent", required=False).value is not None)
 
 
 def succeeded(raw: Any, server_url: str, key: str = "success") -> bool:
     """Whether an admin answer reports success: ``{"success": true}`` or ``{"status": "ok"}`` (``key="status"``)."""
-    body = Body(raw, "$", server_url)
+    body = Node(raw, "$", server_url)
     if key == "status":
         return body.get("status").string() == "ok"
     return body.get(key).boolean()
+
+
+def token_list(raw: Any, server_url: str) -> list[int]:
+    """The u32 ``tokens`` of a ``/v1/tokenize`` answer."""
+    return list(Node(raw, "$", server_url).get("tokens").token_ids())

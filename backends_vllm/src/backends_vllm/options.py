@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import attrs
 
-from backends_core.errors import ConfigError
+from backends_core.options import structure_options
 
 __all__ = ["TRANSPORTS", "VllmOptions", "parse_options"]
 
@@ -33,26 +33,9 @@ class VllmOptions:
     check_prompt_length: bool = True
 
 
-_FIELDS = {"transport": str, "check_prompt_length": bool}
-
-
 def parse_options(options: Mapping[str, Any]) -> VllmOptions:
-    """Validate ``backend_options``; every problem is reported with its path.
+    """``backend_options`` structured into :class:`VllmOptions`.
 
-    :raises ConfigError: unknown keys, wrong types, unknown transport.
+    :raises ConfigError: unknown keys, wrong types, unknown transport; each named with its path.
     """
-    problems = [
-        f"unknown option @ $.backend_options.{key} (known: {', '.join(_FIELDS)})"
-        for key in options
-        if key not in _FIELDS
-    ]
-    for key, kind in _FIELDS.items():
-        if key in options and not isinstance(options[key], kind):
-            problems.append(f"expected {kind.__name__}, got {options[key]!r} @ $.backend_options.{key}")
-    if isinstance(options.get("transport"), str) and options["transport"] not in TRANSPORTS:
-        problems.append(
-            f"transport must be one of {list(TRANSPORTS)}, got {options['transport']!r} @ $.backend_options.transport"
-        )
-    if problems:
-        raise ConfigError(problems)
-    return VllmOptions(**dict(options))
+    return structure_options(options, VllmOptions)

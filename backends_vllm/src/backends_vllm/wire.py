@@ -17,6 +17,7 @@ placeholder are refused.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -53,6 +54,8 @@ __all__ = [
 ]
 
 _FINISH = ("stop", "length", "abort")
+Float32s = np.ndarray[Any, np.dtype[np.float32]]
+_TOKEN_ID, _LOGPROB = operator.itemgetter("token_id"), operator.itemgetter("logprob")
 #: vLLM's default ``--max-logprobs``.
 MAX_LOGPROBS = 20
 
@@ -210,170 +213,152 @@ def _choices(body: Node, n: int) -> list[Node]:
     return sorted(choices, key=lambda c: c.get("index").integer())
 
 
-def _fast_generate(raw: Any, request: GenerateRequest, server_url: str) -> list[GenerateResult] | None:
-    """The common answer (plain dicts, float logprobs, no alternatives asked) checked in bulk: the same checks as
-    the :class:`Node` walk below, done with list comprehensions and numpy instead of one object per value.
+def _all_of_type(values: list[Any], kind: type) -> bool:
+    """Whether every value is exactly of type ``kind`` (no subclass such as ``bool``), in one C-level pass."""
+    return set(map(type, values)) <= {kind}
 
-    Returns ``None`` at the first thing it does not expect, and the walk then runs and raises the precise error
-    (or accepts an unusual but valid answer): the fast path never accepts what the walk refuses, and never
-    raises an error of its own, except the routed-experts errors, which are the walk's own at the same point.
+
+def _logprobs_in_bulk(choice: Mapping[str, Any], completion: tuple[int, ...]) -> Float32s | None:
+    """The completion's logprobs when every entry is a plain ``{"token_id": <its id>, "logprob": <float>}`` in
+    range, checked with C-level passes (``map``, ``set``) and one numpy pass; ``None`` when anything needs a
+    closer look."""
+    block = choice.get("logprobs")
+    content = block.get("content") if type(block) is dict else None
+    if type(content) is not list or len(content) != len(completion):
+        return None
+    try:
+        claimed = list(map(_TOKEN_ID, content))
+        values = list(map(_LOGPROB, content))
+    except (KeyError, TypeError):
+        return None
+    if claimed != choice["token_ids"] or not _all_of_type(claimed, int) or not _all_of_type(values, float):
+        return None
+    array = np.array(values, dtype=np.float64)
+    # NaN makes min and max NaN and infinities land outside the bounds, so both comparisons refuse them too
+    if array.size and not (array.min() > PLACEHOLDER_LOGPROB and array.max() <= 1e-3):
+        return None
+    return array.astype(np.float32)
+
+
+def _logprobs(
+    choice: Node, completion: tuple[int, ...], k: int
+) -> tuple[Float32s, tuple[tuple[TopLogprob, ...], ...] | None]:
+    """The completion's logprobs and, when ``k`` alternatives were asked for, the top ``k`` of each position.
+
+    The usual answer (no alternatives, plain float entries) is taken in bulk; anything else goes entry by entry,
+    which accepts what is unusual but valid (integer logprobs) and names the path of the first problem.
     """
-    if request.sampling.top_logprobs or type(raw) is not dict:
+    if not k:
+        bulk = _logprobs_in_bulk(choice.obj(), completion)
+        if bulk is not None:
+            return bulk, None
+    block = choice.get("logprobs")
+    if block.value is None:
+        raise block.fail("no logprobs in the answer (sampling_params.logprobs was sent)")
+    entries = block.get("content").items()
+    if len(entries) != len(completion):
+        raise block.get("content").fail(f"{len(entries)} logprob entries for {len(completion)} token ids")
+    logprobs = np.empty(len(completion), dtype=np.float32)
+    top: list[tuple[TopLogprob, ...]] = []
+    for i, (token, entry) in enumerate(zip(completion, entries, strict=True)):
+        claimed = entry.get("token_id").integer()
+        if claimed != token:
+            raise entry.get("token_id").fail(f"logprob entry is for token {claimed} but completion id {i} is {token}")
+        logprobs[i] = entry.get("logprob").logprob()
+        if k:
+            alts = [
+                TopLogprob(
+                    token_id=a.get("token_id").integer(),
+                    logprob=a.get("logprob").logprob(),
+                    rank=a.get("rank", required=False).optional_integer(),
+                )
+                for a in entry.get("top_logprobs").items()
+            ]
+            top.append(_top_k(alts, k, entry.get("top_logprobs")))
+    return logprobs, tuple(top) if k else None
+
+
+def _spans(choice: Node) -> tuple[WeightVersionSpan, ...]:
+    raw = choice.obj().get("weight_versions")
+    if raw is None:
+        return ()
+    if type(raw) is list and all(
+        type(s) is dict and type(s.get("version")) is str and type(s.get("start")) is int and type(s.get("end")) is int
+        for s in raw
+    ):
+        return tuple(WeightVersionSpan(version=s["version"], start=s["start"], end=s["end"]) for s in raw)
+    return tuple(
+        WeightVersionSpan(version=s.get("version").string(), start=s.get("start").integer(), end=s.get("end").integer())
+        for s in choice.get("weight_versions").items()
+    )
+
+
+def _cached_tokens(body: Node, prompt_tokens: int) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` once ``usage.prompt_tokens`` is checked against the prompt."""
+    usage = body.obj().get("usage")
+    if usage is None:
         return None
-    request_id = raw.get("request_id")
-    choices = raw.get("choices")
-    if type(request_id) is not str or type(choices) is not list or len(choices) != request.sampling.n:
-        return None
-    if not all(type(ch) is dict and type(ch.get("index")) is int for ch in choices):
-        return None
-    usage_raw = raw.get("usage")
-    cached: int | None = None
-    if type(usage_raw) is dict:
-        if type(usage_raw.get("prompt_tokens")) is not int or usage_raw["prompt_tokens"] != len(request.prompt_ids):
-            return None
-        details = usage_raw.get("prompt_tokens_details")
-        if type(details) is dict:
-            cached = details.get("cached_tokens")
-            if cached is not None and type(cached) is not int:
-                return None
-        elif details is not None and isinstance(details, Mapping):
-            return None
-    elif usage_raw is not None and isinstance(usage_raw, Mapping):
-        return None
-    order = sorted(range(len(choices)), key=lambda i: choices[i]["index"])
-    results = []
-    for at in order:
-        choice = choices[at]
-        ids = choice.get("token_ids")
-        lp_block = choice.get("logprobs")
-        if type(ids) is not list or type(lp_block) is not dict:
-            return None
-        content = lp_block.get("content")
-        if type(content) is not list or len(content) != len(ids) or not all(type(t) is int for t in ids):
-            return None
-        try:
-            claimed = [e["token_id"] for e in content]
-            values = [e["logprob"] for e in content]
-        except (KeyError, TypeError):
-            return None
-        if claimed != ids or not all(type(t) is int for t in claimed) or not all(type(v) is float for v in values):
-            return None
-        array = np.array(values, dtype=np.float64)
-        if array.size and not (np.isfinite(array).all() and array.min() > PLACEHOLDER_LOGPROB and array.max() <= 1e-3):
-            return None
-        spans_raw = choice.get("weight_versions")
-        spans: tuple[WeightVersionSpan, ...] = ()
-        if spans_raw is not None:
-            if type(spans_raw) is not list or not all(
-                type(s) is dict
-                and type(s.get("version")) is str
-                and type(s.get("start")) is int
-                and type(s.get("end")) is int
-                for s in spans_raw
-            ):
-                return None
-            spans = tuple(WeightVersionSpan(version=s["version"], start=s["start"], end=s["end"]) for s in spans_raw)
-        finish = choice.get("finish_reason")
-        stop = choice.get("stop_reason")
-        if "finish_reason" not in choice or finish not in _FINISH or type(finish) is not str:
-            return None
-        if stop is not None and type(stop) is not int and type(stop) is not str:
-            return None
-        completion = tuple(ids)
-        routed = None
-        if request.return_routed_experts:
-            payload = choice.get("routed_experts")
-            if payload is None:
-                return None
-            field = f"$.choices[{at}].routed_experts"
-            routed = align_routed_experts(
-                decode_routed_experts(payload, field=field),
-                total_tokens=len(request.prompt_ids) + len(completion),
-                server_start=request.routed_experts_start,
-                wanted_start=request.routed_experts_start,
-                field=field,
-            )
-        results.append(
-            GenerateResult(
-                prompt_ids=request.prompt_ids,
-                completion_ids=completion,
-                logprobs=array.astype(np.float32),
-                finish_reason=finish,  # type: ignore[arg-type]
-                stop_reason=stop,
-                top_logprobs=None,
-                routed_experts=routed,
-                weight_version=spans[-1].version if spans else None,
-                weight_versions=spans,
-                usage=Usage(
-                    prompt_tokens=len(request.prompt_ids), completion_tokens=len(completion), cached_tokens=cached
-                ),
-                request_id=request_id,
-                server=server_url,
-            )
-        )
-    return results
+    if type(usage) is dict and usage.get("prompt_tokens") == prompt_tokens and type(usage["prompt_tokens"]) is int:
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if type(details) is dict else None
+        if details is None or (type(details) is dict and (cached is None or type(cached) is int)):
+            return cached
+    return _usage(body, 0, prompt_tokens).cached_tokens
 
 
 def parse_generate(raw: Any, request: GenerateRequest, server_url: str) -> list[GenerateResult]:
-    """Results of ``/inference/v1/generate``."""
-    fast = _fast_generate(raw, request, server_url)
-    return fast if fast is not None else _walk_generate(raw, request, server_url)
+    """Results of ``/inference/v1/generate``; every refusal names its JSON path.
 
-
-def _walk_generate(raw: Any, request: GenerateRequest, server_url: str) -> list[GenerateResult]:
-    """:func:`parse_generate` value by value through :class:`Node`: every check names its JSON path."""
+    Fields are checked in the order a reader meets them (request id, choices, then per choice: ids, logprobs,
+    weight versions, finish and stop reasons, routed experts, usage), so the first problem is the one reported.
+    Each check takes the usual shape in one step and looks closer through :class:`Node` only when that fails.
+    """
     body = Node(raw, "$", server_url)
-    request_id = body.get("request_id").string()
+    request_id = raw.get("request_id") if type(raw) is dict else None
+    if type(request_id) is not str:
+        request_id = body.get("request_id").string()
+    choices = raw.get("choices") if type(raw) is dict else None
+    n = request.sampling.n
+    if (
+        type(choices) is list
+        and len(choices) == n
+        and all(type(c) is dict and type(c.get("index")) is int for c in choices)
+    ):
+        nodes = [
+            Node(choices[i], f"$.choices[{i}]", server_url) for i in sorted(range(n), key=lambda i: choices[i]["index"])
+        ]
+    else:
+        nodes = _choices(body, n)
+    k = request.sampling.top_logprobs
+    prompt_tokens = len(request.prompt_ids)
     results = []
-    for choice in _choices(body, request.sampling.n):
-        completion = _ids(choice.get("token_ids"))
-        entries = choice.get("logprobs").get("content").items() if choice.get("logprobs").value is not None else None
-        if entries is None:
-            raise choice.get("logprobs").fail("no logprobs in the answer (sampling_params.logprobs was sent)")
-        if len(entries) != len(completion):
-            raise (
-                choice.get("logprobs")
-                .get("content")
-                .fail(f"{len(entries)} logprob entries for {len(completion)} token ids")
-            )
-        logprobs = np.empty(len(completion), dtype=np.float32)
-        top: list[tuple[TopLogprob, ...]] = []
-        k = request.sampling.top_logprobs
-        for i, (token, entry) in enumerate(zip(completion, entries, strict=True)):
-            claimed = entry.get("token_id").integer()
-            if claimed != token:
-                raise entry.get("token_id").fail(
-                    f"logprob entry is for token {claimed} but completion id {i} is {token}"
-                )
-            logprobs[i] = entry.get("logprob").logprob()
-            if k:
-                alts = [
-                    TopLogprob(
-                        token_id=a.get("token_id").integer(),
-                        logprob=a.get("logprob").logprob(),
-                        rank=a.get("rank", required=False).optional_integer(),
-                    )
-                    for a in entry.get("top_logprobs").items()
-                ]
-                top.append(_top_k(alts, k, entry.get("top_logprobs")))
-        spans = tuple(
-            WeightVersionSpan(
-                version=s.get("version").string() or "", start=s.get("start").integer(), end=s.get("end").integer()
-            )
-            for s in choice.get("weight_versions", required=False).optional_items() or ()
-        )
+    for choice in nodes:
+        fields = choice.obj()
+        ids: Any = fields.get("token_ids")
+        plain = type(ids) is list and _all_of_type(ids, int)
+        completion = tuple(ids) if plain else _ids(choice.get("token_ids"))
+        logprobs, top = _logprobs(choice, completion, k)
+        spans = _spans(choice)
+        finish: Any = fields.get("finish_reason")
+        if type(finish) is not str or finish not in _FINISH:
+            finish = _finish(choice)
+        stop = fields.get("stop_reason")
+        if stop is not None and type(stop) is not int and type(stop) is not str:
+            stop = _stop_reason(choice)
+        routed = _routed(choice, request, completion)
+        cached = _cached_tokens(body, prompt_tokens)
         results.append(
             GenerateResult(
                 prompt_ids=request.prompt_ids,
                 completion_ids=completion,
                 logprobs=logprobs,
-                finish_reason=_finish(choice),
-                stop_reason=_stop_reason(choice),
-                top_logprobs=tuple(top) if k else None,
-                routed_experts=_routed(choice, request, completion),
+                finish_reason=finish,
+                stop_reason=stop,
+                top_logprobs=top,
+                routed_experts=routed,
                 weight_version=spans[-1].version if spans else None,
                 weight_versions=spans,
-                usage=_usage(body, len(completion), len(request.prompt_ids)),
+                usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=len(completion), cached_tokens=cached),
                 request_id=request_id,
                 server=server_url,
             )

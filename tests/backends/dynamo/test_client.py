@@ -28,9 +28,9 @@ from backends_core import (
 from backends_core.testing.engine import ReferenceEngine
 from backends_core.testing.tinymodel import TinyModels
 from backends_core.types import GenerateRequest
-from backends_dynamo.checks import check_generation
+from backends_dynamo.admin import REQUEST_ID_HEADER, dynamo_request_id
 from backends_dynamo.testing import WORKER_URL, DynamoEmulator
-from backends_dynamo.tracking import REQUEST_ID_HEADER, dynamo_request_id
+from backends_dynamo.wire import check_generation
 
 from ._captures import FIXTURES, capture, sse_text
 from ._fake import FRONTEND, WORKERS, Deployment
@@ -167,13 +167,17 @@ async def test_refusals_carry_the_servers_words_and_a_hint(
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"transport": "grpc"}, "transport must be one of ['chat', 'completions']"),
+        ({"transport": "grpc"}, "expected one of ['chat', 'completions'], got 'grpc' @ $.backend_options.transport"),
         ({"trasnport": "chat"}, "unknown option @ $.backend_options.trasnport"),
-        ({"worker_urls": "http://w"}, "expected a non-empty list of worker system URLs"),
+        ({"worker_urls": "http://w"}, "expected a list, got 'http://w' @ $.backend_options.worker_urls"),
+        ({"worker_urls": []}, "needs a non-empty list of worker system URLs @ $.backend_options.worker_urls"),
         ({"worker_urls": ["w1:8081"]}, "expected an http(s) URL, got 'w1:8081' @ $.backend_options.worker_urls[0]"),
         ({"worker_urls": {"http://other:8000": [W1]}}, "'http://other:8000' is not one of base_url"),
-        ({"extra_fields": ["engine_data"]}, "extra_fields must be a list drawn from ['worker_id', 'timing']"),
-        ({"stream": "yes"}, "expected bool, got 'yes' @ $.backend_options.stream"),
+        (
+            {"extra_fields": ["engine_data"]},
+            "expected one of ['worker_id', 'timing'], got 'engine_data' @ $.backend_options.extra_fields[0]",
+        ),
+        ({"stream": "yes"}, "expected a boolean, got 'yes' @ $.backend_options.stream"),
     ],
 )
 def test_bad_options_are_config_errors(options: dict[str, Any], message: str) -> None:

@@ -23,8 +23,8 @@ from backends_core.testing.engine import ReferenceEngine
 from backends_core.testing.tinymodel import TinyModels, write_perturbed_weights
 from backends_core.types import GenerateRequest
 from backends_dynamo import wire
-from backends_dynamo.stream import fold, parse_sse
 from backends_dynamo.testing import WORKER_URL, DynamoEmulator
+from backends_dynamo.wire import fold, parse_sse
 
 from ._captures import FIXTURES, capture, request_body, request_path
 

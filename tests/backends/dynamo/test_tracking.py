@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 
-from backends_dynamo.tracking import Tracker, dynamo_request_id
+from backends_dynamo.admin import Tracker, dynamo_request_id
 
 
 def test_request_ids_are_uuids_derived_from_caller_ids() -> None:

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from backends_core.errors import ResponseParseError
+from backends_core.jsonnode import Node
 from backends_core.types import GenerateRequest, SamplingParams, TeacherRequest
-from backends_dynamo import answer, extras, wire
-from backends_dynamo._json import Node
-from backends_dynamo.stream import fold, parse_sse
+from backends_dynamo import wire
+from backends_dynamo.wire import fold, parse_sse
 
 from ._captures import FIXTURES, capture, request_body, sse_text
 
@@ -121,18 +121,18 @@ def test_alternatives_need_token_ids_and_are_the_best_k() -> None:
 
 def test_worker_ids_and_timing_are_exact() -> None:
     body = vllm("chat_nvext_engine_data_logprobs")["response"]
-    ids = extras.worker_ids(body)
+    ids = wire.worker_ids(body)
     assert ids is not None and ids.decode_worker_id == ids.prefill_worker_id == 17251580120541680439
     assert ids.prefill_dp_rank is None
-    time = extras.timing(wire.Exchange((wire.Sample(body),)))
+    time = wire.timing(wire.Exchange((wire.Sample(body),)))
     assert time is not None and time.total_time_ms == pytest.approx(10467.152843)
     kv = json.loads((FIXTURES / "dynamo" / "chat_kv_extra_all_stream.sse").read_text().split("data: ")[1])
-    assert extras.worker_ids(kv) is not None and extras.worker_ids(kv).decode_dp_rank == 0  # type: ignore[union-attr]
-    assert extras.timing(capture("chat_basic")["response"]) is None
+    assert wire.worker_ids(kv) is not None and wire.worker_ids(kv).decode_dp_rank == 0  # type: ignore[union-attr]
+    assert wire.timing(capture("chat_basic")["response"]) is None
     bad = copy.deepcopy(body)
     bad["nvext"]["worker_id"]["decode_worker_id"] = 2**64
     with pytest.raises(ResponseParseError, match="must be a u64"):
-        extras.worker_ids(bad)
+        wire.worker_ids(bad)
 
 
 # -- the parser's rules, broken one at a time ----------------------------------------------------------------
@@ -185,12 +185,12 @@ def test_the_mocker_gives_ids_but_no_logprobs() -> None:
     cap = capture("chat_stop_str")
     body = cap["response"]
     nvext = Node(body["nvext"], "$.nvext")
-    assert answer.completion_ids(nvext) == (1736,) and answer.stop_reason(nvext) == "t"
+    assert wire.completion_ids(nvext) == (1736,) and wire.stop_reason(nvext) == "t"
     request = GenerateRequest(prompt_ids=list(range(26)))
     with pytest.raises(ResponseParseError, match="the Dynamo mocker never returns logprobs"):
         wire.parse_generation(body, request, URL)
     stopped = capture("chat_stop_token_ids_32")["response"]["nvext"]
-    assert answer.stop_reason(Node(stopped)) == 1002
+    assert wire.stop_reason(Node(stopped)) == 1002
 
 
 def test_prompt_echoes_must_match_the_ids_sent() -> None:
@@ -433,14 +433,14 @@ def test_a_streamed_vllm_answer_folds_into_the_same_result() -> None:
 def test_captured_mocker_streams_fold_their_id_deltas(name: str, ids: list[int]) -> None:
     body = fold(parse_sse(sse_text(name)))
     assert body["nvext"]["completion_token_ids"] == ids
-    assert answer.completion_ids(Node(body["nvext"])) == tuple(ids)
+    assert wire.completion_ids(Node(body["nvext"])) == tuple(ids)
 
 
 def test_stream_metadata_is_kept_from_the_last_chunk() -> None:
     body = fold(parse_sse(sse_text("chat_timing_stream_usage")))
     assert body["object"] == "chat.completion" and body["choices"][0]["finish_reason"] == "length"
     assert body["usage"]["completion_tokens"] == 3 and "completion_token_ids" not in body["nvext"]
-    assert extras.timing(body) is not None and extras.worker_ids(body) is not None
+    assert wire.timing(body) is not None and wire.worker_ids(body) is not None
     plain = fold(parse_sse(sse_text("chat_basic_stream")))
     assert plain["choices"][0]["message"]["content"] == "Mañan http dx ❌ πηδά" and "nvext" not in plain
     assert fold(parse_sse(sse_text("chat_kv_query_instance_id_stream")))["nvext"]["token_ids"][0] == 1878

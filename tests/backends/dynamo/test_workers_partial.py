@@ -19,7 +19,7 @@ from backends_core import (
     ServerRefusedError,
 )
 from backends_core.types import TensorSpec
-from backends_dynamo.tracking import tracker
+from backends_dynamo.admin import tracker
 
 from ._captures import capture
 from ._fake import FRONTEND, WORKERS, Deployment

@@ -30,8 +30,8 @@ from backends_core.testing.fakes import FakeServer
 from backends_core.testing.tinymodel import TinyModels
 from backends_core.types import DistributedGroup, GenerateRequest, TeacherRequest, TensorSpec
 from backends_sglang import wire
+from backends_sglang.experts import RoutingGeometry, geometry_from_model_dir
 from backends_sglang.options import SglangOptions, parse_options
-from backends_sglang.routing import RoutingGeometry, geometry_from_model_dir
 
 from ._helpers import capture
 

@@ -1,5 +1,6 @@
-"""The bulk path of ``wire.parse_generate`` against the value-by-value walk: on real captures, on a benchmark-sized
-answer with routed experts, and on fuzzed mutations, the outcome (results or the exact error) is the walk's."""
+"""``wire.parse_generate``, which takes the usual answer in bulk, against a value-by-value walk through
+:class:`Node` kept here as the reference: on real captures, on a benchmark-sized answer with routed experts, and
+on fuzzed mutations, the outcome (results or the exact error) is the walk's."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from backends_core import GenerateRequest, ResponseParseError, SamplingParams
+from backends_core import GenerateRequest, GenerateResult, ResponseParseError, SamplingParams
+from backends_core.jsonnode import Node
+from backends_core.types import TopLogprob, WeightVersionSpan
 from backends_vllm import wire
 
 CAPTURES = Path(__file__).resolve().parents[2] / "fixtures" / "wire" / "vllm"
@@ -63,6 +66,67 @@ ROUTED = GenerateRequest(
 )
 
 
+def walk_generate(raw: Any, request: GenerateRequest, server_url: str) -> list[GenerateResult]:
+    """The reference: every value read through :class:`Node`, one at a time, in the parser's order."""
+    body = Node(raw, "$", server_url)
+    request_id = body.get("request_id").string()
+    results = []
+    for choice in wire._choices(body, request.sampling.n):
+        completion = wire._ids(choice.get("token_ids"))
+        entries = choice.get("logprobs").get("content").items() if choice.get("logprobs").value is not None else None
+        if entries is None:
+            raise choice.get("logprobs").fail("no logprobs in the answer (sampling_params.logprobs was sent)")
+        if len(entries) != len(completion):
+            raise (
+                choice.get("logprobs")
+                .get("content")
+                .fail(f"{len(entries)} logprob entries for {len(completion)} token ids")
+            )
+        logprobs = np.empty(len(completion), dtype=np.float32)
+        top: list[tuple[TopLogprob, ...]] = []
+        k = request.sampling.top_logprobs
+        for i, (token, entry) in enumerate(zip(completion, entries, strict=True)):
+            claimed = entry.get("token_id").integer()
+            if claimed != token:
+                raise entry.get("token_id").fail(
+                    f"logprob entry is for token {claimed} but completion id {i} is {token}"
+                )
+            logprobs[i] = entry.get("logprob").logprob()
+            if k:
+                alts = [
+                    TopLogprob(
+                        token_id=a.get("token_id").integer(),
+                        logprob=a.get("logprob").logprob(),
+                        rank=a.get("rank", required=False).optional_integer(),
+                    )
+                    for a in entry.get("top_logprobs").items()
+                ]
+                top.append(wire._top_k(alts, k, entry.get("top_logprobs")))
+        spans = tuple(
+            WeightVersionSpan(
+                version=s.get("version").string() or "", start=s.get("start").integer(), end=s.get("end").integer()
+            )
+            for s in choice.get("weight_versions", required=False).optional_items() or ()
+        )
+        results.append(
+            GenerateResult(
+                prompt_ids=request.prompt_ids,
+                completion_ids=completion,
+                logprobs=logprobs,
+                finish_reason=wire._finish(choice),
+                stop_reason=wire._stop_reason(choice),
+                top_logprobs=tuple(top) if k else None,
+                routed_experts=wire._routed(choice, request, completion),
+                weight_version=spans[-1].version if spans else None,
+                weight_versions=spans,
+                usage=wire._usage(body, len(completion), len(request.prompt_ids)),
+                request_id=request_id,
+                server=server_url,
+            )
+        )
+    return results
+
+
 def outcome(parse: Any, raw: Any, request: GenerateRequest) -> Any:
     try:
         return ("ok", parse(raw, request, "http://v"))
@@ -79,20 +143,21 @@ def outcome(parse: Any, raw: Any, request: GenerateRequest) -> Any:
         (capture("moe_generate")["response"]["body"], None),
     ],
 )
-def test_the_bulk_path_takes_the_usual_answers_and_gives_the_walks_results(raw: Any, request_: Any) -> None:
+def test_the_usual_answers_give_the_walks_results(raw: Any, request_: Any) -> None:
     if request_ is None:
         body = capture("moe_generate")["request"]["body"]
         request_ = GenerateRequest(prompt_ids=body["token_ids"], sampling=SamplingParams(max_tokens=4))
-    fast = wire._fast_generate(raw, request_, "http://v")
-    assert fast is not None
-    assert fast == wire._walk_generate(raw, request_, "http://v")
+    assert wire.parse_generate(raw, request_, "http://v") == walk_generate(raw, request_, "http://v")
 
 
-def test_alternatives_and_integer_logprobs_go_the_long_way_with_the_same_result() -> None:
+def test_alternatives_and_integer_logprobs_give_the_walks_results() -> None:
     raw = answer()
     raw["choices"][0]["logprobs"]["content"][1]["logprob"] = -1
-    assert wire._fast_generate(raw, REQUEST, "http://v") is None
-    assert wire.parse_generate(raw, REQUEST, "http://v") == wire._walk_generate(raw, REQUEST, "http://v")
+    assert wire.parse_generate(raw, REQUEST, "http://v") == walk_generate(raw, REQUEST, "http://v")
+    alternatives = GenerateRequest(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=4, top_logprobs=1))
+    for entry in raw["choices"][0]["logprobs"]["content"]:
+        entry["top_logprobs"] = [{"token_id": entry["token_id"], "logprob": entry["logprob"], "rank": 1}]
+    assert wire.parse_generate(raw, alternatives, "http://v") == walk_generate(raw, alternatives, "http://v")
 
 
 @pytest.mark.parametrize(
@@ -112,7 +177,7 @@ def test_refusals_are_the_walks_errors(edit: Any, message: str) -> None:
     raw = answer(routed=True)
     edit(raw)
     got = outcome(wire.parse_generate, raw, ROUTED)
-    assert got == outcome(wire._walk_generate, raw, ROUTED)
+    assert got == outcome(walk_generate, raw, ROUTED)
     assert got[0] == "error" and message in got[1]
 
 
@@ -155,4 +220,4 @@ def mutated(draw: Any, original: Any) -> Any:
 @given(raw=mutated(answer(routed=True)), routed=st.booleans())
 def test_on_any_mutation_parse_generate_answers_like_the_walk(raw: Any, routed: bool) -> None:
     request = ROUTED if routed else REQUEST
-    assert outcome(wire.parse_generate, raw, request) == outcome(wire._walk_generate, raw, request)
+    assert outcome(wire.parse_generate, raw, request) == outcome(walk_generate, raw, request)

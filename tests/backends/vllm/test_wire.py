@@ -256,9 +256,12 @@ async def test_a_missing_generate_route_names_the_server_flag() -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"transport": "grpc"}, "transport must be one of ['generate', 'completions']"),
+        (
+            {"transport": "grpc"},
+            "expected one of ['generate', 'completions'], got 'grpc' @ $.backend_options.transport",
+        ),
         ({"trasnport": "generate"}, "unknown option @ $.backend_options.trasnport"),
-        ({"check_prompt_length": "yes"}, "expected bool, got 'yes' @ $.backend_options.check_prompt_length"),
+        ({"check_prompt_length": "yes"}, "expected a boolean, got 'yes' @ $.backend_options.check_prompt_length"),
     ],
 )
 def test_bad_backend_options_are_config_errors(options: dict[str, Any], message: str) -> None:
