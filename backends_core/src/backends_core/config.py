@@ -357,10 +357,6 @@ def _format_exception(exc: BaseException, type_: Any) -> str:
     return format_error(exc, type_)
 
 
-def _type_name(type_: Any) -> str:
-    return getattr(type_, "__name__", str(type_))
-
-
 def _structure_urls(value: Any, _type: Any) -> tuple[str, ...]:
     if value is None or not isinstance(value, str | list | tuple):
         raise ConfigError(f"expected a URL string or a list of URL strings, got {value!r}")
