@@ -119,7 +119,7 @@ def shuffled(items: Sequence[Any], seed: int) -> list[Any]:
 
 
 def tokenizer_dir() -> Path:
-    from backends_core.testing.tinymodel import build_tiny_models, default_models_dir
+    from backends_testkit.tinymodel import build_tiny_models, default_models_dir
 
     return build_tiny_models(default_models_dir()).dense
 

@@ -1,4 +1,4 @@
-"""Shared test setup. The test kit plugin (``backends_core.testing``) is loaded through pytest's addopts.
+"""Shared test setup. The test kit plugin (``backends_testkit``) is loaded through pytest's addopts.
 
 Hypothesis runs derandomized (the same examples every run, no example database), so CI stays deterministic;
 set ``HYPOTHESIS_PROFILE=explore`` to search new examples locally.

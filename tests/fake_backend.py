@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 
 from backends_core import GenerateResult, ResponseParseError, TeacherLogprobs, TopLogprob, hookimpl
-from backends_core.testing.engine import EngineRequest, EngineRequestError, ReferenceEngine
+from backends_testkit.engine import EngineRequest, EngineRequestError, ReferenceEngine
 
 _FINISH = {"eos": "stop", "max": "length", "cut": "abort"}
 

@@ -17,7 +17,9 @@ def servers(tiny_models):
     procs, urls = [], []
     for model in (tiny_models.dense, tiny_models.dense, tiny_models.moe):
         proc = subprocess.Popen(
-            [sys.executable, "-m", "backends_core.reference", "--model", str(model)], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-m", "backends_testkit.reference", "--model", str(model)],
+            stdout=subprocess.PIPE,
+            text=True,
         )
         line = proc.stdout.readline()
         assert line.startswith("listening on "), line
@@ -74,7 +76,7 @@ def test_state_pause_resume_with_json_output(servers, tiny_models, capsys) -> No
 
 
 def test_update_weights_with_sync_sets_the_version_everywhere(servers, tiny_models, capsys, tmp_path) -> None:
-    from backends_core.testing.tinymodel import write_perturbed_weights
+    from backends_testkit.tinymodel import write_perturbed_weights
 
     new = write_perturbed_weights(tiny_models.dense, tmp_path / "w", seed=2, scale=0.1)
     code, _ = run(["update-weights", str(new), "--version", "cli-1", "--sync", *flags(servers, tiny_models)], capsys)
@@ -146,3 +148,9 @@ def test_config_file_and_env(servers, tiny_models, capsys, tmp_path, monkeypatch
     monkeypatch.setenv("BACKENDS_CONFIG", str(tmp_path / "missing.toml"))
     assert main(["health", "--section", "client"]) == 2
     assert "missing.toml" in capsys.readouterr().err
+
+
+def test_demo_without_the_test_kit_exits_2_with_the_install_hint(monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "backends_testkit.demo", None)  # what an install without the kit sees
+    assert main(["demo"]) == 2
+    assert 'pip install "backends-core[testing]"' in capsys.readouterr().err

@@ -11,12 +11,12 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from backends_core import demo
 from backends_core.cli import main
 from backends_core.plugins import make_plugin_manager
-from backends_core.testing.engine import ReferenceEngine
-from backends_core.testing.http_server import serve
-from backends_core.testing.tinymodel import TinyModels
+from backends_testkit import demo
+from backends_testkit.engine import ReferenceEngine
+from backends_testkit.http_server import serve
+from backends_testkit.tinymodel import TinyModels
 
 #: Seconds a demo run here may take (a few unloaded, a minute on a two-core machine under heavy load): the guard
 #: that turns a hang into a failure.
@@ -40,7 +40,7 @@ def test_list_shows_the_reference_backend_and_its_capabilities(capsys) -> None:
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     blocks = {block.split()[0]: block for block in out.split("\n") if block and not block.startswith(" ")}
-    assert blocks["reference"].split()[1:] == ["backends-core", "0.1.0"]
+    assert blocks["reference"].split()[1:] == ["backends-testkit", "0.1.0"]
     assert blocks["vllm"].split()[1:] == ["backends-vllm", "0.1.0"]
     assert "admin_pause" in out and "teacher_logprobs" in out
 

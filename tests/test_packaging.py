@@ -1,10 +1,14 @@
-"""The umbrella's extras, the workspace members, their entry points and versions agree."""
+"""The umbrella's extras, the workspace members, their entry points and versions agree; what the wheels ship."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
+import os
+import shutil
+import subprocess
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -19,13 +23,13 @@ def member(name: str) -> dict:
 
 
 def test_every_member_is_a_src_layout_typed_distribution() -> None:
-    assert MEMBERS == ["backends_core", "backends_vllm", "backends_dynamo", "backends_sglang"]
+    assert MEMBERS == ["backends_core", "backends_testkit", "backends_vllm", "backends_dynamo", "backends_sglang"]
     for name in MEMBERS:
         assert (ROOT / name / "src" / name / "py.typed").is_file()
         assert member(name)["project"]["name"] == name.replace("_", "-")
 
 
-@pytest.mark.parametrize("name", ["backends_core", "backends_vllm", "backends_dynamo", "backends_sglang"])
+@pytest.mark.parametrize("name", MEMBERS)
 def test_members_are_installed_not_namespace_shadows(name: str) -> None:
     module = importlib.import_module(name)
     assert module.__file__ is not None and f"{name}/src/{name}" in module.__file__
@@ -56,3 +60,38 @@ def test_entry_point_names_match_their_modules() -> None:
         eps = member(name)["project"].get("entry-points", {}).get("backends_core.backends", {})
         for ep_name, target in eps.items():
             assert target.split(":")[0].startswith(name + "."), (ep_name, target)
+
+
+TEST_MACHINERY = ("testing/", "reference/", "demo.py", "engine.py", "_numpy_qwen3.py", "tinymodel.py", "emulator.py")
+
+
+def _wheel(package: str, out: Path) -> list[str]:
+    uv = os.environ.get("UV") or shutil.which("uv")
+    if uv is None:
+        pytest.skip("needs uv to build the wheels")
+    subprocess.run(
+        [uv, "build", "--wheel", "--package", package, "--out-dir", str(out)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (wheel,) = out.glob(f"{package.replace('-', '_')}-*.whl")
+    return zipfile.ZipFile(wheel).namelist()
+
+
+@pytest.mark.slow
+def test_the_core_runtime_wheel_holds_no_engine_emulator_or_test_kit(tmp_path: Path) -> None:
+    names = _wheel("backends-core", tmp_path)
+    assert "backends_core/client.py" in names and "backends_core/hookspecs.py" in names
+    shipped = [n for n in names if n.startswith("backends_core/") and n.endswith(TEST_MACHINERY)]
+    shipped += [n for n in names if "/testing/" in n or "/reference/" in n]
+    assert shipped == []
+
+
+@pytest.mark.slow
+def test_the_test_kit_wheel_holds_the_engine_the_reference_backend_and_the_demo(tmp_path: Path) -> None:
+    names = set(_wheel("backends-testkit", tmp_path))
+    expected = {"engine.py", "_numpy_qwen3.py", "tinymodel.py", "conformance.py", "live.py", "demo.py"}
+    assert {f"backends_testkit/{name}" for name in expected} <= names
+    assert {"backends_testkit/reference/hooks.py", "backends_testkit/reference/emulator.py"} <= names

@@ -7,7 +7,7 @@ import types
 from pathlib import Path
 
 from backends_core import Client, ClientConfig, SamplingParams
-from backends_core.testing.fakes import FakeServer
+from backends_testkit.fakes import FakeServer
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from backends_core.driver import CAPABILITY_HOOKS
-from backends_core.testing.conformance import BackendConformance
 from backends_dynamo.testing import WORKER_URL
+from backends_testkit.conformance import BackendConformance
 
 
 class TestDynamoConformance(BackendConformance):

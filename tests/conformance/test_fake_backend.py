@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 import fake_backend
-from backends_core.testing.conformance import BackendConformance
-from backends_core.testing.engine import ReferenceEngine
+from backends_testkit.conformance import BackendConformance
+from backends_testkit.engine import ReferenceEngine
 
 
 class TestFakeBackendInProcess(BackendConformance):

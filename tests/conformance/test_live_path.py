@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def reference_server(tiny_models):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "backends_core.reference", "--model", str(tiny_models.dense), "--port", "0"],
+        [sys.executable, "-m", "backends_testkit.reference", "--model", str(tiny_models.dense), "--port", "0"],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from backends_core.driver import CAPABILITY_HOOKS
-from backends_core.testing.conformance import BackendConformance
+from backends_testkit.conformance import BackendConformance
 
 
 class TestReferenceConformance(BackendConformance):

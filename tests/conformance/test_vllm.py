@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from backends_core.driver import CAPABILITY_HOOKS
-from backends_core.testing.conformance import BackendConformance
+from backends_testkit.conformance import BackendConformance
 
 VLLM_CAPABILITIES = CAPABILITY_HOOKS
 

@@ -6,8 +6,8 @@ import json
 import shutil
 
 from backends_core import Client, ClientConfig
-from backends_core.reference.emulator import ReferenceEmulator
-from backends_core.testing.engine import ReferenceEngine
+from backends_testkit.engine import ReferenceEngine
+from backends_testkit.reference.emulator import ReferenceEmulator
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
 

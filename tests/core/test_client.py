@@ -26,7 +26,7 @@ from backends_core import (
     UnsupportedOperationError,
     hookimpl,
 )
-from backends_core.testing.fakes import FakeServer
+from backends_testkit.fakes import FakeServer
 
 
 class Tiny:

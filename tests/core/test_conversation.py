@@ -10,8 +10,8 @@ import pytest
 
 from backends_core import BridgeError, Client, ClientConfig, Event, SamplingParams, hookimpl
 from backends_core.multiturn.extension import clear_template_cache
-from backends_core.reference.emulator import ReferenceEmulator
-from backends_core.testing.engine import ReferenceEngine
+from backends_testkit.engine import ReferenceEngine
+from backends_testkit.reference.emulator import ReferenceEmulator
 
 
 class Recorder:

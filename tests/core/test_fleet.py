@@ -26,8 +26,8 @@ from backends_core import (
     WeightVersionMismatch,
 )
 from backends_core.balancer import Balancer
-from backends_core.reference.emulator import ReferenceEmulator
-from backends_core.testing.engine import ReferenceEngine
+from backends_testkit.engine import ReferenceEngine
+from backends_testkit.reference.emulator import ReferenceEmulator
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
 HOSTS = ["s0", "s1", "s2"]
@@ -172,7 +172,7 @@ def salts(seen: list[httpx.Request]) -> list[str | None]:
 
 
 async def test_cache_salt_follows_the_weight_version_this_client_set(fleet, tiny_models, tmp_path) -> None:
-    from backends_core.testing.tinymodel import write_perturbed_weights
+    from backends_testkit.tinymodel import write_perturbed_weights
 
     seen: list[httpx.Request] = []
     async with Client(config(tiny_models), transport=routed({h: e.handle for h, e in fleet.items()}, seen)) as client:
@@ -188,7 +188,7 @@ async def test_a_separate_rollout_client_salts_with_the_version_the_server_repor
     fleet, tiny_models, tmp_path
 ) -> None:
     """Trainer and rollout run in separate processes: the rollout client never ran the update itself."""
-    from backends_core.testing.tinymodel import write_perturbed_weights
+    from backends_testkit.tinymodel import write_perturbed_weights
 
     transport = routed({h: e.handle for h, e in fleet.items()})
     seen: list[httpx.Request] = []
@@ -231,7 +231,7 @@ async def test_a_server_back_with_other_weights_gets_no_requests_until_it_is_cau
     fleet, tiny_models, tmp_path
 ) -> None:
     """A server that went down mid-run comes back on its start-up weights: it must not serve them silently."""
-    from backends_core.testing.tinymodel import write_perturbed_weights
+    from backends_testkit.tinymodel import write_perturbed_weights
 
     down = {"s1": False}
 
@@ -271,7 +271,7 @@ async def test_a_server_back_with_other_weights_gets_no_requests_until_it_is_cau
 
 
 async def test_weight_sync_pauses_updates_flushes_resumes_and_verifies(fleet, tiny_models, tmp_path) -> None:
-    from backends_core.testing.tinymodel import write_perturbed_weights
+    from backends_testkit.tinymodel import write_perturbed_weights
 
     new = write_perturbed_weights(tiny_models.dense, tmp_path / "w2", seed=4, scale=0.1)
     async with Client(config(tiny_models), transport=routed({h: e.handle for h, e in fleet.items()})) as client:
@@ -283,7 +283,7 @@ async def test_weight_sync_pauses_updates_flushes_resumes_and_verifies(fleet, ti
 
 
 async def test_weight_sync_resumes_every_paused_server_when_an_update_fails(fleet, tiny_models, tmp_path) -> None:
-    from backends_core.testing.tinymodel import write_perturbed_weights
+    from backends_testkit.tinymodel import write_perturbed_weights
 
     new = write_perturbed_weights(tiny_models.dense, tmp_path / "w3", seed=5, scale=0.1)
 
@@ -441,7 +441,7 @@ def test_the_cli_names_the_servers_a_failed_pause_left_paused(capsys) -> None:
 async def test_a_weight_sync_whose_version_is_not_visible_names_the_server_and_keeps_its_phases(
     fleet, tiny_models, tmp_path
 ) -> None:
-    from backends_core.testing.tinymodel import write_perturbed_weights
+    from backends_testkit.tinymodel import write_perturbed_weights
 
     new = write_perturbed_weights(tiny_models.dense, tmp_path / "w4", seed=6, scale=0.1)
 
@@ -465,7 +465,7 @@ async def test_a_weight_sync_whose_version_is_not_visible_names_the_server_and_k
 
 
 async def test_a_weight_sync_whose_update_fails_somewhere_states_the_mixed_fleet(fleet, tiny_models, tmp_path) -> None:
-    from backends_core.testing.tinymodel import write_perturbed_weights
+    from backends_testkit.tinymodel import write_perturbed_weights
 
     new = write_perturbed_weights(tiny_models.dense, tmp_path / "w5", seed=7, scale=0.1)
 
@@ -489,7 +489,7 @@ async def test_after_an_update_that_failed_on_one_server_that_server_is_kept_out
     fleet, tiny_models, tmp_path
 ) -> None:
     """No fleet version was recorded (the update failed somewhere), but the others agree on the new one."""
-    from backends_core.testing.tinymodel import write_perturbed_weights
+    from backends_testkit.tinymodel import write_perturbed_weights
 
     new = write_perturbed_weights(tiny_models.dense, tmp_path / "w7", seed=9, scale=0.1)
 

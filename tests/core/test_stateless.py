@@ -17,8 +17,8 @@ from backends_core.errors import InvalidRequestError
 from backends_core.multiturn.extension import clear_template_cache
 from backends_core.multiturn.messages import normalize_message, normalize_messages
 from backends_core.multiturn.rendering import encode, load_tokenizer, render_text
-from backends_core.reference.emulator import ReferenceEmulator
-from backends_core.testing.engine import ReferenceEngine
+from backends_testkit.engine import ReferenceEngine
+from backends_testkit.reference.emulator import ReferenceEmulator
 
 TOOLS = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object", "properties": {}}}}]
 

@@ -1,7 +1,7 @@
 """The lean HTTP/1.1 transport against real local servers: keep-alive, pool limits, every timeout kind, resets,
 framing (Content-Length, chunked, read-to-close, no-body answers), malformed answers, hundreds in flight.
 
-Servers are either :func:`backends_core.testing.http_server.serve` (asyncio, the emulators' server) or a
+Servers are either :func:`backends_testkit.http_server.serve` (asyncio, the emulators' server) or a
 blocking-socket server in threads (:class:`RawServer`) that writes exact bytes, so faults land at exact points.
 No assertion depends on timing: timeouts are provoked by servers that never answer.
 """
@@ -22,7 +22,7 @@ import pytest
 
 from backends_core import Client, ClientConfig, NetworkError, RetryPolicy, Server, ServerStatusError
 from backends_core._transport import PEEK_AFTER, LeanTransport
-from backends_core.testing.http_server import serve
+from backends_testkit.http_server import serve
 
 Handler = Callable[[socket.socket, BinaryIO, int], None]
 

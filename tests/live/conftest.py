@@ -28,7 +28,7 @@ import live_servers  # tests/live is on sys.path: pytest's default "prepend" imp
 import pytest
 import vllm_server
 
-from backends_core.testing.tinymodel import TinyModels
+from backends_testkit.tinymodel import TinyModels
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

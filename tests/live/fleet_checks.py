@@ -28,7 +28,7 @@ from backends_core import (
     RequestTimeout,
     SamplingParams,
 )
-from backends_core.testing.tinymodel import write_perturbed_weights
+from backends_testkit.tinymodel import write_perturbed_weights
 
 MODEL = "tiny-qwen3"
 

@@ -16,7 +16,7 @@ import subprocess
 import time
 from collections.abc import Awaitable, Callable
 
-from backends_core.testing.live import ServerProcess
+from backends_testkit.live import ServerProcess
 
 KILL_TIMEOUT_S = 30.0
 """Seconds for a SIGKILLed process group to be gone (milliseconds in practice)."""

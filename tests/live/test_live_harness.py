@@ -1,4 +1,4 @@
-"""The live-server harness itself (``backends_core.testing.live``), without any inference server.
+"""The live-server harness itself (``backends_testkit.live``), without any inference server.
 
 Not marked ``live``: it needs no real server, only a Python that can create a venv and a loopback port.
 """
@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from backends_core.testing import live
-from backends_core.testing.live import ServerProcess, ServerStartError, VenvInstallError, ensure_venv
+from backends_testkit import live
+from backends_testkit.live import ServerProcess, ServerStartError, VenvInstallError, ensure_venv
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ from safetensors.numpy import load_file, save_file
 from backends_core import Client, ClientConfig, LoraAdapter, SamplingParams
 from backends_core.cli import main
 from backends_core.driver import CAPABILITY_HOOKS
-from backends_core.testing.conformance import BackendConformance
-from backends_core.testing.tinymodel import TinyModels, write_perturbed_weights
+from backends_testkit.conformance import BackendConformance
+from backends_testkit.tinymodel import TinyModels, write_perturbed_weights
 
 pytestmark = pytest.mark.live
 

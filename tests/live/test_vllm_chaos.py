@@ -48,9 +48,9 @@ from backends_core import (
     Timeouts,
     hookimpl,
 )
-from backends_core.testing.engine import ReferenceEngine
-from backends_core.testing.live import ServerProcess, ServerStartError
-from backends_core.testing.tinymodel import TinyModels, write_perturbed_weights
+from backends_testkit.engine import ReferenceEngine
+from backends_testkit.live import ServerProcess, ServerStartError
+from backends_testkit.tinymodel import TinyModels, write_perturbed_weights
 
 pytestmark = pytest.mark.live
 

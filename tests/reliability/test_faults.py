@@ -22,8 +22,8 @@ from backends_core import (
     SamplingParams,
     ServerStatusError,
 )
-from backends_core.testing.engine import ReferenceEngine
-from backends_core.testing.faults import Fault, FaultyTransport
+from backends_testkit.engine import ReferenceEngine
+from backends_testkit.faults import Fault, FaultyTransport
 from backends_vllm.testing import VllmEmulator
 
 PROMPT = [1, 2, 3, 4, 5, 6]
@@ -178,7 +178,7 @@ async def test_a_503_is_retried_and_a_fleet_fails_over_only_what_never_arrived(t
 
 
 async def test_a_server_dying_mid_weight_sync_still_gets_every_paused_server_resumed(tiny_models, tmp_path) -> None:
-    from backends_core.testing.tinymodel import write_perturbed_weights
+    from backends_testkit.tinymodel import write_perturbed_weights
 
     engines = [ReferenceEngine(tiny_models.dense, seed=i) for i in range(3)]
     emulators = {f"s{i}": VllmEmulator(e) for i, e in enumerate(engines)}

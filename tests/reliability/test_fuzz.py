@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 
 from backends_core import GenerateRequest, ResponseParseError, SamplingParams, TeacherRequest, decode_routed_experts
 from backends_core.driver import check_result, check_teacher
-from backends_core.reference import wire as reference_wire
 from backends_dynamo import wire as dynamo_wire
 from backends_sglang import wire as sglang_wire
 from backends_sglang.experts import RoutingGeometry
+from backends_testkit.reference import wire as reference_wire
 from backends_vllm import wire as vllm_wire
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "wire"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from backends_core import Client, ClientConfig, GenerateResult, RequestError, ResponseParseError, RetryPolicy, hookimpl
-from backends_core.testing.faults import Fault, FaultyTransport
+from backends_testkit.faults import Fault, FaultyTransport
 
 N_REQUESTS = 10_000
 SERVERS = [f"http://s{i}" for i in range(4)]

@@ -11,9 +11,9 @@ import pytest
 
 from backends_core import AdminError, Client, ClientConfig, ConfigError, NetworkError, RetryPolicy, ServerStatusError
 from backends_core.cli import main
-from backends_core.reference.emulator import ReferenceEmulator
-from backends_core.testing.engine import ReferenceEngine
-from backends_core.testing.http_server import serve
+from backends_testkit.engine import ReferenceEngine
+from backends_testkit.http_server import serve
+from backends_testkit.reference.emulator import ReferenceEmulator
 
 SECRET = "sk-live-THIS-MUST-NEVER-LEAK-42"
 

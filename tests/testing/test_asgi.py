@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import httpx
 
-from backends_core.testing.asgi import asgi_app
+from backends_testkit.asgi import asgi_app
 
 
 async def test_a_handler_served_as_asgi_sees_method_path_query_and_body() -> None:

@@ -21,11 +21,11 @@ import pytest_asyncio
 
 from backends_core import Client, ClientConfig, RetryPolicy
 from backends_core.driver import CAPABILITY_HOOKS
-from backends_core.reference.emulator import ReferenceEmulator
-from backends_core.testing import conformance
-from backends_core.testing.conformance import BackendConformance
-from backends_core.testing.engine import ReferenceEngine
-from backends_core.testing.tinymodel import TinyModels
+from backends_testkit import conformance
+from backends_testkit.conformance import BackendConformance
+from backends_testkit.engine import ReferenceEngine
+from backends_testkit.reference.emulator import ReferenceEmulator
+from backends_testkit.tinymodel import TinyModels
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
 #: Seconds any test here may take: the suite's own deadlines are minutes, a verdict here takes seconds.

@@ -13,14 +13,14 @@ import attrs
 import numpy as np
 import pytest
 
-from backends_core.testing.engine import (
+from backends_testkit.engine import (
     EngineOutput,
     EngineRequest,
     EngineRequestError,
     ReferenceEngine,
     WeightSpan,
 )
-from backends_core.testing.tinymodel import (
+from backends_testkit.tinymodel import (
     ENDOFTEXT_ID,
     IM_END_ID,
     TinyModels,

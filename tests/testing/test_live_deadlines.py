@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from backends_core.testing import live
+from backends_testkit import live
 
 
 def test_a_build_lock_held_elsewhere_is_waited_for_with_a_deadline(tmp_path: Path) -> None:

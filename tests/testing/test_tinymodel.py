@@ -13,8 +13,8 @@ import pytest
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
-from backends_core.testing._numpy_qwen3 import Qwen3Model
-from backends_core.testing.tinymodel import (
+from backends_testkit._numpy_qwen3 import Qwen3Model
+from backends_testkit.tinymodel import (
     BPE_VOCAB_SIZE,
     MODEL_VOCAB_SIZE,
     SPECIAL_TOKENS,

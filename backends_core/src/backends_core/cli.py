@@ -325,11 +325,20 @@ def _check_tokenizer(args: argparse.Namespace) -> int:
     return _run(args, body)
 
 
+DEMO_HINT = 'the demo runs on the test kit\'s embedded engine: pip install "backends-core[testing]"'
+
+
 def _demo(args: argparse.Namespace) -> int:
-    from backends_core.demo import run_demo
+    try:
+        from backends_testkit.demo import run_demo
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not exc.name.startswith("backends_testkit"):
+            raise
+        print(f"error: {DEMO_HINT}", file=sys.stderr)
+        return EXIT_USAGE
 
     return run_demo(
-        backend=args.backend or "vllm",
+        backend=args.backend,
         urls=args.url or (),
         moe_url=args.moe_url,
         model=args.model,
@@ -440,10 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--messages", help="a JSON file with a list of messages")
     p.set_defaults(func=_check_tokenizer)
 
-    from backends_core.demo import DEFAULT_BACKEND
-
     p = sub.add_parser("demo", help="the demo on the embedded default engine, or on real servers with --url")
-    p.add_argument("--backend", default=DEFAULT_BACKEND, help=f"backend to demo (default: {DEFAULT_BACKEND})")
+    p.add_argument("--backend", default="vllm", help="backend to demo (default: vllm)")
     p.add_argument("--url", action="append", help="a real server serving the tiny dense model (repeat for a fleet)")
     p.add_argument("--moe-url", default=None, help="a real server serving the tiny MoE model with routed experts")
     p.add_argument("--model", default="tiny-qwen3", help="served model name on --url servers")

@@ -509,7 +509,7 @@ def make_emulator(engine: Any, routed_experts: bool) -> Any:
     emulator. Mode: sync, no I/O. Required: no (a backend without it runs the demo only against real
     servers, and its conformance subclass must provide ``emulator_transport``).
 
-    :param engine: a :class:`backends_core.testing.engine.ReferenceEngine`.
+    :param engine: a :class:`backends_testkit.engine.ReferenceEngine`.
     :param routed_experts: return MoE routed experts, as a server started with routing enabled would.
     :returns: an object with ``async handle(httpx.Request) -> httpx.Response`` and ``aclose()``.
     Raises: nothing beyond programming errors.

@@ -25,12 +25,12 @@ from backends_core import (
     ServerStatusError,
     UnsupportedOperationError,
 )
-from backends_core.testing.engine import ReferenceEngine
-from backends_core.testing.tinymodel import TinyModels
 from backends_core.types import GenerateRequest
 from backends_dynamo.admin import REQUEST_ID_HEADER, dynamo_request_id
 from backends_dynamo.testing import WORKER_URL, DynamoEmulator
 from backends_dynamo.wire import check_generation
+from backends_testkit.engine import ReferenceEngine
+from backends_testkit.tinymodel import TinyModels
 
 from ._captures import FIXTURES, capture, sse_text
 from ._fake import FRONTEND, WORKERS, Deployment

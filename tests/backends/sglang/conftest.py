@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest_asyncio
 
-from backends_core.testing.engine import ReferenceEngine
-from backends_core.testing.tinymodel import TinyModels
 from backends_sglang.testing import SglangEmulator
+from backends_testkit.engine import ReferenceEngine
+from backends_testkit.tinymodel import TinyModels
 
 
 @pytest_asyncio.fixture

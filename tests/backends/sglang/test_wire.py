@@ -26,12 +26,12 @@ from backends_core import (
     ServerRefusedError,
     ServerStatusError,
 )
-from backends_core.testing.fakes import FakeServer
-from backends_core.testing.tinymodel import TinyModels
 from backends_core.types import DistributedGroup, GenerateRequest, TeacherRequest, TensorSpec
 from backends_sglang import wire
 from backends_sglang.experts import RoutingGeometry, geometry_from_model_dir
 from backends_sglang.options import SglangOptions, parse_options
+from backends_testkit.fakes import FakeServer
+from backends_testkit.tinymodel import TinyModels
 
 from ._helpers import capture
 

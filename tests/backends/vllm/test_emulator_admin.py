@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from backends_core import AdminError, Client, ClientConfig
-from backends_core.testing.engine import ReferenceEngine
-from backends_core.testing.tinymodel import TinyModels, write_perturbed_weights
 from backends_core.types import DistributedGroup
+from backends_testkit.engine import ReferenceEngine
+from backends_testkit.tinymodel import TinyModels, write_perturbed_weights
 from backends_vllm.testing import VllmEmulator
 
 CAPTURES = Path(__file__).resolve().parents[2] / "fixtures" / "wire" / "vllm"

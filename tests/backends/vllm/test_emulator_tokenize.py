@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from backends_core.testing.engine import ReferenceEngine
-from backends_core.testing.tinymodel import TinyModels
+from backends_testkit.engine import ReferenceEngine
+from backends_testkit.tinymodel import TinyModels
 from backends_vllm.testing import VllmEmulator
 
 CAPTURES = Path(__file__).resolve().parents[2] / "fixtures" / "wire" / "vllm"

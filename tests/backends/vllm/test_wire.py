@@ -23,8 +23,8 @@ from backends_core import (
     SamplingParams,
     ServerStatusError,
 )
-from backends_core.testing.fakes import FakeServer
 from backends_core.types import GenerateRequest, TeacherRequest
+from backends_testkit.fakes import FakeServer
 from backends_vllm import wire
 
 CAPTURES = Path(__file__).resolve().parents[2] / "fixtures" / "wire" / "vllm"

@@ -34,7 +34,7 @@ import dynamo_server
 import live_servers
 import pytest
 
-from backends_core.testing.tinymodel import TinyModels
+from backends_testkit.tinymodel import TinyModels
 
 _TIMINGS: dict[str, Any] = {}
 

@@ -25,7 +25,7 @@ Real NVIDIA Dynamo 1.6.1 on a CPU-only machine, with no etcd and no NATS (``shar
   the mocker's ``/health`` to ever answer 200. Dynamo parses ``DYN_SYSTEM_PORT`` as an i16, so system ports
   are picked below 32768 (:func:`free_system_port`).
 
-Processes run through :class:`~backends_core.testing.live.ServerProcess`, each in its own process group
+Processes run through :class:`~backends_testkit.live.ServerProcess`, each in its own process group
 (the vLLM worker spawns EngineCore and a worker process), stopped group-wide at the end.
 
 Environment: ``BACKENDS_DYNAMO_PYTHON`` overrides the interpreter that creates the venvs (default: the
@@ -49,7 +49,7 @@ from typing import Any
 
 import httpx
 
-from backends_core.testing.live import LiveServerError, ServerProcess, ServerStartError, ensure_venv, server_venvs_dir
+from backends_testkit.live import LiveServerError, ServerProcess, ServerStartError, ensure_venv, server_venvs_dir
 
 _LIVE_DIR = str(Path(__file__).resolve().parent.parent)
 if _LIVE_DIR not in sys.path:  # tests/live (pytest puts it there too): the shared vLLM recipe

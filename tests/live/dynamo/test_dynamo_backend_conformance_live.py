@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import pytest
 
 from backends_core.driver import CAPABILITY_HOOKS
-from backends_core.testing.conformance import BackendConformance
+from backends_testkit.conformance import BackendConformance
 
 pytestmark = pytest.mark.live
 

@@ -29,9 +29,9 @@ import pytest
 from dynamo_server import until
 
 from backends_core import AdminError, Client, ClientConfig, ServerRefusedError
-from backends_core.testing.conformance import Attempts
-from backends_core.testing.engine import EngineRequest, ReferenceEngine
-from backends_core.testing.tinymodel import TOKENIZER_SIZE, write_perturbed_weights
+from backends_testkit.conformance import Attempts
+from backends_testkit.engine import EngineRequest, ReferenceEngine
+from backends_testkit.tinymodel import TOKENIZER_SIZE, write_perturbed_weights
 
 pytestmark = pytest.mark.live
 

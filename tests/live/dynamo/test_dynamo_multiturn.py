@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from backends_core import Client, ClientConfig, SamplingParams
-from backends_core.testing.tinymodel import TinyModels
+from backends_testkit.tinymodel import TinyModels
 
 pytestmark = pytest.mark.live
 

@@ -35,7 +35,7 @@ import live_servers
 import pytest
 import sglang_server  # this directory is on sys.path: pytest's default "prepend" import mode puts it there
 
-from backends_core.testing.tinymodel import TinyModels
+from backends_testkit.tinymodel import TinyModels
 
 
 @pytest.fixture(scope="session")

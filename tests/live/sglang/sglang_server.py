@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from backends_core.testing.live import ServerProcess, ensure_venv, server_venvs_dir
+from backends_testkit.live import ServerProcess, ensure_venv, server_venvs_dir
 
 SGLANG_VERSION = "0.5.23"
 VENV_NAME = f"sglang-cpu-{SGLANG_VERSION}"
@@ -127,7 +127,7 @@ def venv_python() -> str:
 
 
 def install_commands(constraints: Path) -> list[list[str]]:
-    """The install recipe run inside the venv by :func:`~backends_core.testing.live.ensure_venv`.
+    """The install recipe run inside the venv by :func:`~backends_testkit.live.ensure_venv`.
 
     :param constraints: a copy of ``sglang-0.5.23.constraints.txt`` (see :func:`stable_constraints`).
     """
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     needed, starts the server, prints its URL (and writes it to ``--url-file``) once ``/health_generate``
     answers, and stops it on SIGTERM / SIGINT. ``dense`` has LoRA enabled, ``moe`` routed experts.
     """
-    from backends_core.testing.tinymodel import build_tiny_models, default_models_dir
+    from backends_testkit.tinymodel import build_tiny_models, default_models_dir
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("model", choices=["dense", "moe"])

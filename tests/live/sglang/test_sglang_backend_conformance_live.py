@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from backends_core.driver import CAPABILITY_HOOKS
-from backends_core.testing.conformance import BackendConformance
+from backends_testkit.conformance import BackendConformance
 
 pytestmark = pytest.mark.live
 

@@ -30,8 +30,8 @@ from backends_core import (
     ServerStatusError,
     Timeouts,
 )
-from backends_core.testing.live import ServerProcess
-from backends_core.testing.tinymodel import TinyModels
+from backends_testkit.live import ServerProcess
+from backends_testkit.tinymodel import TinyModels
 
 pytestmark = pytest.mark.live
 

@@ -44,9 +44,9 @@ from safetensors.numpy import load_file, save_file
 
 from backends_core import Client, ClientConfig, SamplingParams
 from backends_core.errors import AdminError, ServerStatusError
-from backends_core.testing.engine import EngineRequest, ReferenceEngine
-from backends_core.testing.tinymodel import TOKENIZER_SIZE, TinyModels, write_perturbed_weights
 from backends_core.types import DistributedGroup, TensorSpec
+from backends_testkit.engine import EngineRequest, ReferenceEngine
+from backends_testkit.tinymodel import TOKENIZER_SIZE, TinyModels, write_perturbed_weights
 
 pytestmark = pytest.mark.live
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fleet_checks import FleetChecks, FleetTarget
 
-from backends_core.testing.tinymodel import TinyModels
+from backends_testkit.tinymodel import TinyModels
 
 pytestmark = pytest.mark.live
 

@@ -30,8 +30,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from backends_core.testing.engine import EngineRequest, ReferenceEngine
-from backends_core.testing.tinymodel import TOKENIZER_SIZE, TinyModels
+from backends_testkit.engine import EngineRequest, ReferenceEngine
+from backends_testkit.tinymodel import TOKENIZER_SIZE, TinyModels
 
 pytestmark = pytest.mark.live
 

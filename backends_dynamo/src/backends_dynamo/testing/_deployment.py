@@ -10,9 +10,9 @@ from typing import Any
 import attrs
 import httpx
 
-from backends_core.testing.engine import ReferenceEngine
 from backends_dynamo.testing._schema import HttpError
 from backends_dynamo.testing._text import Text
+from backends_testkit.engine import ReferenceEngine
 
 __all__ = ["Deployment", "json_response"]
 

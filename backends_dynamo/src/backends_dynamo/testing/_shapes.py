@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from backends_core.testing.engine import EngineOutput
 from backends_dynamo.testing._text import Text
+from backends_testkit.engine import EngineOutput
 
 __all__ = [
     "chat_logprob_entry",

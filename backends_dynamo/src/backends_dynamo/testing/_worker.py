@@ -21,8 +21,8 @@ from urllib.parse import unquote, urlsplit
 
 import httpx
 
-from backends_core.testing.engine import EngineError
 from backends_dynamo.testing._deployment import Deployment, json_response
+from backends_testkit.engine import EngineError
 
 __all__ = ["WorkerRoutes"]
 

@@ -1,5 +1,5 @@
 """A Dynamo 1.6.1 deployment in-process: the OpenAI frontend and one ``dynamo.vllm`` worker's system port, over
-the numpy :class:`~backends_core.testing.engine.ReferenceEngine`.
+the numpy :class:`~backends_testkit.engine.ReferenceEngine`.
 
 One handler serves both. Requests to a worker URL (``worker_urls``, default :data:`WORKER_URL`) get the
 worker's system routes (``/health``, ``/live``, ``/metrics``, ``/engine/<route>``); every other host gets the
@@ -9,7 +9,7 @@ also answers ``/engine/<route>`` (for the worker) so that a single URL is enough
 ``backends demo``; a real frontend answers those with 404.
 
 ``emulator.transport()`` is an in-process httpx transport, ``emulator.asgi()`` an ASGI app, and
-:func:`backends_core.testing.http_server.serve` puts ``emulator.handle`` on a real port.
+:func:`backends_testkit.http_server.serve` puts ``emulator.handle`` on a real port.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from urllib.parse import unquote, urlsplit
 
 import httpx
 
-from backends_core.testing.asgi import asgi_app
-from backends_core.testing.engine import ReferenceEngine
 from backends_dynamo.testing._deployment import Deployment, json_response
 from backends_dynamo.testing._generation import Generation
 from backends_dynamo.testing._schema import HttpError
 from backends_dynamo.testing._text import Text
 from backends_dynamo.testing._worker import WorkerRoutes
+from backends_testkit.asgi import asgi_app
+from backends_testkit.engine import ReferenceEngine
 
 __all__ = ["WORKER_ID", "WORKER_URL", "DynamoEmulator"]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from backends_core.testing.engine import ReferenceEngine
+from backends_testkit.engine import ReferenceEngine
 
 __all__ = ["SGLANG_VERSION", "Identity", "loads", "model_info", "models", "server_info"]
 

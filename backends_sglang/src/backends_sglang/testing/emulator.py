@@ -2,7 +2,7 @@
 
 ``SglangEmulator(engine).handle`` is an async ``httpx.Request -> httpx.Response`` function:
 ``emulator.transport()`` serves it in-process, ``emulator.asgi()`` under any ASGI server, and
-:func:`backends_core.testing.http_server.serve` on a real port.
+:func:`backends_testkit.http_server.serve` on a real port.
 
 Routes (method, auth level): ``/generate`` (POST, PUT; normal), ``/health`` ``/health_generate`` ``/ready`` (GET;
 always open), ``/model_info`` ``/get_model_info`` ``/server_info`` ``/get_server_info`` ``/v1/models``
@@ -29,8 +29,6 @@ from typing import Any, Literal, NoReturn
 import attrs
 import httpx
 
-from backends_core.testing.asgi import asgi_app
-from backends_core.testing.engine import ReferenceEngine
 from backends_sglang.testing import _info
 from backends_sglang.testing._control import Control
 from backends_sglang.testing._generation import Generation, Limits
@@ -38,6 +36,8 @@ from backends_sglang.testing._protocol import parse_generate
 from backends_sglang.testing._replies import HttpError, contract_error, empty, json_reply, validation_error
 from backends_sglang.testing._text import Text
 from backends_sglang.testing._weights import WeightSource, WeightStore
+from backends_testkit.asgi import asgi_app
+from backends_testkit.engine import ReferenceEngine
 
 __all__ = ["SglangEmulator"]
 

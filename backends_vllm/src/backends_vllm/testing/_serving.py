@@ -25,7 +25,7 @@ from typing import Any
 
 import attrs
 
-from backends_core.testing.engine import EngineOutput, EngineRequest, ReferenceEngine
+from backends_testkit.engine import EngineOutput, EngineRequest, ReferenceEngine
 from backends_vllm.testing._errors import HttpError, bad_request, not_found
 from backends_vllm.testing._formatting import Detokenizer, Position, npy_base64
 from backends_vllm.testing._protocol import COMPLETION_REQUEST, GENERATE_REQUEST, NEUTRAL, SAMPLING_PARAMS

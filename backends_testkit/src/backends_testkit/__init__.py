@@ -1,4 +1,4 @@
-"""The backends test kit, an opt-in pytest plugin: ``pytest_plugins = ["backends_core.testing"]``.
+"""The backends test kit, an opt-in pytest plugin: ``pytest_plugins = ["backends_testkit"]``.
 
 It provides tiny models built locally (:mod:`.tinymodel`), the numpy reference engine (:mod:`.engine`),
 scriptable fakes (:mod:`.fakes`) and the conformance suite every backend subclasses (:mod:`.conformance`).
@@ -16,6 +16,6 @@ try:  # the kit's models and engine work without pytest (the demo uses them); th
 except ImportError:  # pragma: no cover - exercised only where pytest is absent
     pass
 else:
-    from backends_core.testing.plugin import fake_server, pytest_addoption, pytest_configure, tiny_models
+    from backends_testkit.plugin import fake_server, pytest_addoption, pytest_configure, tiny_models
 
     __all__ = ["fake_server", "pytest_addoption", "pytest_configure", "tiny_models"]

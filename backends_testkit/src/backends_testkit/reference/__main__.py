@@ -1,4 +1,4 @@
-"""Serve the reference engine on a real port: ``python -m backends_core.reference --model DIR [--port N]``.
+"""Serve the reference engine on a real port: ``python -m backends_testkit.reference --model DIR [--port N]``.
 
 Prints ``listening on http://host:port`` once ready (``--port 0`` picks a free port), then serves until
 interrupted. Used by live tests and by anyone who wants a real server speaking the reference dialect.
@@ -10,9 +10,9 @@ import argparse
 import asyncio
 import contextlib
 
-from backends_core.reference.emulator import ReferenceEmulator
-from backends_core.testing.engine import ReferenceEngine
-from backends_core.testing.http_server import serve
+from backends_testkit.engine import ReferenceEngine
+from backends_testkit.http_server import serve
+from backends_testkit.reference.emulator import ReferenceEmulator
 
 
 async def _serve(model: str, host: str, port: int, seed: int, name: str | None) -> None:
@@ -27,8 +27,8 @@ async def _serve(model: str, host: str, port: int, seed: int, name: str | None) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m backends_core.reference")
-    parser.add_argument("--model", required=True, help="tiny model directory (see backends_core.testing.tinymodel)")
+    parser = argparse.ArgumentParser(prog="python -m backends_testkit.reference")
+    parser.add_argument("--model", required=True, help="tiny model directory (see backends_testkit.tinymodel)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)

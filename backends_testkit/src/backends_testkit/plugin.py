@@ -1,4 +1,4 @@
-"""The pytest side of the test kit: options and fixtures (re-exported by ``backends_core.testing``)."""
+"""The pytest side of the test kit: options and fixtures (re-exported by ``backends_testkit``)."""
 
 from __future__ import annotations
 
@@ -24,14 +24,14 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def tiny_models() -> Any:
     """The tiny dense / MoE / LoRA models, built once per machine (cached; see ``default_models_dir``)."""
-    from backends_core.testing.tinymodel import build_tiny_models, default_models_dir
+    from backends_testkit.tinymodel import build_tiny_models, default_models_dir
 
     return build_tiny_models(default_models_dir())
 
 
 @pytest.fixture
 def fake_server() -> Any:
-    """A fresh :class:`~backends_core.testing.fakes.FakeServer`."""
-    from backends_core.testing.fakes import FakeServer
+    """A fresh :class:`~backends_testkit.fakes.FakeServer`."""
+    from backends_testkit.fakes import FakeServer
 
     return FakeServer()

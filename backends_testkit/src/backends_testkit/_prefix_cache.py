@@ -9,7 +9,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from backends_core.testing._numpy_qwen3 import KVCache
+from backends_testkit._numpy_qwen3 import KVCache
 
 __all__ = ["PrefixCache", "PrefixHit"]
 

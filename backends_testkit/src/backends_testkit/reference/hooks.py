@@ -9,7 +9,6 @@ from backends_core import Server
 from backends_core.config import ClientConfig
 from backends_core.converters import structure_response
 from backends_core.hookspecs import hookimpl
-from backends_core.reference import wire
 from backends_core.types import (
     GenerateRequest,
     GenerateResult,
@@ -19,11 +18,12 @@ from backends_core.types import (
     TeacherLogprobs,
     TeacherRequest,
 )
+from backends_testkit.reference import wire
 
 
 @hookimpl
 def make_emulator(engine: Any) -> Any:
-    from backends_core.reference.emulator import ReferenceEmulator
+    from backends_testkit.reference.emulator import ReferenceEmulator
 
     return ReferenceEmulator(engine)
 

@@ -15,7 +15,7 @@ from http import HTTPStatus
 
 import httpx
 
-from backends_core.testing.fakes import Handler
+from backends_testkit.fakes import Handler
 
 __all__ = ["serve"]
 

@@ -3,7 +3,7 @@
 Every emulator is written once as ``async def handle(request: httpx.Request) -> httpx.Response``.
 :func:`asgi_app` wraps such a handler into an ASGI application, so the same emulator runs under any ASGI
 server or in-process through ``httpx.ASGITransport`` (``MockTransport`` and
-:func:`backends_core.testing.http_server.serve` take the handler directly).
+:func:`backends_testkit.http_server.serve` take the handler directly).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from backends_core.testing.fakes import Handler
+from backends_testkit.fakes import Handler
 
 __all__ = ["asgi_app"]
 

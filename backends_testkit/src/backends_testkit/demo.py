@@ -22,10 +22,10 @@ import numpy as np
 from backends_core import Client, ClientConfig, GenerateResult, LoraAdapter, SamplingParams
 from backends_core.errors import BackendError
 from backends_core.plugins import make_plugin_manager
-from backends_core.testing.engine import ReferenceEngine
-from backends_core.testing.http_server import serve
-from backends_core.testing.tinymodel import TinyModels, build_tiny_models, default_models_dir, write_perturbed_weights
-from backends_core.testing.watch import in_flight_or_ended
+from backends_testkit.engine import ReferenceEngine
+from backends_testkit.http_server import serve
+from backends_testkit.tinymodel import TinyModels, build_tiny_models, default_models_dir, write_perturbed_weights
+from backends_testkit.watch import in_flight_or_ended
 
 __all__ = ["DEFAULT_BACKEND", "DemoFailure", "run_demo", "run_demo_async"]
 

@@ -48,10 +48,10 @@ from backends_core import (
 from backends_core.driver import CAPABILITY_HOOKS
 from backends_core.hookspecs import REQUIRED_HOOKS
 from backends_core.plugins import implemented_hooks, make_plugin_manager
-from backends_core.testing.engine import ReferenceEngine
-from backends_core.testing.fakes import fault_transport
-from backends_core.testing.tinymodel import TinyModels, write_perturbed_weights
-from backends_core.testing.watch import in_flight_or_ended
+from backends_testkit.engine import ReferenceEngine
+from backends_testkit.fakes import fault_transport
+from backends_testkit.tinymodel import TinyModels, write_perturbed_weights
+from backends_testkit.watch import in_flight_or_ended
 
 __all__ = ["BackendConformance"]
 

@@ -32,8 +32,8 @@ import numpy.typing as npt
 from safetensors.numpy import load_file, save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from backends_core.testing._chat_template import CHAT_TEMPLATE
-from backends_core.testing._tiny_corpus import corpus_lines
+from backends_testkit._chat_template import CHAT_TEMPLATE
+from backends_testkit._tiny_corpus import corpus_lines
 
 __all__ = [
     "BUILDER_VERSION",

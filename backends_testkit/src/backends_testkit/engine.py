@@ -39,7 +39,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from backends_core.testing._engine_types import (
+from backends_testkit._engine_types import (
     DEFAULT_WEIGHT_VERSION,
     EngineError,
     EngineOutput,
@@ -51,9 +51,9 @@ from backends_core.testing._engine_types import (
     TopLogprobs,
     WeightSpan,
 )
-from backends_core.testing._numpy_qwen3 import KVCache, LoraAdapter, Qwen3Model
-from backends_core.testing._prefix_cache import PrefixCache
-from backends_core.testing._sampling import log_softmax, sample_token, top_logprobs
+from backends_testkit._numpy_qwen3 import KVCache, LoraAdapter, Qwen3Model
+from backends_testkit._prefix_cache import PrefixCache
+from backends_testkit._sampling import log_softmax, sample_token, top_logprobs
 
 __all__ = [
     "EngineError",
@@ -97,7 +97,7 @@ class _Sequence:
 
 
 class ReferenceEngine:
-    """An asyncio inference engine over :class:`~backends_core.testing._numpy_qwen3.Qwen3Model`.
+    """An asyncio inference engine over :class:`~backends_testkit._numpy_qwen3.Qwen3Model`.
 
     The step loop is an asyncio task started lazily on the running loop by the first request (or by
     :meth:`start` / ``async with``). All methods must be called from that loop's thread.

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import attrs
 import httpx
 
-from backends_core.testing.fakes import Handler
+from backends_testkit.fakes import Handler
 
 __all__ = ["Fault", "FaultyTransport", "FaultKind"]
 
