@@ -12,8 +12,8 @@ import httpx
 import pytest
 
 from backends_core.cli import main
-from backends_core.plugins import make_plugin_manager
 from backends_testkit import demo
+from backends_testkit.emulators import make_emulator
 from backends_testkit.engine import ReferenceEngine
 from backends_testkit.http_server import serve
 from backends_testkit.tinymodel import TinyModels
@@ -53,7 +53,7 @@ class BehindItsGenerations:
 
     def __init__(self, engine: ReferenceEngine, lagging: int) -> None:
         self.engine = engine
-        self.emulator = make_plugin_manager("vllm").hook.make_emulator(engine=engine, routed_experts=False)
+        self.emulator = make_emulator("vllm", engine)
         self.lagging = lagging
         self.long_generations = 0
         self.running = 0
@@ -84,7 +84,7 @@ class BehindItsGenerations:
 async def fleet(models: TinyModels, lagging: int) -> AsyncIterator[tuple[list[str], BehindItsGenerations]]:
     """Two vLLM emulators on local ports; the second (where the demo keeps its request) answers admin calls late."""
     engines = [ReferenceEngine(models.dense, seed=i) for i in range(2)]
-    plain = make_plugin_manager("vllm").hook.make_emulator(engine=engines[0], routed_experts=False)
+    plain = make_emulator("vllm", engines[0])
     behind = BehindItsGenerations(engines[1], lagging)
     try:
         async with serve(plain.handle) as first, serve(behind.handle) as second:

@@ -53,7 +53,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 #: Hooks every backend must implement.
 REQUIRED_HOOKS = frozenset({"post_generate", "parse_response"})
 #: Hooks that are not backend capabilities (core defaults, cross-cutting plugins, test support).
-INFRASTRUCTURE_HOOKS = frozenset({"render", "prepare_request", "observe", "validate_backend_options", "make_emulator"})
+INFRASTRUCTURE_HOOKS = frozenset({"render", "prepare_request", "observe", "validate_backend_options"})
 
 __all__ = [
     "admin_abort",
@@ -71,7 +71,6 @@ __all__ = [
     "admin_update_weights",
     "admin_update_weights_distributed",
     "admin_wake",
-    "make_emulator",
     "observe",
     "parse_response",
     "post_generate",
@@ -493,26 +492,6 @@ async def admin_abort(
     :param options: the validated backend options.
     :returns: how many requests the server reports aborted (``-1`` when it does not say).
     Raises: request errors.
-
-    .. versionadded:: 0.1
-    """
-
-
-# -- Test support ---------------------------------------------------------------------------------
-
-
-@hookspec(firstresult=True)
-def make_emulator(engine: Any, routed_experts: bool) -> Any:
-    """Build an in-process emulator of this backend's server over the numpy reference engine.
-
-    Used by ``backends demo`` (the embedded default engine) and as the conformance suite's default
-    emulator. Mode: sync, no I/O. Required: no (a backend without it runs the demo only against real
-    servers, and its conformance subclass must provide ``emulator_transport``).
-
-    :param engine: a :class:`backends_testkit.engine.ReferenceEngine`.
-    :param routed_experts: return MoE routed experts, as a server started with routing enabled would.
-    :returns: an object with ``async handle(httpx.Request) -> httpx.Response`` and ``aclose()``.
-    Raises: nothing beyond programming errors.
 
     .. versionadded:: 0.1
     """

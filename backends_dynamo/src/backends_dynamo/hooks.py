@@ -62,7 +62,6 @@ __all__ = [
     "admin_update_weights",
     "admin_update_weights_distributed",
     "admin_wake",
-    "make_emulator",
     "parse_response",
     "post_generate",
     "teacher_logprobs",
@@ -74,13 +73,6 @@ __all__ = [
 @hookimpl
 def validate_backend_options(options: Mapping[str, Any], config: ClientConfig) -> DynamoOptions:
     return parse_options(options, config)
-
-
-@hookimpl
-def make_emulator(engine: Any, routed_experts: bool) -> Any:
-    from backends_dynamo.testing import DynamoEmulator
-
-    return DynamoEmulator(engine, routed_experts=routed_experts)
 
 
 def _hint(status: int, body: Any) -> str | None:

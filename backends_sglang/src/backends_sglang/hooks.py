@@ -60,13 +60,6 @@ def validate_backend_options(options: Mapping[str, Any], config: ClientConfig) -
     return parse_options(options, config)
 
 
-@hookimpl
-def make_emulator(engine: Any, routed_experts: bool) -> Any:
-    from backends_sglang.testing.emulator import SglangEmulator
-
-    return SglangEmulator(engine, enable_return_routed_experts=routed_experts)
-
-
 # -- generation -------------------------------------------------------------------------------------------
 
 

@@ -48,6 +48,7 @@ from backends_core import (
 from backends_core.driver import CAPABILITY_HOOKS
 from backends_core.hookspecs import REQUIRED_HOOKS
 from backends_core.plugins import implemented_hooks, make_plugin_manager
+from backends_testkit.emulators import make_emulator
 from backends_testkit.engine import ReferenceEngine
 from backends_testkit.fakes import fault_transport
 from backends_testkit.tinymodel import TinyModels, write_perturbed_weights
@@ -147,15 +148,9 @@ class BackendConformance:
     backend_options: ClassVar[dict[str, Any]] = {}
 
     def emulator_transport(self, engine: ReferenceEngine) -> httpx.AsyncBaseTransport:
-        """An httpx transport serving this backend's wire format over ``engine``: by default the backend's own
-        ``make_emulator`` hook (with routed experts on MoE engines)."""
-        pm = make_plugin_manager(self.backend_name, plugin=self.plugin)
-        emulator = pm.hook.make_emulator(engine=engine, routed_experts=engine.is_moe)
-        if emulator is None:
-            raise NotImplementedError(
-                f"backend {self.backend_name!r} has no make_emulator hook: override emulator_transport(engine)"
-            )
-        return httpx.MockTransport(emulator.handle)
+        """An httpx transport serving this backend's wire format over ``engine``: by default the emulator its
+        distribution registers (:mod:`backends_testkit.emulators`), with routed experts on MoE engines."""
+        return httpx.MockTransport(make_emulator(self.backend_name, engine, routed_experts=engine.is_moe).handle)
 
     def served_model_name(self, engine: ReferenceEngine) -> str:
         """The model name the emulator serves (sent as ``ClientConfig.model``)."""

@@ -1,6 +1,6 @@
 """The main job: a tour of the whole API on the embedded default engine (or real servers), over real HTTP.
 
-By default it builds the tiny models (cached), asks the backend for its emulator (``make_emulator`` hook) over
+By default it builds the tiny models (cached), builds the backend's emulator (``backends_testkit.emulators``) over
 the numpy reference engine, serves a two-server dense fleet and one MoE server on local ports, and drives them
 through the public API as a trainer would: multi-turn token-in/token-out with a tool call, teacher logprobs,
 LoRA, a weight sync with a request kept in flight, and routed experts. With ``urls`` it does the same against
@@ -21,7 +21,7 @@ import numpy as np
 
 from backends_core import Client, ClientConfig, GenerateResult, LoraAdapter, SamplingParams
 from backends_core.errors import BackendError
-from backends_core.plugins import make_plugin_manager
+from backends_testkit.emulators import NoEmulatorError, make_emulator
 from backends_testkit.engine import ReferenceEngine
 from backends_testkit.http_server import serve
 from backends_testkit.tinymodel import TinyModels, build_tiny_models, default_models_dir, write_perturbed_weights
@@ -58,15 +58,15 @@ async def embedded_servers(
     backend: str, model_dir: Path, count: int, seed: int, *, routed_experts: bool = False
 ) -> AsyncIterator[list[str]]:
     """``count`` emulated servers of ``backend`` on free local ports; yields their URLs."""
-    pm = make_plugin_manager(backend)
     async with contextlib.AsyncExitStack() as stack:
         urls = []
         for i in range(count):
             engine = ReferenceEngine(model_dir, seed=seed + i)
-            emulator = pm.hook.make_emulator(engine=engine, routed_experts=routed_experts)
-            if emulator is None:
-                raise DemoFailure(f"backend {backend!r} has no embedded emulator: run the demo with --url")
             stack.push_async_callback(engine.aclose)
+            try:
+                emulator = make_emulator(backend, engine, routed_experts=routed_experts)
+            except NoEmulatorError as exc:
+                raise DemoFailure(f"{exc}: run the demo with --url") from None
             urls.append(await stack.enter_async_context(serve(emulator.handle)))
         yield urls
 

@@ -27,13 +27,6 @@ _MODELS = "vllm.models"  # Server.cache key: the last /v1/models answer
 
 
 @hookimpl
-def make_emulator(engine: Any, routed_experts: bool) -> Any:
-    from backends_vllm.testing import VllmEmulator
-
-    return VllmEmulator(engine, enable_lora=not engine.is_moe, enable_return_routed_experts=routed_experts)
-
-
-@hookimpl
 def validate_backend_options(options: Mapping[str, Any]) -> VllmOptions:
     return parse_options(options)
 

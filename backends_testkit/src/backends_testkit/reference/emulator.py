@@ -328,3 +328,8 @@ class ReferenceEmulator:
         if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
             raise BadRequest("request_ids: expected a list of strings or null")
         return _json(200, {"aborted": sum(self.engine.abort(i) for i in ids)})
+
+
+def make_emulator(engine: ReferenceEngine, *, routed_experts: bool = False) -> ReferenceEmulator:
+    """The test kit's emulator factory for the reference backend (it always answers routed experts on MoE)."""
+    return ReferenceEmulator(engine)

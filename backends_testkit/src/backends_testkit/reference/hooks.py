@@ -22,13 +22,6 @@ from backends_testkit.reference import wire
 
 
 @hookimpl
-def make_emulator(engine: Any) -> Any:
-    from backends_testkit.reference.emulator import ReferenceEmulator
-
-    return ReferenceEmulator(engine)
-
-
-@hookimpl
 async def post_generate(server: Server, request: GenerateRequest, config: ClientConfig) -> Any:
     return await server.request("POST", "/generate", json_body=wire.generate_payload(request, config.model))
 
