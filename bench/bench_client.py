@@ -9,8 +9,11 @@ and calls/s of:
 * ``floor_raw``: asyncio streams, one keep-alive connection per worker, pre-built request bytes + ``json.loads``
   (what any Python client must at least pay);
 * ``floor_httpx``: ``httpx.AsyncClient`` POST of a pre-built body + ``json.loads(r.content)`` (the issue's floor);
+* ``floor_lean`` / ``floor_aiohttp``: the same on the lean transport / on a bare ``aiohttp.ClientSession``;
 * ``ours_ids`` / ``ours_msgs``: ``Client.generate(prompt_ids=…)`` / ``(messages=…)`` on the vLLM backend (render
   included; routed experts requested and decoded into numpy for ``re``), library-default pool settings;
+  ``ours_ids_httpx`` / ``ours_ids_aiohttp``: ``ours_ids`` on httpx's default transport / on ``httpx-aiohttp``'s
+  ``AiohttpTransport``;
 * ``renderers_ids`` / ``renderers_msgs``: ``renderers.generate`` 0.1.12 (``Qwen3Renderer``, ``AsyncOpenAI`` with
   max_retries=0, pool 1000/100, keep-alive 3600 s, as in shared/PERF_BASELINE.md). For ``re`` it gets the
   object form of routed experts its splice parser recognises (it returns them undecoded, as base64).
@@ -39,8 +42,10 @@ CLIENTS = (
     "floor_raw",
     "floor_httpx",
     "floor_lean",
+    "floor_aiohttp",
     "ours_ids",
     "ours_ids_httpx",
+    "ours_ids_aiohttp",
     "ours_msgs",
     "renderers_ids",
     "renderers_msgs",
@@ -126,6 +131,24 @@ def make_factory(name: str, url: str, body: str, fx: Fixture) -> Factory:
 
         return factory
 
+    if name == "floor_aiohttp":
+
+        async def factory() -> tuple[Call, Callable[[], Awaitable[None]]]:
+            import aiohttp
+
+            connector = aiohttp.TCPConnector(limit=1000, keepalive_timeout=3600)
+            session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60.0))
+            target = url + "/inference/v1/generate"
+            headers = {"content-type": "application/json"}
+
+            async def call() -> Any:
+                async with session.post(target, data=fx.request_body, headers=headers) as r:
+                    return json.loads(await r.read())
+
+            return call, session.close
+
+        return factory
+
     if name.startswith("ours"):
 
         async def factory() -> tuple[Call, Callable[[], Awaitable[None]]]:
@@ -133,17 +156,18 @@ def make_factory(name: str, url: str, body: str, fx: Fixture) -> Factory:
 
             config = ClientConfig(backend="vllm", base_url=url, model=c.MODEL)
             transport = None
-            if name == "ours_ids_httpx":  # httpx's default transport with the library-default limits (before)
+            if name in ("ours_ids_httpx", "ours_ids_aiohttp"):  # another transport, library-default limits
                 import httpx
+                from httpx_aiohttp import AiohttpTransport
 
                 lim = config.limits
-                transport = httpx.AsyncHTTPTransport(
-                    limits=httpx.Limits(
-                        max_connections=lim.max_connections,
-                        max_keepalive_connections=lim.max_keepalive_connections,
-                        keepalive_expiry=lim.keepalive_expiry,
-                    )
+                limits = httpx.Limits(
+                    max_connections=lim.max_connections,
+                    max_keepalive_connections=lim.max_keepalive_connections,
+                    keepalive_expiry=lim.keepalive_expiry,
                 )
+                kind = httpx.AsyncHTTPTransport if name == "ours_ids_httpx" else AiohttpTransport
+                transport = kind(limits=limits)
             client = Client(config, tokenizer=fx.tok, transport=transport)
             sampling = SamplingParams(max_tokens=c.COMPLETION_TOKENS, temperature=1.0, stop_token_ids=fx.stop)
             if name.startswith("ours_ids"):
@@ -256,6 +280,7 @@ def report(data: dict[str, Any], clients: list[str], bodies: list[str], concs: l
         ("floor_httpx", "floor"),
         ("floor_raw", "raw"),
         ("ours_ids_httpx", "ours_httpx"),
+        ("ours_ids", "ours"),
         ("renderers_ids", "rend_ids"),
         ("renderers_msgs", "rend_msgs"),
     ]
