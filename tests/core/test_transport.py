@@ -364,6 +364,17 @@ async def test_connection_close_request_is_honoured() -> None:
         assert len(server.conns) == 2
 
 
+async def test_a_connection_header_is_read_as_tokens() -> None:
+    def handle(s: socket.socket, f: BinaryIO, i: int) -> None:
+        server.serve_forever(s, f, lambda m, b: ok(b"%d" % i, b"connection: not-close, x-close\r\n"))
+
+    with raw_server(handle) as server:
+        client, transport = lean()
+        async with client:
+            assert [(await client.get(server.url)).content for _ in range(3)] == [b"0", b"0", b"0"]
+            assert transport.idle_connections == 1
+
+
 async def test_http10_answer_without_keep_alive_closes() -> None:
     def handle(s: socket.socket, f: BinaryIO, i: int) -> None:
         read_request(f)
@@ -523,6 +534,10 @@ async def test_interim_100_continue_is_skipped() -> None:
         (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", "chunk size"),
         (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0x1\r\na\r\n", "chunk size"),
         (b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n", "Transfer-Encoding"),
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 2\r\n\r\n2\r\nok\r\n0\r\n\r\n",
+            "Content-Length",
+        ),
         (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nabc\r\n", "LF after chunk"),
         (b"HTTP/1.1 200 OK\r\nx: " + b"y" * 200_000, "more than"),
     ],

@@ -50,27 +50,39 @@ class _WriteTimedOut(aiohttp.ClientConnectionError):
 
 class _Exchange(ResponseHandler):
     """aiohttp's connection protocol, also recording for the current exchange whether the request left whole
-    (``sent``) and how many answer bytes arrived (``received``), and enforcing the write timeout."""
+    (``sent``) and how many answer bytes arrived (``received``), and enforcing the write timeout: the time the
+    request may wait on a full socket buffer (the server not reading) without the buffer draining."""
 
     sent = False
     received = 0
     #: the error the connection ended with (``None``: a clean close, or still open)
     lost: BaseException | None = None
+    _write_limit: float | None = None
     _write_timer: asyncio.TimerHandle | None = None
 
     def set_response_params(self, **params: Any) -> None:  # a new exchange on this connection
         self.sent, self.received = False, 0
+        self._write_limit = _WRITE_TIMEOUT.get()
         super().set_response_params(**params)
-        limit = _WRITE_TIMEOUT.get()
-        if limit is not None:
-            self._write_timer = self._loop.call_later(limit, self._write_expired)
+
+    def pause_writing(self) -> None:  # the socket buffer is full
+        super().pause_writing()
+        if not self.sent and self._write_limit is not None and self._write_timer is None:
+            self._write_timer = self._loop.call_later(self._write_limit, self._write_expired)
+
+    def resume_writing(self) -> None:  # the server read some: the wait starts again at the next full buffer
+        self._stop_write_timer()
+        super().resume_writing()
 
     def start_timeout(self) -> None:  # aiohttp: the request body is written, the answer's read timeout starts
         self.sent = True
+        self._stop_write_timer()
+        super().start_timeout()
+
+    def _stop_write_timer(self) -> None:
         if self._write_timer is not None:
             self._write_timer.cancel()
             self._write_timer = None
-        super().start_timeout()
 
     def data_received(self, data: bytes) -> None:
         self.received += len(data)
@@ -78,9 +90,7 @@ class _Exchange(ResponseHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.lost = exc
-        if self._write_timer is not None:
-            self._write_timer.cancel()
-            self._write_timer = None
+        self._stop_write_timer()
         super().connection_lost(exc)
 
     def _write_expired(self) -> None:
@@ -125,6 +135,8 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         self._limits = limits or httpx.Limits()
         self._tls: ssl.SSLContext | bool = verify if isinstance(verify, ssl.SSLContext) or not verify else True
         self._session: aiohttp.ClientSession | None = None
+        #: one ``aiohttp.ClientTimeout`` per (pool, connect, read) seconds seen
+        self._timeouts: dict[tuple[float | None, float | None, float | None], aiohttp.ClientTimeout] = {}
 
     def _open(self) -> aiohttp.ClientSession:
         limits = self._limits
@@ -151,10 +163,15 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         if session is None or session.closed:
             session = self._session = self._open()
         limits = request.extensions.get("timeout", {})
-        pool, connect = limits.get("pool"), limits.get("connect")
-        # aiohttp's ``connect`` bounds the wait for a pooled connection, a new connection's set-up included
-        timeout = aiohttp.ClientTimeout(total=None, connect=pool, sock_connect=connect, sock_read=limits.get("read"))
-        headers = request.headers.multi_items()
+        key = (limits.get("pool"), limits.get("connect"), limits.get("read"))
+        timeout = self._timeouts.get(key)
+        if timeout is None:
+            # aiohttp's ``connect`` bounds the wait for a pooled connection, a new connection's set-up included
+            timeout = self._timeouts[key] = aiohttp.ClientTimeout(
+                total=None, connect=key[0], sock_connect=key[1], sock_read=key[2]
+            )
+        charset = request.headers.encoding
+        headers = [(name.decode(charset), value.decode(charset)) for name, value in request.headers.raw]
         data: bytes | io.BytesIO | httpx.AsyncByteStream | None
         try:
             content = request.content
