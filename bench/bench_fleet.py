@@ -27,34 +27,23 @@ import _common as c
 import httpx
 
 
-def make_client(urls: list[str]) -> Any:
+def make_client(urls: list[str], *, lean: bool = False) -> Any:
     from backends_core import Client, ClientConfig
 
-    return Client(ClientConfig(backend="vllm", base_url=urls, model=c.MODEL))
+    config = ClientConfig(backend="vllm", base_url=urls, model=c.MODEL)
+    if not lean:
+        return Client(config)
+    from lean_transport import LeanTransport
+
+    return Client(
+        config, transport=LeanTransport(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024))
+    )
 
 
-async def fan_out(urls: list[str], rounds: int, *, via_httpx_send: bool = False) -> dict[str, list[float]]:
+async def fan_out(urls: list[str], rounds: int, *, lean: bool = False) -> dict[str, list[float]]:
     """Wall seconds of each operation, and the client's CPU seconds during it (``cpu_…``); ``construct``: wall
-    seconds to build the ``Client`` (one admin pool per server). ``via_httpx_send``: admin calls through
-    ``httpx.AsyncClient.request`` as before the direct admin path (same transport), for a paired comparison."""
-    import backends_core.server as http
-
-    direct = http._send_admin
-    if via_httpx_send:
-
-        async def through_httpx(
-            client: Any, method: str, url: str, content: Any, params: Any, headers: Any, limits: Any
-        ) -> Any:
-            return await client.request(method, url, content=content, params=params, headers=headers, timeout=limits)
-
-        http._send_admin = through_httpx  # type: ignore[assignment]
-    try:
-        return await _fan_out(urls, rounds)
-    finally:
-        http._send_admin = direct  # type: ignore[assignment]
-
-
-async def _fan_out(urls: list[str], rounds: int) -> dict[str, list[float]]:
+    seconds to build the ``Client`` (one admin pool per server). ``lean``: the client on the hand-written transport
+    it used before aiohttp (``lean_transport.py``), for a paired comparison."""
     out: dict[str, list[float]] = {
         "pause_update_resume": [],
         "weight_sync": [],
@@ -63,7 +52,7 @@ async def _fan_out(urls: list[str], rounds: int) -> dict[str, list[float]]:
         "construct": [],
     }
     started = time.perf_counter()
-    client = make_client(urls)
+    client = make_client(urls, lean=lean)
     out["construct"].append(time.perf_counter() - started)
     async with client:
         await client.admin.health()  # connections up
@@ -143,16 +132,16 @@ async def main() -> None:
         urls = [fleet.url(f"admin{i}") for i in range(args.servers)]
         one: dict[str, list[float]] = {}
         many: dict[str, list[float]] = {}
-        before: dict[str, list[float]] = {}  # 64 servers, admin calls through httpx.AsyncClient.request
+        before: dict[str, list[float]] = {}  # 64 servers, the client on the lean transport
         for r in range(args.rounds):  # alternate, so all see the same machine
             for key, value in (await fan_out(urls[:1], 1)).items():
                 one.setdefault(key, []).extend(value)
             for key, value in (await fan_out(urls, 1)).items():
                 many.setdefault(key, []).extend(value)
-            for key, value in (await fan_out(urls, 1, via_httpx_send=True)).items():
+            for key, value in (await fan_out(urls, 1, lean=True)).items():
                 before.setdefault(key, []).extend(value)
             print(f"fan-out round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-    data["fan_out"] = {"one": one, "many": many, "many_via_httpx_send": before}
+    data["fan_out"] = {"one": one, "many": many, "many_lean": before}
     c.save("fleet", data)  # kept even if the load part fails
     with c.ServerProcess("--hold") as server:
         data["load"] = await under_load(server.url("hold"), args.streams, args.rounds, ids)
@@ -174,7 +163,7 @@ async def main() -> None:
             ]
         )
     n = args.servers
-    head = ["operation (50 ms per call)", "1 server ms", f"{n} servers ms", "ratio", "via httpx send ms", "ratio"]
+    head = ["operation (50 ms per call)", "1 server ms", f"{n} servers ms", "ratio", "lean transport ms", "ratio"]
     print(c.table(head, rows))
     calls = {"pause_update_resume": 4, "weight_sync": 10}  # admin HTTP calls per server (vLLM: state is 5 GETs)
     for key, per_server in calls.items():
@@ -182,7 +171,7 @@ async def main() -> None:
         cpu_before = [x / (per_server * args.servers) * 1e6 for x in before["cpu_" + key]]
         print(
             f"client CPU per admin call during {key} over {args.servers} servers: {c.summary(cpu)} µs"
-            f" (via httpx send: {c.summary(cpu_before)} µs)"
+            f" (lean transport: {c.summary(cpu_before)} µs)"
         )
     build, build_one = (c.summary([x * 1e3 for x in d["construct"]]) for d in (many, one))
     print(f"Client(...) with {args.servers} servers built in {build} ms (1 server: {build_one} ms)")

@@ -1,23 +1,46 @@
-"""The HTTP choke point: every failure leaves as a backends error with the server's words attached."""
+"""The HTTP choke point: every failure leaves as a backends error with the server's words attached; the one retry
+layer (waits with ``Retry-After`` and jitter, what the fleet declares safe to repeat, and the "not now" answers a
+backend declares for one request)."""
 
 from __future__ import annotations
 
+import asyncio
+import email.utils
+import time
 from collections.abc import Callable
 
 import httpx
 import pytest
 
-from backends_core import NetworkError, RequestTimeout, ResponseParseError, RetryPolicy, Server, ServerStatusError
+from backends_core import (
+    AdminError,
+    AdminPolicy,
+    Client,
+    ClientConfig,
+    ConfigError,
+    LoraAdapter,
+    NetworkError,
+    Refusal,
+    RequestTimeout,
+    ResponseParseError,
+    RetryPolicy,
+    Server,
+    ServerStatusError,
+    idempotent_requests,
+)
+from backends_core import server as server_module
 
 
-def make_server(handler, *, retry: RetryPolicy | None = None) -> Server:
+def make_server(handler, *, retry: RetryPolicy | None = None, admin: AdminPolicy | None = None) -> Server:
     transport = httpx.MockTransport(handler)
+    retry = retry or RetryPolicy(attempts=3, backoff=0)
     return Server(
         base_url="http://data",
         admin_url="http://admin",
         data_client=httpx.AsyncClient(transport=transport),
         admin_client=httpx.AsyncClient(transport=transport),
-        retry=retry or RetryPolicy(attempts=3, backoff=0),
+        retry=retry,
+        admin_retry=None if admin is None else admin.retry_policy(retry),
         admin_timeout=7.0,
     )
 
@@ -224,3 +247,171 @@ async def test_per_request_headers_are_sent() -> None:
 
     await make_server(handler).request("POST", "/flush_cache", plane="admin", headers={"authorization": "Bearer adm"})
     assert seen == ["Bearer adm"]
+
+
+# -- the one retry layer: waits, declared idempotent admin requests, declared refusals ------------------------
+
+
+@pytest.fixture
+def waits(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The seconds every retry of ``Server.request`` waited (recorded, not slept)."""
+    recorded: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        recorded.append(seconds)
+
+    monkeypatch.setattr(server_module.asyncio, "sleep", sleep)
+    return recorded
+
+
+def answers(*responses: httpx.Response) -> tuple[list[str], Callable[[httpx.Request], httpx.Response]]:
+    sent: list[str] = []
+    queue = list(responses)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(request.url.path)
+        return queue.pop(0) if len(queue) > 1 else queue[0]
+
+    return sent, handler
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [("3", 3.0), ("0", 0.0), ("600", 5.0)],  # the policy's max_backoff bounds what the server asks
+    ids=["seconds", "zero", "bounded"],
+)
+async def test_retry_after_seconds_are_honoured_within_the_max_backoff(
+    waits: list[float], header: str, expected: float
+) -> None:
+    sent, handler = answers(httpx.Response(503, headers={"retry-after": header}), httpx.Response(200, json={}))
+    policy = RetryPolicy(attempts=3, backoff=0.01, max_backoff=5.0)
+    assert await make_server(handler, retry=policy).request("POST", "/generate") == {}
+    assert sent == ["/generate"] * 2
+    assert waits == [expected]
+
+
+async def test_retry_after_as_an_http_date(waits: list[float]) -> None:
+    when = email.utils.formatdate(time.time() + 30, usegmt=True)
+    _, handler = answers(httpx.Response(429, headers={"retry-after": when}), httpx.Response(200, json={}))
+    await make_server(handler, retry=RetryPolicy(backoff=0.01, max_backoff=60.0)).request("GET", "/x")
+    assert len(waits) == 1 and 25 <= waits[0] <= 30
+
+
+async def test_unusable_retry_after_falls_back_to_the_backoff(waits: list[float]) -> None:
+    _, handler = answers(httpx.Response(503, headers={"retry-after": "soon"}), httpx.Response(200, json={}))
+    await make_server(handler, retry=RetryPolicy(backoff=2.0, jitter=0)).request("GET", "/x")
+    assert waits == [2.0]
+
+
+def test_jitter_shortens_the_backoff_by_at_most_its_fraction() -> None:
+    policy = RetryPolicy(backoff=1.0, max_backoff=3.0, jitter=0.25)
+    for attempt, base in [(1, 1.0), (2, 2.0), (3, 3.0), (6, 3.0)]:
+        delays = [policy.delay(attempt) for _ in range(500)]
+        assert all(0.75 * base <= d <= base for d in delays)
+        assert max(delays) - min(delays) > 0.1 * base  # it does vary
+    assert {RetryPolicy(backoff=1.0, jitter=0).delay(2) for _ in range(20)} == {2.0}
+    for bad in (-0.1, 1.5, True):
+        with pytest.raises(ConfigError, match="jitter"):
+            RetryPolicy(jitter=bad)  # type: ignore[arg-type]
+
+
+async def test_declared_idempotent_admin_requests_are_retried_after_a_5xx_or_a_lost_answer(
+    waits: list[float],
+) -> None:
+    failures: list[httpx.Response | Exception] = [httpx.Response(500), httpx.ReadError("reset")]
+    sent: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(request.url.path)
+        if failures:
+            failure = failures.pop(0)
+            if isinstance(failure, Exception):
+                raise failure
+            return failure
+        return httpx.Response(200, json={})
+
+    server = make_server(handler, retry=RetryPolicy(backoff=0), admin=AdminPolicy(retries=2, backoff=0))
+    with idempotent_requests():
+        assert await server.request("POST", "/pause", plane="admin", retry=False) == {}
+    assert sent == ["/pause"] * 3
+    failures.append(httpx.Response(500))
+    with idempotent_requests(False), pytest.raises(ServerStatusError):
+        await server.request("POST", "/pause", plane="admin", retry=False)
+    assert sent == ["/pause"] * 4
+
+
+async def test_a_refusal_is_sent_again_until_accepted_whatever_the_policy() -> None:
+    sent, handler = answers(httpx.Response(400), httpx.Response(400), httpx.Response(200, text="ok"))
+    server = make_server(handler, retry=RetryPolicy(attempts=1))
+    refusal = Refusal(400, within=5.0, interval=0.001)
+    assert await server.request("POST", "/flush", plane="admin", retry=False, expect="text", refusal=refusal) == "ok"
+    assert sent == ["/flush"] * 3
+
+
+async def test_a_refusal_past_its_time_or_another_status_is_raised() -> None:
+    sent, handler = answers(httpx.Response(400, text="not now"))
+    server = make_server(handler, retry=RetryPolicy(attempts=1))
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(ServerStatusError) as info:
+        await server.request("POST", "/flush", retry=False, refusal=Refusal(400, within=0.05, interval=0.01))
+    assert info.value.status_code == 400 and 2 <= len(sent) <= 10
+    assert asyncio.get_running_loop().time() - started < 2
+    sent, handler = answers(httpx.Response(409))
+    with pytest.raises(ServerStatusError):
+        await make_server(handler, retry=RetryPolicy(attempts=1)).request(
+            "POST", "/flush", refusal=Refusal(400, within=5.0, interval=0.001)
+        )
+    assert sent == ["/flush"]
+
+
+@pytest.mark.parametrize("failure", ["500", "502", "reset"])
+@pytest.mark.parametrize(
+    ("operation", "route"),
+    [("destroy_weight_transfer", "/shutdown_weight_transfer_engine"), ("load_lora", "/v1/load_lora_adapter")],
+)
+async def test_a_non_idempotent_admin_call_is_sent_once(operation: str, route: str, failure: str) -> None:
+    sent: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(request.url.path)
+        if request.url.path == route:
+            if failure == "reset":
+                raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+            return httpx.Response(int(failure), json={"error": "boom"})
+        return httpx.Response(200, json={"data": [{"id": "m", "root": "m"}]})
+
+    config = ClientConfig(
+        backend="vllm", base_url="http://vllm", model="m", retry=RetryPolicy(backoff=0), admin=AdminPolicy(backoff=0)
+    )
+    async with Client(config, transport=httpx.MockTransport(handler)) as client:
+        admin = client.admin
+        call = (
+            admin.load_lora(LoraAdapter(name="a", path="/adapters/a"))
+            if operation == "load_lora"
+            else admin.destroy_weight_transfer()
+        )
+        with pytest.raises(AdminError):
+            await call
+    assert sent.count(route) == 1
+
+
+async def test_admin_policy_retries_are_the_layers_attempts() -> None:
+    sent: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(request.url.path)
+        return httpx.Response(503, json={"error": "busy"})
+
+    for retries in (0, 3):
+        sent.clear()
+        config = ClientConfig(
+            backend="vllm",
+            base_url="http://vllm",
+            model="m",
+            retry=RetryPolicy(attempts=5, backoff=0),
+            admin=AdminPolicy(retries=retries, backoff=0),
+        )
+        async with Client(config, transport=httpx.MockTransport(handler)) as client:
+            with pytest.raises(AdminError):
+                await client.admin.resume()
+        assert sent == ["/resume"] * (1 + retries)

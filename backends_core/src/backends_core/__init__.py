@@ -37,7 +37,7 @@ from backends_core.hookspecs import hookimpl
 from backends_core.multiturn import BridgeStats, Conversation, extend_prompt
 from backends_core.plugins import ENTRY_POINT_GROUP, BackendInfo, available_backends
 from backends_core.routed_experts import align_routed_experts, decode_routed_experts
-from backends_core.server import Server, StatusHint
+from backends_core.server import Refusal, Server, StatusHint, idempotent_requests
 from backends_core.types import (
     DistributedGroup,
     GenerateRequest,
@@ -82,6 +82,7 @@ __all__ = [
     "Limits",
     "LoraAdapter",
     "NetworkError",
+    "Refusal",
     "RenderError",
     "RequestError",
     "RequestTimeout",
@@ -114,4 +115,5 @@ __all__ = [
     "decode_routed_experts",
     "extend_prompt",
     "hookimpl",
+    "idempotent_requests",
 ]

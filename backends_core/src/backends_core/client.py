@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import httpx
 
-from backends_core._transport import LeanTransport
+from backends_core._http import AiohttpTransport
 from backends_core.balancer import Balancer
 from backends_core.config import ClientConfig
 from backends_core.driver import BackendDriver
@@ -56,16 +56,21 @@ def _all_token_ints(ids: Sequence[Any]) -> bool:
     return set(map(type, ids)) <= {int} or all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
 
 
-def _transport_args(transport: httpx.AsyncBaseTransport | None, limits: httpx.Limits) -> dict[str, Any]:
+def _transport_args(
+    transport: httpx.AsyncBaseTransport | None, limits: httpx.Limits, verify: ssl.SSLContext | bool
+) -> dict[str, Any]:
     """How an ``httpx.AsyncClient`` reaches the network: the caller's transport (testing seam), else
-    :class:`LeanTransport` mounted for ``http://`` (``https://`` stays on httpx's default transport with the
-    configured ``verify``), else, when the environment sets an HTTP proxy, httpx's default for everything."""
+    :class:`AiohttpTransport` for ``http://`` and ``https://``, except for a scheme the environment sends through
+    a proxy: that one stays on httpx's default transport, which reads the proxy settings (``trust_env``)."""
     if transport is not None:
         return {"transport": transport}
     proxies = urllib.request.getproxies()
-    if "http" in proxies or "all" in proxies:
+    if "all" in proxies or ("http" in proxies and "https" in proxies):
         return {}
-    return {"mounts": {"http://": LeanTransport(limits=limits)}}
+    ours = AiohttpTransport(limits=limits, verify=verify)
+    if "http" in proxies or "https" in proxies:
+        return {"mounts": {"https://" if "http" in proxies else "http://": ours}}
+    return {"transport": ours}
 
 
 class Client:
@@ -122,7 +127,7 @@ class Client:
             keepalive_expiry=lim.keepalive_expiry,
         )
         self._data = httpx.AsyncClient(
-            **_transport_args(transport, data_limits),
+            **_transport_args(transport, data_limits, tls),
             verify=tls,
             headers=headers,
             event_hooks={"request": [add_session_header]},
@@ -133,7 +138,7 @@ class Client:
         admin_limits = httpx.Limits(max_connections=lim.admin_max_connections, keepalive_expiry=lim.keepalive_expiry)
         self._admin_clients = [
             httpx.AsyncClient(
-                **_transport_args(transport, admin_limits),
+                **_transport_args(transport, admin_limits, tls),
                 verify=tls,
                 follow_redirects=False,
                 timeout=httpx.Timeout(t.admin, connect=t.connect),
@@ -150,6 +155,7 @@ class Client:
                 data_client=self._data,
                 admin_client=admin_client,
                 retry=config.retry,
+                admin_retry=config.admin.retry_policy(config.retry),
                 admin_timeout=t.admin,
                 failover=len(config.servers) > 1,
                 secrets=set(secrets),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import re
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -42,6 +43,11 @@ def _at_least(minimum: float) -> Any:
             raise ConfigError(f"{attr.name} must be a number >= {minimum}, got {value!r}")
 
     return check
+
+
+def _fraction(_inst: Any, attr: Any, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise ConfigError(f"{attr.name} must be a number from 0 to 1, got {value!r}")
 
 
 def _one_of(*choices: str) -> Any:
@@ -110,12 +116,19 @@ class RetryPolicy:
       say the request was not taken. A 502 or 504 comes from a gateway whose upstream may already have run the
       request: it is raised, unless ``resend_generation`` opts in to retrying it (duplicates possible).
 
+    A retried answer carrying ``Retry-After`` (seconds or an HTTP date) waits what the server asked, at most
+    ``max_backoff``; otherwise the wait is the exponential backoff, shortened by a random fraction of at most
+    ``jitter`` so clients refused together do not come back together.
+
     :param attempts: total attempts, at least 1 (1 disables retries).
     :param backoff: seconds before the first retry; doubles each time.
-    :param max_backoff: cap on one wait.
+    :param max_backoff: cap on one wait (``Retry-After`` included).
     :param retry_statuses: statuses retried for requests that are safe to repeat.
     :param refused_statuses: statuses that mean "not taken, try again": retried for every request.
     :param resend_generation: also retry generation on ``retry_statuses`` (it may then run twice on an engine).
+    :param jitter: largest fraction of a backoff wait removed at random (0 waits exactly the backoff).
+    :param resend_idempotent: also re-send requests that are safe to repeat after the connection failed once
+        they were sent, or their answer timed out (the server may have run them; harmless only for those).
     """
 
     attempts: int = attrs.field(default=3, validator=_at_least(1))
@@ -124,14 +137,23 @@ class RetryPolicy:
     retry_statuses: tuple[int, ...] = attrs.field(default=(429, 502, 503, 504), converter=tuple)
     refused_statuses: tuple[int, ...] = attrs.field(default=(429, 503), converter=tuple)
     resend_generation: bool = False
+    jitter: float = attrs.field(default=0.5, validator=_fraction)
+    resend_idempotent: bool = False
 
     def statuses(self, *, idempotent: bool) -> tuple[int, ...]:
         """The answered statuses a request is retried on."""
         return self.retry_statuses if idempotent or self.resend_generation else self.refused_statuses
 
-    def delay(self, attempt: int) -> float:
-        """Seconds to wait before retry number ``attempt`` (1-based)."""
-        return float(min(self.max_backoff, self.backoff * 2 ** (attempt - 1)))
+    def delay(self, attempt: int, retry_after: float | None = None) -> float:
+        """Seconds to wait before retry number ``attempt`` (1-based).
+
+        :param retry_after: the seconds the server asked for (``Retry-After``), if any: waited as asked, at most
+            ``max_backoff``.
+        """
+        if retry_after is not None:
+            return float(min(self.max_backoff, max(0.0, retry_after)))
+        wait = min(self.max_backoff, self.backoff * 2 ** (attempt - 1))
+        return float(wait * (1.0 - self.jitter * random.random()))
 
 
 @attrs.frozen(kw_only=True)
@@ -168,14 +190,27 @@ class AdminPolicy:
     :param deadlines: seconds per operation name (``"update_weights"``, ``"pause"``...) for the whole
         operation on one server, retries included; operations not listed use ``timeouts.admin``. A
         72-minute weight apply is expressible: ``{"update_weights": 7200}``.
-    :param retries: extra attempts for idempotent operations (health, ready, state, pause, resume,
-        flush_cache, wake) after a transport failure or a 5xx; never for the others.
-    :param backoff: seconds before the first retry; doubles each time.
+    :param retries: extra attempts of each admin request: for the requests of idempotent operations (health,
+        ready, state, pause, resume, flush_cache, wake) after a transport failure or a 5xx, for every admin
+        request after a refused connection or a refused status (``RetryPolicy.refused_statuses``).
+    :param backoff: seconds before the first retry; doubles each time (``RetryPolicy.max_backoff`` and
+        ``jitter`` apply, and ``Retry-After`` is honoured).
     """
 
     deadlines: Mapping[str, float] = attrs.field(factory=dict, converter=_deadlines)
     retries: int = attrs.field(default=2, validator=_at_least(0))
     backoff: float = attrs.field(default=0.5, validator=_at_least(0))
+
+    def retry_policy(self, data: RetryPolicy) -> RetryPolicy:
+        """The retry policy of the admin plane: ``data``'s, with this policy's attempts and backoff, every 5xx
+        retried for requests safe to repeat, and those also re-sent after a failed connection or a timeout."""
+        return attrs.evolve(
+            data,
+            attempts=1 + self.retries,
+            backoff=self.backoff,
+            retry_statuses=tuple(sorted({*data.retry_statuses, *range(500, 600)})),
+            resend_idempotent=True,
+        )
 
 
 @attrs.frozen(kw_only=True)

@@ -4,9 +4,10 @@ An operation succeeds only if it succeeded on every server; otherwise :class:`~b
 carries every server's outcome, successes included, so the caller knows exactly where it stands.
 
 Each server's call runs under the operation's deadline (``AdminPolicy.deadlines``, else ``timeouts.admin``),
-so one silent server can never hang the fleet; idempotent operations get bounded retries with backoff after a
-transport failure or a 5xx. :meth:`Admin.weight_sync` is the whole update choreography with resume
-guaranteed on every server it paused.
+so one silent server can never hang the fleet. The requests of idempotent operations are declared safe to repeat
+(:func:`~backends_core.server.idempotent_requests`): :meth:`~backends_core.server.Server.request` retries them
+after a transport failure or a 5xx with the admin plane's policy (``AdminPolicy.retries`` and ``backoff``).
+:meth:`Admin.weight_sync` is the whole update choreography with resume guaranteed on every server it paused.
 """
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ from backends_core.config import AdminPolicy
 from backends_core.errors import (
     AdminError,
     InvalidRequestError,
-    RequestError,
     RequestTimeout,
-    ServerStatusError,
     WeightVersionMismatch,
 )
+from backends_core.server import idempotent_requests
 from backends_core.types import PAUSE_MODES, DistributedGroup, LoraAdapter, PauseMode, ServerState, TensorSpec, text
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ T = TypeVar("T")
 #: Operations that change which weights a server serves.
 _CHANGES_WEIGHTS = frozenset({"update_weights", "update_weights_distributed"})
 
-#: Operations safe to repeat: retried after a transport failure or a 5xx.
+#: Operations safe to repeat: their requests are retried after a transport failure or a 5xx.
 IDEMPOTENT_OPERATIONS = frozenset({"health", "ready", "state", "pause", "resume", "flush_cache", "wake"})
 
 
@@ -166,19 +166,12 @@ class Admin:
         self, operation: str, server: Server, call: Callable[[Server], Awaitable[T]], version: str | None
     ) -> ServerOutcome[T]:
         started = time.perf_counter()
-        attempts = 1 + (self._policy.retries if operation in IDEMPOTENT_OPERATIONS else 0)
         deadline = self.deadline(operation)
         try:
-            async with asyncio.timeout(deadline):
-                for attempt in range(1, attempts + 1):
-                    try:
-                        value = await call(server)
-                        break
-                    except RequestError as exc:
-                        retryable = not isinstance(exc, ServerStatusError) or exc.status_code >= 500
-                        if attempt == attempts or not retryable:
-                            raise
-                        await asyncio.sleep(self._policy.backoff * 2 ** (attempt - 1))
+            # retries happen per request in Server.request, by the admin plane's policy (AdminPolicy.retries)
+            with idempotent_requests(operation in IDEMPOTENT_OPERATIONS):
+                async with asyncio.timeout(deadline):
+                    value = await call(server)
         except TimeoutError as exc:
             error = RequestTimeout(
                 f"admin_{operation} exceeded its {deadline} s deadline", method="admin", url=server.admin_url

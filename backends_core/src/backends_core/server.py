@@ -6,7 +6,10 @@ chained: timeouts as :class:`RequestTimeout`, connection trouble as :class:`Netw
 :class:`ServerStatusError` carrying the server's own error body, a non-JSON 2xx body as
 :class:`ResponseParseError`. Retries follow the client's :class:`RetryPolicy` and only cover failures where
 the server certainly did not act (connect errors), said "not now" (the policy's refused statuses), or, for a
-request that is safe to repeat (``idempotent``), answered one of the policy's retry statuses.
+request that is safe to repeat (``idempotent``), answered one of the policy's retry statuses. This is the only
+retry layer: the fleet declares which admin operations are safe to repeat (:func:`idempotent_requests`) and a
+backend declares an answer of its server that means "not now" for one request (:class:`Refusal`); neither loops.
+Waits follow the server's ``Retry-After`` when it sends one, else the policy's backoff with jitter.
 
 Bodies are encoded and decoded by :mod:`backends_core.jsonio`; ``large_strings`` lets a backend name keys whose
 big string values (base64 routed experts) come back as ``memoryview`` objects of the raw body.
@@ -20,9 +23,13 @@ but only when no byte of an answer had arrived: once the answer started, the ser
 from __future__ import annotations
 
 import asyncio
-import functools
+import contextlib
+import contextvars
+import email.utils
 import json
-from collections.abc import Callable, Mapping, Sequence
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -32,12 +39,43 @@ from backends_core.config import RetryPolicy
 from backends_core.errors import NetworkError, RequestTimeout, ResponseParseError, ServerStatusError
 from backends_core.jsonio import dumps, loads, loads_lifting
 
-__all__ = ["Plane", "Server", "StatusHint"]
+__all__ = ["Plane", "Refusal", "Server", "StatusHint", "idempotent_requests"]
 
 #: Where a request goes: the data plane (generation, scoring) or the admin plane (separate pool and timeout).
 Plane = Literal["data", "admin"]
 #: Builds a hint for a non-2xx status (e.g. "start the server with --enable-scale-out"), or returns None.
 StatusHint = Callable[[int, Any], str | None]
+
+#: Admin requests sent in this context belong to an operation that is safe to repeat.
+_IDEMPOTENT_ADMIN: contextvars.ContextVar[bool] = contextvars.ContextVar("backends_idempotent_admin", default=False)
+
+
+@contextlib.contextmanager
+def idempotent_requests(declared: bool = True) -> Iterator[None]:
+    """Declare every admin-plane request sent inside the block (and in tasks it starts) safe to repeat, or, with
+    ``declared=False``, not: declared ones are retried like ``Server.request(idempotent=True)`` by the admin
+    plane's policy, whatever the backend's hook passed as ``retry``."""
+    token = _IDEMPOTENT_ADMIN.set(declared)
+    try:
+        yield
+    finally:
+        _IDEMPOTENT_ADMIN.reset(token)
+
+
+@attrs.frozen
+class Refusal:
+    """An answer that means "not now" for one request (e.g. SGLang's 400 to a cache flush while requests run):
+    the request is sent again every ``interval`` seconds until answered otherwise or ``within`` seconds have
+    passed, whatever the retry policy; the last refusal is raised as :class:`ServerStatusError`.
+
+    :ivar status: the refusing status.
+    :ivar within: seconds from the first attempt after which a refusal is raised.
+    :ivar interval: seconds between attempts.
+    """
+
+    status: int
+    within: float
+    interval: float
 
 
 @attrs.define(eq=False)
@@ -54,6 +92,8 @@ class Server:
     _admin: httpx.AsyncClient = attrs.field(alias="admin_client", repr=False)
     _retry: RetryPolicy = attrs.field(alias="retry", repr=False, factory=RetryPolicy)
     _admin_timeout: float | None = attrs.field(alias="admin_timeout", default=None, repr=False)
+    #: The admin plane's retry policy (``AdminPolicy.retry_policy``); ``retry`` when not given.
+    _admin_retry: RetryPolicy | None = attrs.field(alias="admin_retry", default=None, repr=False)
     #: Part of a fleet: data-plane connect failures are not retried here, the client fails over instead.
     failover: bool = attrs.field(default=False, repr=False)
     #: Per-server memo for backends (e.g. ``max_model_len`` read once from ``/v1/models``).
@@ -87,6 +127,7 @@ class Server:
         status_hint: StatusHint | None = None,
         headers: Mapping[str, str] | None = None,
         large_strings: Sequence[str] = (),
+        refusal: Refusal | None = None,
     ) -> Any:
         """Send one request and return the decoded body.
 
@@ -96,14 +137,17 @@ class Server:
         :param params: query parameters.
         :param plane: ``"data"`` or ``"admin"`` (separate connection pool and timeout).
         :param expect: ``"json"`` decodes JSON, ``"text"`` returns text, ``"none"`` ignores the body.
-        :param retry: allow the client's retry policy (turn off for non-idempotent admin calls).
+        :param retry: allow the plane's retry policy (turn off for non-idempotent admin calls; an admin request
+            declared safe to repeat by :func:`idempotent_requests` is retried anyway).
         :param idempotent: running the request twice is harmless (reads, scoring): retried on every status of
-            ``RetryPolicy.retry_statuses``; otherwise (generation) only on ``refused_statuses``. Default: true
-            for ``GET`` and ``HEAD``.
+            ``RetryPolicy.retry_statuses`` (and after a failure once sent, if the policy's ``resend_idempotent``);
+            otherwise (generation) only on ``refused_statuses``. Default: true for ``GET`` and ``HEAD``, and for
+            admin requests declared by :func:`idempotent_requests`.
         :param status_hint: turns a failing status into advice appended to the error.
         :param headers: extra headers for this request (e.g. an admin key), on top of the client's.
         :param large_strings: object keys whose large string values come back as ``memoryview`` objects of the raw
             body instead of ``str`` (escape-free values only, e.g. base64; anything else parses as usual).
+        :param refusal: an answer of this request that means "ask again later" (see :class:`Refusal`).
         :raises RequestTimeout: a timeout expired.
         :raises NetworkError: the connection failed.
         :raises ServerStatusError: the server answered non-2xx.
@@ -111,8 +155,14 @@ class Server:
         """
         url = self.url(path, plane=plane)
         client = self._admin if plane == "admin" else self._data
-        attempts = self._retry.attempts if retry else 1
-        statuses = self._retry.statuses(idempotent=method in ("GET", "HEAD") if idempotent is None else idempotent)
+        policy = self._admin_retry if plane == "admin" and self._admin_retry is not None else self._retry
+        if plane == "admin" and _IDEMPOTENT_ADMIN.get():
+            retry, idempotent = True, True if idempotent is None else idempotent
+        repeatable = method in ("GET", "HEAD") if idempotent is None else idempotent
+        attempts = policy.attempts if retry else 1
+        statuses = policy.statuses(idempotent=repeatable)
+        resend = repeatable and policy.resend_idempotent
+        refused_until = None if refusal is None else time.monotonic() + refusal.within
         extra: dict[str, Any] = {}
         if plane == "admin":
             extra["timeout"] = httpx.Timeout(self._admin_timeout)
@@ -131,25 +181,21 @@ class Server:
         while True:
             attempt += 1
             try:
-                if plane == "admin":
-                    response = await _send_admin(client, method, url, content, params, sent_headers, extra["timeout"])
-                else:
-                    response = await client.request(
-                        method, url, content=content, params=params, headers=sent_headers, **extra
-                    )
-            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                if attempt < attempts and not (self.failover and plane == "data"):
-                    await asyncio.sleep(self._retry.delay(attempt))
-                    continue
-                raise _map_transport(exc, method, url) from exc
-            except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as exc:
+                response = await client.request(
+                    method, url, content=content, params=params, headers=sent_headers, **extra
+                )
+            except httpx.TransportError as exc:
                 # the server reset the connection after its last 5xx, before answering this request
-                if plane in self._reset_suspected and not answer_started(exc):
+                reset = isinstance(exc, httpx.ReadError | httpx.WriteError | httpx.RemoteProtocolError)
+                if reset and plane in self._reset_suspected and not answer_started(exc):
                     self._reset_suspected.discard(plane)
                     attempt -= 1
                     continue
-                raise _map_transport(exc, method, url) from exc
-            except httpx.TransportError as exc:
+                # a fleet's data plane fails a refused connection over to another server instead
+                unsent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
+                if attempt < attempts and (resend or (unsent and not (self.failover and plane == "data"))):
+                    await asyncio.sleep(policy.delay(attempt))
+                    continue
                 raise _map_transport(exc, method, url) from exc
             if response.status_code >= 500:
                 self._reset_suspected.add(plane)
@@ -162,11 +208,34 @@ class Server:
                     exc.args = (_redact(str(exc), self.secrets),)
                     raise
             if response.status_code in statuses and attempt < attempts:
-                await asyncio.sleep(self._retry.delay(attempt))
+                await asyncio.sleep(policy.delay(attempt, retry_after(response)))
                 continue
+            if refusal is not None and refused_until is not None and response.status_code == refusal.status:
+                remaining = refused_until - time.monotonic()
+                if remaining > 0:
+                    await asyncio.sleep(min(refusal.interval, remaining))
+                    attempt -= 1
+                    continue
             body = _redact(_error_body(response), self.secrets)
             hint = status_hint(response.status_code, body) if status_hint else None
             raise ServerStatusError(method=method, url=url, status_code=response.status_code, body=body, hint=hint)
+
+
+def retry_after(response: httpx.Response) -> float | None:
+    """The seconds ``Retry-After`` asks to wait (delay-seconds or an HTTP date), or ``None`` without a usable
+    header."""
+    value = response.headers.get("retry-after")
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    seconds = when.timestamp() - time.time()
+    return max(0.0, seconds) if math.isfinite(seconds) else None
 
 
 #: httpcore's words for a connection closed before any byte of the answer (its transport marks nothing else).
@@ -182,62 +251,6 @@ def answer_started(exc: httpx.TransportError) -> bool:
     if marked is not None:
         return bool(marked)
     return not str(exc).startswith(_NO_ANSWER)
-
-
-async def _send_admin(
-    client: httpx.AsyncClient,
-    method: str,
-    url: str,
-    content: bytes | None,
-    params: Mapping[str, Any] | None,
-    headers: Mapping[str, str],
-    limits: httpx.Timeout,
-) -> httpx.Response:
-    """``client.request(...)`` for an admin call, without the parts of ``httpx.AsyncClient.send`` an admin client
-    never uses: the same request (client headers, then the call's; the client's cookies; the timeout) goes to the
-    same transport (``mounts`` included), and the whole body is read. Cookies the server sets are kept as httpx
-    keeps them. A client with auth, event hooks or redirects on takes httpx's own path.
-
-    This cuts the client's CPU per admin call by ~40 % (a fleet of 64 servers costs 64 calls per phase on one
-    event loop: ``bench/bench_fleet.py``): httpx's request building, cookie extraction for every answer and
-    logging were most of the per-call cost once the transport is lean.
-    """
-    if client.auth is not None or client.follow_redirects or any(client.event_hooks.values()):
-        return await client.request(method, url, content=content, params=params, headers=headers, timeout=limits)
-    merged = httpx.Headers(client.headers)
-    merged.update(headers)
-    cookies = client.cookies
-    request = httpx.Request(
-        method,
-        _parsed_url(url),
-        params=params,
-        headers=merged,
-        cookies=cookies if cookies else None,
-        content=content,
-        extensions={"timeout": limits.as_dict()},
-    )
-    try:
-        response = await client._transport_for_url(request.url).handle_async_request(request)
-    except httpx.RequestError as exc:  # as httpx's own path: the error names its request
-        try:
-            exc.request  # noqa: B018
-        except RuntimeError:
-            exc.request = request
-        raise
-    response.request = request
-    try:
-        await response.aread()
-    finally:
-        await response.aclose()
-    if "set-cookie" in response.headers:
-        cookies.extract_cookies(response)
-    return response
-
-
-@functools.lru_cache(maxsize=4096)
-def _parsed_url(url: str) -> httpx.URL:
-    """``httpx.URL(url)``, parsed once per admin route (httpx's URL parser was half of building the request)."""
-    return httpx.URL(url)
 
 
 def _map_transport(exc: httpx.TransportError, method: str, url: str) -> RequestTimeout | NetworkError:

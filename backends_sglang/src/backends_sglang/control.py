@@ -3,8 +3,9 @@
 * :func:`call` sends a control-route request with the admin key (when configured) and a hint on failure.
 * :func:`read` sends a read-only request (``/model_info``, ``/v1/loads``, ``/v1/models``...): those are SGLang
   ``NORMAL`` routes, authorised by the client's own api key, never the admin key.
-* :func:`flush_cache` retries ``/flush_cache``, which SGLang refuses (400 ``Flush cache failed.``) while requests
-  are running, queued or paused in place, until ``flush_cache_timeout`` runs out.
+* :func:`flush_cache` sends ``/flush_cache`` declaring SGLang's refusal while requests are running, queued or
+  paused in place (400 ``Flush cache failed.``) a "not now": the request layer sends it again until
+  ``flush_cache_timeout`` runs out.
 * :func:`drain` polls ``/v1/loads`` until no request is running or waiting, up to ``pause_drain_timeout``.
 """
 
@@ -14,8 +15,8 @@ import asyncio
 import logging
 from typing import Any, Literal
 
-from backends_core import Server, StatusHint
-from backends_core.errors import ServerRefusedError, ServerStatusError
+from backends_core import Refusal, Server, StatusHint
+from backends_core.errors import ServerRefusedError
 from backends_sglang import wire
 from backends_sglang.options import SglangOptions
 
@@ -47,8 +48,10 @@ async def call(
     *,
     expect: Literal["json", "text", "none"] = "json",
     status_hint: StatusHint | None = None,
+    refusal: Refusal | None = None,
 ) -> Any:
-    """One control-route request on the admin plane, with the admin key; never retried (not idempotent)."""
+    """One control-route request on the admin plane, with the admin key; not retried unless its operation is
+    declared idempotent or its server answers ``refusal``."""
     return await server.request(
         method,
         path,
@@ -58,6 +61,7 @@ async def call(
         expect=expect,
         headers=options.admin_headers(),
         status_hint=status_hint or _hint(path),
+        refusal=refusal,
     )
 
 
@@ -77,33 +81,22 @@ def require_success(server: Server, path: str, raw: Any, *, key: str = "success"
 
 
 async def flush_cache(server: Server, options: SglangOptions) -> None:
-    """``POST /flush_cache`` until SGLang accepts it or ``flush_cache_timeout`` seconds have passed.
+    """``POST /flush_cache``, sent again every ``poll_interval`` while SGLang refuses it, for up to
+    ``flush_cache_timeout`` seconds.
 
     :raises ServerStatusError: still refused at the deadline (its hint says why and for how long it retried).
     """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + options.flush_cache_timeout
-    attempts = 0
 
     def hint(status: int, body: Any) -> str | None:
         if status == 400:
             return (
                 "SGLang refuses to flush while requests are running, queued or paused in place; "
-                f"attempt {attempts}, retried for up to {options.flush_cache_timeout:g} s "
-                "(backend_options.flush_cache_timeout)"
+                f"retried for up to {options.flush_cache_timeout:g} s (backend_options.flush_cache_timeout)"
             )
         return _hint("/flush_cache")(status, body)
 
-    while True:
-        attempts += 1
-        try:
-            await call(server, options, "POST", "/flush_cache", expect="text", status_hint=hint)
-            return
-        except ServerStatusError as exc:
-            remaining = deadline - loop.time()
-            if exc.status_code != 400 or remaining <= 0:
-                raise
-            await asyncio.sleep(min(options.poll_interval, remaining))
+    refused = Refusal(400, within=options.flush_cache_timeout, interval=options.poll_interval)
+    await call(server, options, "POST", "/flush_cache", expect="text", status_hint=hint, refusal=refused)
 
 
 async def in_flight(server: Server) -> int:

@@ -191,9 +191,9 @@ async def _pause_keeping_a_request(
     the request's task, its length and when the pause began; the fleet is left paused.
 
     An attempt waits to see its request in flight, then pauses. Once a request ended before a state poll saw it (on
-    a loaded machine a server can answer admin calls only after a whole generation), the next attempts pause right
-    after starting theirs. Should every attempt miss, one more request is sent while the fleet is paused: it waits
-    through the update instead of being frozen half-way, and the demo says so.
+    a loaded machine a server can answer admin calls only after a whole generation), the next attempts pause one
+    poll interval after starting theirs. Should every attempt miss, one more request is sent while the fleet is
+    paused: it waits through the update instead of being frozen half-way, and the demo says so.
     """
     right_away = False
     for tokens in KEPT_TOKENS:
@@ -201,6 +201,9 @@ async def _pause_keeping_a_request(
         task = asyncio.create_task(client.generate(prompt_ids=prompt, sampling=sampling, server=server))
         paused = False
         try:
+            if right_away:
+                # the request's body may still wait for its write on the event loop: let it reach the server first
+                await asyncio.sleep(POLL_S)
             if right_away or await _seen_in_flight(client, server, task):
                 started = time.perf_counter()
                 await client.admin.pause("keep")

@@ -1,4 +1,7 @@
-"""A lean HTTP/1.1 transport for ``httpx.AsyncClient`` on plain asyncio (``http://`` origins only).
+"""The hand-written HTTP/1.1 transport the client used before aiohttp, kept for paired benchmarks only
+(``bench_client.py`` ``floor_lean`` / ``ours_ids_lean``, ``bench_fleet.py``); not part of the library.
+
+A lean HTTP/1.1 transport for ``httpx.AsyncClient`` on plain asyncio (``http://`` origins only).
 
 httpx's default transport runs every request through httpcore's pool, h11's state machine and anyio's socket
 streams: ~60 % of the client's CPU per generate call (bench/README.md). This transport does the same job with a

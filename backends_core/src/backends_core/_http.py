@@ -1,0 +1,277 @@
+"""HTTP/1.1 for both planes and both schemes: aiohttp's parser and connection pool behind the httpx API.
+
+:class:`AiohttpTransport` is an ``httpx.AsyncBaseTransport``, so the client keeps httpx's request and response
+objects (and ``httpx.MockTransport`` stays the testing seam) while the bytes go through one
+``aiohttp.ClientSession`` per transport: keep-alive pooling, chunked and ``Connection`` handling, TLS. Proxies
+from the environment are httpx's mounts, as for any custom transport.
+
+What :mod:`backends_core.server` needs beyond a status and a body is exactness about failures, so each exchange
+is watched on its connection (:class:`_Exchange`, aiohttp's protocol plus two facts): whether the whole request
+was handed to the socket, and whether any byte of the answer came back. A failure before the request was out is
+an ``httpx.WriteError`` / ``WriteTimeout`` (the server cannot have acted on it); a failure after it carries
+``answer_started``, which decides whether the request may be sent again after a reset.
+
+The parts of aiohttp this leans on beyond its documented API are the connector's protocol factory and the
+protocol's ``start_timeout`` (called once the request body is written), both stable across aiohttp 3.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import io
+import ssl
+from collections.abc import Iterable
+from typing import Any
+
+import aiohttp
+import httpx
+from aiohttp.client_proto import ResponseHandler
+from aiohttp.client_reqrep import ClientRequest
+from aiohttp.connector import Connection
+from aiohttp.tracing import Trace
+
+__all__ = ["AiohttpTransport"]
+
+#: The exchange of the request being sent in this task (set when its connection is handed out).
+_EXCHANGE: contextvars.ContextVar[_Exchange | None] = contextvars.ContextVar("backends_exchange", default=None)
+#: Request bodies above this size are handed to aiohttp as a file object (written in chunks, not in one call).
+_LARGE_BODY = 1 << 20
+#: Transfer codings an answer may use; any other (gzip, deflate) would reach httpx still encoded.
+_TRANSFER_CODINGS = frozenset({"chunked", "identity"})
+#: Write timeout of the request being sent in this task (read when its exchange starts).
+_WRITE_TIMEOUT: contextvars.ContextVar[float | None] = contextvars.ContextVar("backends_write_timeout", default=None)
+
+
+class _WriteTimedOut(aiohttp.ClientConnectionError):
+    """The request was not written within its write timeout (the server is not reading)."""
+
+
+class _Exchange(ResponseHandler):
+    """aiohttp's connection protocol, also recording for the current exchange whether the request left whole
+    (``sent``) and how many answer bytes arrived (``received``), and enforcing the write timeout: the time the
+    request may wait on a full socket buffer (the server not reading) without the buffer draining."""
+
+    sent = False
+    received = 0
+    #: the error the connection ended with (``None``: a clean close, or still open)
+    lost: BaseException | None = None
+    _write_limit: float | None = None
+    _write_timer: asyncio.TimerHandle | None = None
+
+    def set_response_params(self, **params: Any) -> None:  # a new exchange on this connection
+        self.sent, self.received = False, 0
+        self._write_limit = _WRITE_TIMEOUT.get()
+        super().set_response_params(**params)
+
+    def pause_writing(self) -> None:  # the socket buffer is full
+        super().pause_writing()
+        if not self.sent and self._write_limit is not None and self._write_timer is None:
+            self._write_timer = self._loop.call_later(self._write_limit, self._write_expired)
+
+    def resume_writing(self) -> None:  # the server read some: the wait starts again at the next full buffer
+        self._stop_write_timer()
+        super().resume_writing()
+
+    def start_timeout(self) -> None:  # aiohttp: the request body is written, the answer's read timeout starts
+        self.sent = True
+        self._stop_write_timer()
+        super().start_timeout()
+
+    def _stop_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def data_received(self, data: bytes) -> None:
+        self.received += len(data)
+        super().data_received(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.lost = exc
+        self._stop_write_timer()
+        super().connection_lost(exc)
+
+    def _write_expired(self) -> None:
+        self._write_timer = None
+        if not self.sent:
+            self.set_exception(_WriteTimedOut("timed out writing the request"))
+            if self.transport is not None:
+                self.transport.abort()
+
+
+class _Connector(aiohttp.TCPConnector):
+    """aiohttp's pool, with :class:`_Exchange` connections whose current exchange this task can look at."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._factory = functools.partial(_Exchange, loop=self._loop)  # type: ignore[assignment]  # a subclass
+
+    async def connect(
+        self,
+        req: ClientRequest,
+        traces: list[Trace],
+        timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109
+    ) -> Connection:
+        connection = await super().connect(req, traces, timeout)
+        protocol = connection.protocol
+        _EXCHANGE.set(protocol if isinstance(protocol, _Exchange) else None)
+        if protocol is not None and "close" in _tokens(req.headers.getall("connection", ())):
+            protocol.force_close()  # the request asks for it; aiohttp would keep the connection otherwise
+        return connection
+
+
+class AiohttpTransport(httpx.AsyncBaseTransport):
+    """``httpx`` requests sent through one ``aiohttp.ClientSession`` (created on first use, in the running loop).
+
+    :param limits: ``max_connections`` caps the pool (all hosts together); ``keepalive_expiry`` is how long an
+        idle connection is kept; ``max_keepalive_connections=0`` or ``keepalive_expiry=0`` closes every
+        connection after its answer.
+    :param verify: TLS verification: an ``ssl.SSLContext``, ``True`` (system CAs) or ``False`` (none).
+    """
+
+    def __init__(self, *, limits: httpx.Limits | None = None, verify: ssl.SSLContext | bool = True) -> None:
+        self._limits = limits or httpx.Limits()
+        self._tls: ssl.SSLContext | bool = verify if isinstance(verify, ssl.SSLContext) or not verify else True
+        self._session: aiohttp.ClientSession | None = None
+        #: one ``aiohttp.ClientTimeout`` per (pool, connect, read) seconds seen
+        self._timeouts: dict[tuple[float | None, float | None, float | None], aiohttp.ClientTimeout] = {}
+
+    def _open(self) -> aiohttp.ClientSession:
+        limits = self._limits
+        keep = bool(limits.keepalive_expiry) and limits.max_keepalive_connections != 0
+        connector = _Connector(
+            limit=limits.max_connections or 0,
+            keepalive_timeout=limits.keepalive_expiry if keep else None,
+            force_close=not keep,
+            ssl=self._tls,
+        )
+        session = aiohttp.ClientSession(
+            connector=connector,
+            cookie_jar=aiohttp.DummyCookieJar(),  # httpx keeps the cookies
+            auto_decompress=False,  # httpx decodes Content-Encoding
+            timeout=aiohttp.ClientTimeout(total=None),
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+        )
+        # requests are sent again in one place only (Server.request), which knows what is safe to repeat
+        session._retry_connection = False
+        return session
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        session = self._session
+        if session is None or session.closed:
+            session = self._session = self._open()
+        limits = request.extensions.get("timeout", {})
+        key = (limits.get("pool"), limits.get("connect"), limits.get("read"))
+        timeout = self._timeouts.get(key)
+        if timeout is None:
+            # aiohttp's ``connect`` bounds the wait for a pooled connection, a new connection's set-up included
+            timeout = self._timeouts[key] = aiohttp.ClientTimeout(
+                total=None, connect=key[0], sock_connect=key[1], sock_read=key[2]
+            )
+        charset = request.headers.encoding
+        headers = [(name.decode(charset), value.decode(charset)) for name, value in request.headers.raw]
+        data: bytes | io.BytesIO | httpx.AsyncByteStream | None
+        try:
+            content = request.content
+            data = (io.BytesIO(content) if len(content) > _LARGE_BODY else content) if content else None
+        except httpx.RequestNotRead:
+            data = request.stream  # type: ignore[assignment]  # streamed: aiohttp sends it chunked
+            headers = [(k, v) for k, v in headers if k.lower() != "transfer-encoding"]
+        _EXCHANGE.set(None)
+        _WRITE_TIMEOUT.set(limits.get("write"))
+        try:
+            async with session.request(
+                request.method,
+                str(request.url),
+                headers=headers,
+                data=data,
+                allow_redirects=False,
+                timeout=timeout,
+                server_hostname=request.extensions.get("sni_hostname"),
+            ) as answer:
+                codings = answer.headers.getall("transfer-encoding", ())
+                if codings and not _tokens(codings) <= _TRANSFER_CODINGS:
+                    answer.close()
+                    error = httpx.RemoteProtocolError(
+                        f"unsupported Transfer-Encoding: {', '.join(codings)}", request=request
+                    )
+                    setattr(error, "answer_started", True)  # noqa: B010  # read by server.answer_started
+                    raise error
+                body = await answer.read()
+        except ValueError as exc:  # aiohttp refuses to build the request (header injection): nothing was sent
+            if isinstance(exc, aiohttp.ClientError):
+                raise _mapped(exc, request, pool_full=False) from exc
+            raise httpx.LocalProtocolError(str(exc), request=request) from exc
+        except aiohttp.ClientError as exc:
+            connector = session.connector
+            full = connector is not None and 0 < connector.limit <= len(connector._acquired)
+            raise _mapped(exc, request, pool_full=full) from exc
+        finally:
+            _EXCHANGE.set(None)
+        extensions: dict[str, Any] = {"http_version": b"HTTP/1.1"}
+        if answer.reason:
+            extensions["reason_phrase"] = answer.reason.encode()
+        return httpx.Response(
+            answer.status,
+            headers=answer.raw_headers,
+            stream=httpx.ByteStream(body),
+            request=request,
+            extensions=extensions,
+        )
+
+    @property
+    def connections(self) -> int:
+        """Open connections of the pool, in use or idle."""
+        return self.idle_connections + (len(self._pool._acquired) if self._pool is not None else 0)
+
+    @property
+    def idle_connections(self) -> int:
+        """Connections kept alive for reuse."""
+        return sum(len(idle) for idle in self._pool._conns.values()) if self._pool is not None else 0
+
+    @property
+    def _pool(self) -> aiohttp.BaseConnector | None:
+        session = self._session
+        return None if session is None or session.closed else session.connector
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+def _tokens(values: Iterable[str]) -> set[str]:
+    """The comma-separated tokens of a header's values, lower-cased."""
+    return {token.strip().lower() for value in values for token in value.split(",")}
+
+
+def _mapped(exc: aiohttp.ClientError, request: httpx.Request, *, pool_full: bool) -> httpx.TransportError:
+    """The httpx error for an aiohttp failure, exact about whether the request left and the answer started.
+
+    :param pool_full: every connection of the pool was in use when it failed (a connect timeout was then the wait
+        for a free one).
+    """
+    message = str(exc) or type(exc).__name__
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return httpx.ConnectError(message, request=request)
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return (httpx.PoolTimeout if pool_full else httpx.ConnectTimeout)(message, request=request)
+    if isinstance(exc, aiohttp.InvalidURL | aiohttp.NonHttpUrlClientError):
+        return httpx.UnsupportedProtocol(message, request=request)
+    exchange = _EXCHANGE.get()
+    sent = exchange is None or exchange.sent
+    started = exchange is None or exchange.received > 0
+    if isinstance(exc, _WriteTimedOut):
+        return httpx.WriteTimeout(message, request=request)
+    if isinstance(exc, aiohttp.ServerTimeoutError):
+        return httpx.ReadTimeout(message, request=request)
+    error: httpx.TransportError
+    if not sent and not started:
+        error = httpx.WriteError(message, request=request)
+    elif isinstance(exc, aiohttp.ClientOSError) or isinstance(getattr(exchange, "lost", None), OSError):
+        error = httpx.ReadError(message, request=request)
+    else:  # a clean close too early, a cut-off body, a malformed answer
+        error = httpx.RemoteProtocolError(message, request=request)
+    setattr(error, "answer_started", started)  # noqa: B010  # read by server.answer_started
+    return error
