@@ -60,6 +60,8 @@ class RawServer:
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.conns: list[socket.socket] = []
         self.requests = 0
+        self._lock = threading.Lock()
+        self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -68,12 +70,18 @@ class RawServer:
                 s, _ = self.sock.accept()
             except OSError:
                 return
-            self.conns.append(s)
-            threading.Thread(target=self._run, args=(s, len(self.conns) - 1), daemon=True).start()
+            with self._lock:
+                if self._closed:  # accepted while the server was closing: nobody would close it
+                    s.close()
+                    return
+                self.conns.append(s)
+                index = len(self.conns) - 1
+            threading.Thread(target=self._run, args=(s, index), daemon=True).start()
 
     def _run(self, s: socket.socket, index: int) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            self.handle(s, s.makefile("rb"), index)
+        # the file is closed when the handler returns, so a socket the test closed is really closed then
+        with contextlib.suppress(OSError, ValueError), s.makefile("rb") as f:
+            self.handle(s, f, index)
 
     def serve_forever(self, s: socket.socket, f: BinaryIO, respond: Callable[[str, bytes], bytes]) -> None:
         """Answer every request of a connection with ``respond(method, body)``."""
@@ -82,10 +90,14 @@ class RawServer:
             s.sendall(respond(req[0], req[3]))
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns = list(self.conns)
         self.sock.close()
-        for s in self.conns:
+        for s in conns:
             with contextlib.suppress(OSError):
-                s.close()
+                s.shutdown(socket.SHUT_RDWR)  # a handler blocked reading returns now
+            s.close()
 
 
 @contextlib.contextmanager
