@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from backends_core.driver import CAPABILITY_HOOKS
-from backends_dynamo.testing import WORKER_URL
+from backends_dynamo_testing import WORKER_URL
 from backends_testkit.conformance import BackendConformance
 
 

@@ -24,7 +24,7 @@ from backends_core import (
 )
 from backends_testkit.engine import ReferenceEngine
 from backends_testkit.faults import Fault, FaultyTransport
-from backends_vllm.testing import VllmEmulator
+from backends_vllm_testing import VllmEmulator
 
 PROMPT = [1, 2, 3, 4, 5, 6]
 

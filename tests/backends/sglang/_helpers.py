@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from backends_sglang.testing import SglangEmulator
+from backends_sglang_testing import SglangEmulator
 
 CAPTURES = Path(__file__).resolve().parents[2] / "fixtures" / "wire" / "sglang"
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest_asyncio
 
-from backends_sglang.testing import SglangEmulator
+from backends_sglang_testing import SglangEmulator
 from backends_testkit.engine import ReferenceEngine
 from backends_testkit.tinymodel import TinyModels
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from backends_sglang.testing import SglangEmulator
+from backends_sglang_testing import SglangEmulator
 from backends_testkit.tinymodel import TinyModels
 
 from ._helpers import capture, client_of

@@ -19,7 +19,7 @@ import pytest
 
 from backends_testkit.engine import ReferenceEngine
 from backends_testkit.tinymodel import TinyModels
-from backends_vllm.testing import VllmEmulator
+from backends_vllm_testing import VllmEmulator
 
 CAPTURES = Path(__file__).resolve().parents[2] / "fixtures" / "wire" / "vllm"
 PROMPT = [1878, 426, 198, 54, 441, 355, 220, 17, 10, 17, 30, 1879, 198, 1878, 515, 198]  # the captures' prompt

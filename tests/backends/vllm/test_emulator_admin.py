@@ -17,7 +17,7 @@ from backends_core import AdminError, Client, ClientConfig
 from backends_core.types import DistributedGroup
 from backends_testkit.engine import ReferenceEngine
 from backends_testkit.tinymodel import TinyModels, write_perturbed_weights
-from backends_vllm.testing import VllmEmulator
+from backends_vllm_testing import VllmEmulator
 
 CAPTURES = Path(__file__).resolve().parents[2] / "fixtures" / "wire" / "vllm"
 PROMPT = [1878, 426, 198, 54, 441, 355, 220, 17, 10, 17, 30, 1879, 198, 1878, 515, 198]

@@ -13,7 +13,7 @@ import pytest
 
 from backends_testkit.engine import ReferenceEngine
 from backends_testkit.tinymodel import TinyModels
-from backends_vllm.testing import VllmEmulator
+from backends_vllm_testing import VllmEmulator
 
 CAPTURES = Path(__file__).resolve().parents[2] / "fixtures" / "wire" / "vllm"
 

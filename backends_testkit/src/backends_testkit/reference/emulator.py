@@ -1,8 +1,7 @@
 """The reference server: the reference wire dialect served over a :class:`ReferenceEngine`.
 
-``ReferenceEmulator(engine).handle`` is an async ``httpx.Request -> httpx.Response`` function: wrap it in
-``httpx.MockTransport`` for in-process use (``emulator.transport()``), or put it on a port with
-:func:`backends_testkit.http_server.serve`. Requests are validated strictly, as a real server would:
+Written on :class:`~backends_testkit.emulator.EmulatorBase`: ``emulator.transport()`` answers in-process,
+``emulator.asgi()`` under an ASGI server, ``emulator.serve()`` on a real port. Requests are validated strictly, as a real server would:
 unknown fields, wrong types and engine refusals are 400s with an ``{"error": ...}`` body; unknown routes
 404; wrong methods 405.
 """
@@ -21,6 +20,7 @@ import numpy as np
 
 from backends_core.errors import RenderError
 from backends_core.multiturn.rendering import encode, load_tokenizer, render_text
+from backends_testkit.emulator import GET, POST, EmulatorBase, Route
 from backends_testkit.engine import EngineError, EngineOutput, EngineRequest, ReferenceEngine
 
 __all__ = ["ReferenceEmulator"]
@@ -54,12 +54,25 @@ _GENERATE_FIELDS = {
 }
 
 
+BodyHandler = Callable[[dict[str, Any]], Awaitable[httpx.Response]]
+
+
 class BadRequest(Exception):
     """Becomes a 400 with the message as the error body."""
 
 
 def _json(status: int, body: Any) -> httpx.Response:
     return httpx.Response(status, json=body)
+
+
+def _body(request: httpx.Request) -> dict[str, Any]:
+    try:
+        body = json.loads(request.content) if request.content else {}
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object")
+    return body
 
 
 def _npy_b64(array: np.ndarray) -> str:
@@ -85,7 +98,7 @@ def _token_ids(body: dict[str, Any]) -> list[int]:
     return ids
 
 
-class ReferenceEmulator:
+class ReferenceEmulator(EmulatorBase):
     """Serves the reference dialect for one engine.
 
     :param engine: the engine to serve.
@@ -93,52 +106,44 @@ class ReferenceEmulator:
     """
 
     def __init__(self, engine: ReferenceEngine, *, model_name: str | None = None) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self.model_name = model_name or engine.model_name
-        self.requests: list[tuple[str, str]] = []
-        self._routes: dict[tuple[str, str], Callable[[Any], Awaitable[httpx.Response]]] = {
-            ("POST", "/generate"): self._generate,
-            ("POST", "/score"): self._score,
-            ("POST", "/tokenize"): self._tokenize,
-            ("GET", "/health"): self._health,
-            ("GET", "/ready"): self._ready,
-            ("GET", "/state"): self._state,
-            ("POST", "/pause"): self._pause,
-            ("POST", "/resume"): self._resume,
-            ("POST", "/flush_cache"): self._flush,
-            ("POST", "/update_weights"): self._update_weights,
-            ("POST", "/lora/load"): self._load_lora,
-            ("POST", "/lora/unload"): self._unload_lora,
-            ("POST", "/sleep"): self._sleep,
-            ("POST", "/wake"): self._wake,
-            ("POST", "/abort"): self._abort,
+
+    def routes(self) -> dict[str, Route]:
+        def route(handler: BodyHandler, methods: frozenset[str] = POST) -> Route:
+            async def answer(request: httpx.Request) -> httpx.Response:
+                return await handler(_body(request))
+
+            return Route(answer, methods=methods, level="open")
+
+        return {
+            "/generate": route(self._generate),
+            "/score": route(self._score),
+            "/tokenize": route(self._tokenize),
+            "/health": route(self._health, GET),
+            "/ready": route(self._ready, GET),
+            "/state": route(self._state, GET),
+            "/pause": route(self._pause),
+            "/resume": route(self._resume),
+            "/flush_cache": route(self._flush),
+            "/update_weights": route(self._update_weights),
+            "/lora/load": route(self._load_lora),
+            "/lora/unload": route(self._unload_lora),
+            "/sleep": route(self._sleep),
+            "/wake": route(self._wake),
+            "/abort": route(self._abort),
         }
 
-    def transport(self) -> httpx.MockTransport:
-        """An httpx transport that answers in-process."""
-        return httpx.MockTransport(self.handle)
+    def not_found(self, request: httpx.Request) -> httpx.Response:
+        return _json(404, {"error": f"no route {request.url.path}"})
 
-    async def aclose(self) -> None:
-        await self.engine.aclose()
+    def method_not_allowed(self, request: httpx.Request) -> httpx.Response:
+        return _json(405, {"error": f"method {request.method} not allowed on {request.url.path}"})
 
-    async def handle(self, request: httpx.Request) -> httpx.Response:
-        path = request.url.path
-        self.requests.append((request.method, path))
-        route = self._routes.get((request.method, path))
-        if route is None:
-            if any(p == path for _, p in self._routes):
-                return _json(405, {"error": f"method {request.method} not allowed on {path}"})
-            return _json(404, {"error": f"no route {path}"})
-        try:
-            body = json.loads(request.content) if request.content else {}
-        except json.JSONDecodeError as exc:
-            return _json(400, {"error": f"body is not JSON: {exc}"})
-        if not isinstance(body, dict):
-            return _json(400, {"error": "body must be a JSON object"})
-        try:
-            return await route(body)
-        except (BadRequest, EngineError) as exc:
+    def error_response(self, exc: Exception) -> httpx.Response | None:
+        if isinstance(exc, (BadRequest, EngineError)):
             return _json(400, {"error": str(exc)})
+        return None
 
     # -- data plane ------------------------------------------------------------------------------
 

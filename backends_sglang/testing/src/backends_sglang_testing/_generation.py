@@ -32,9 +32,9 @@ from typing import Any
 import attrs
 import numpy as np
 
-from backends_sglang.testing._protocol import GenerateInput, Job
-from backends_sglang.testing._replies import message_error
-from backends_sglang.testing._text import Text
+from backends_sglang_testing._protocol import GenerateInput, Job
+from backends_sglang_testing._replies import message_error
+from backends_sglang_testing._text import Text
 from backends_testkit.engine import EngineOutput, EngineRequest, EngineRequestError, ReferenceEngine
 
 __all__ = ["Generation", "Limits"]

@@ -21,7 +21,7 @@ from urllib.parse import unquote, urlsplit
 
 import httpx
 
-from backends_dynamo.testing._deployment import Deployment, json_response
+from backends_dynamo_testing._deployment import Deployment, json_response
 from backends_testkit.engine import EngineError
 
 __all__ = ["WorkerRoutes"]

@@ -21,10 +21,10 @@ from typing import Any, NoReturn
 
 import httpx
 
-from backends_sglang.testing._generation import Generation
-from backends_sglang.testing._info import Identity
-from backends_sglang.testing._replies import empty, json_reply, text_reply, validation_error
-from backends_sglang.testing._weights import WeightRejected, WeightSource, WeightStore
+from backends_sglang_testing._generation import Generation
+from backends_sglang_testing._info import Identity
+from backends_sglang_testing._replies import empty, json_reply, text_reply, validation_error
+from backends_sglang_testing._weights import WeightRejected, WeightSource, WeightStore
 from backends_testkit.engine import EngineRequestError, ReferenceEngine
 
 __all__ = ["Control"]

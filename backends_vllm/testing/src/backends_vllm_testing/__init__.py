@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from backends_testkit.engine import ReferenceEngine
-from backends_vllm.testing.emulator import VllmEmulator, WeightTransferState
+from backends_vllm_testing.emulator import VllmEmulator, WeightTransferState
 
 __all__ = ["VllmEmulator", "WeightTransferState", "make_emulator"]
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 
-from backends_sglang.testing._replies import contract_error, message_error
+from backends_sglang_testing._replies import contract_error, message_error
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "GenerateInput", "Job", "Sampling", "parse_generate"]
 

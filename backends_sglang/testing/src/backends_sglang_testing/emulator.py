@@ -29,13 +29,13 @@ from typing import Any, Literal, NoReturn
 import attrs
 import httpx
 
-from backends_sglang.testing import _info
-from backends_sglang.testing._control import Control
-from backends_sglang.testing._generation import Generation, Limits
-from backends_sglang.testing._protocol import parse_generate
-from backends_sglang.testing._replies import HttpError, contract_error, empty, json_reply, validation_error
-from backends_sglang.testing._text import Text
-from backends_sglang.testing._weights import WeightSource, WeightStore
+from backends_sglang_testing import _info
+from backends_sglang_testing._control import Control
+from backends_sglang_testing._generation import Generation, Limits
+from backends_sglang_testing._protocol import parse_generate
+from backends_sglang_testing._replies import HttpError, contract_error, empty, json_reply, validation_error
+from backends_sglang_testing._text import Text
+from backends_sglang_testing._weights import WeightSource, WeightStore
 from backends_testkit.asgi import asgi_app
 from backends_testkit.engine import ReferenceEngine
 

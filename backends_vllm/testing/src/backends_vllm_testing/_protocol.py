@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from backends_vllm.testing._validation import (
+from backends_vllm_testing._validation import (
     REQUIRED,
     Field,
     any_value,

@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from backends_core.multiturn.rendering import load_tokenizer
-from backends_vllm.testing._errors import bad_request
-from backends_vllm.testing._formatting import Detokenizer
-from backends_vllm.testing._serving import Serving
-from backends_vllm.testing._validation import (
+from backends_vllm_testing._errors import bad_request
+from backends_vllm_testing._formatting import Detokenizer
+from backends_vllm_testing._serving import Serving
+from backends_vllm_testing._validation import (
     REQUIRED,
     Field,
     ValidationFailure,

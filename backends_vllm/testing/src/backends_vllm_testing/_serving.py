@@ -26,9 +26,9 @@ from typing import Any
 import attrs
 
 from backends_testkit.engine import EngineOutput, EngineRequest, ReferenceEngine
-from backends_vllm.testing._errors import HttpError, bad_request, not_found
-from backends_vllm.testing._formatting import Detokenizer, Position, npy_base64
-from backends_vllm.testing._protocol import COMPLETION_REQUEST, GENERATE_REQUEST, NEUTRAL, SAMPLING_PARAMS
+from backends_vllm_testing._errors import HttpError, bad_request, not_found
+from backends_vllm_testing._formatting import Detokenizer, Position, npy_base64
+from backends_vllm_testing._protocol import COMPLETION_REQUEST, GENERATE_REQUEST, NEUTRAL, SAMPLING_PARAMS
 
 __all__ = ["MAX_LOGPROBS", "Serving"]
 

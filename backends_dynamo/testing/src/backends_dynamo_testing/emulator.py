@@ -21,11 +21,11 @@ from urllib.parse import unquote, urlsplit
 
 import httpx
 
-from backends_dynamo.testing._deployment import Deployment, json_response
-from backends_dynamo.testing._generation import Generation
-from backends_dynamo.testing._schema import HttpError
-from backends_dynamo.testing._text import Text
-from backends_dynamo.testing._worker import WorkerRoutes
+from backends_dynamo_testing._deployment import Deployment, json_response
+from backends_dynamo_testing._generation import Generation
+from backends_dynamo_testing._schema import HttpError
+from backends_dynamo_testing._text import Text
+from backends_dynamo_testing._worker import WorkerRoutes
 from backends_testkit.asgi import asgi_app
 from backends_testkit.engine import ReferenceEngine
 

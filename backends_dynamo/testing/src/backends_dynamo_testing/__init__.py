@@ -1,7 +1,7 @@
 """Test support for the ``dynamo`` backend: :class:`DynamoEmulator`, Dynamo 1.6.1's frontend and a vLLM
 worker's system port over the reference engine."""
 
-from backends_dynamo.testing.emulator import WORKER_ID, WORKER_URL, DynamoEmulator
+from backends_dynamo_testing.emulator import WORKER_ID, WORKER_URL, DynamoEmulator
 from backends_testkit.engine import ReferenceEngine
 
 __all__ = ["WORKER_ID", "WORKER_URL", "DynamoEmulator", "make_emulator"]

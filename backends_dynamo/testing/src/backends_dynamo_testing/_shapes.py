@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from backends_dynamo.testing._text import Text
+from backends_dynamo_testing._text import Text
 from backends_testkit.engine import EngineOutput
 
 __all__ = [

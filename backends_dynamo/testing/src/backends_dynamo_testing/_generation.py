@@ -20,9 +20,9 @@ from typing import Any
 import attrs
 import httpx
 
-from backends_dynamo.testing import _shapes
-from backends_dynamo.testing._deployment import Deployment, json_response
-from backends_dynamo.testing._schema import CHAT_FIELDS, COMPLETION_FIELDS, HttpError, check_nvext, check_top_level
+from backends_dynamo_testing import _shapes
+from backends_dynamo_testing._deployment import Deployment, json_response
+from backends_dynamo_testing._schema import CHAT_FIELDS, COMPLETION_FIELDS, HttpError, check_nvext, check_top_level
 from backends_testkit.engine import EngineError, EngineOutput, EngineRequest
 
 __all__ = ["Generation"]

@@ -3,7 +3,7 @@ reference engine (needs ``backends-sglang[testing]``)."""
 
 from __future__ import annotations
 
-from backends_sglang.testing.emulator import SglangEmulator
+from backends_sglang_testing.emulator import SglangEmulator
 from backends_testkit.engine import ReferenceEngine
 
 __all__ = ["SglangEmulator", "make_emulator"]

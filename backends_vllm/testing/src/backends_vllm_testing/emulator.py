@@ -36,7 +36,7 @@ import httpx
 
 from backends_testkit.asgi import asgi_app
 from backends_testkit.engine import EngineError, EngineRequest, EngineRequestError, ReferenceEngine
-from backends_vllm.testing._errors import (
+from backends_vllm_testing._errors import (
     HttpError,
     bad_request,
     error_body,
@@ -44,7 +44,7 @@ from backends_vllm.testing._errors import (
     not_found,
     worker_error,
 )
-from backends_vllm.testing._protocol import (
+from backends_vllm_testing._protocol import (
     ABORT_REQUEST,
     COLLECTIVE_RPC,
     FINISH_WEIGHT_UPDATE,
@@ -54,9 +54,9 @@ from backends_vllm.testing._protocol import (
     UPDATE_WEIGHT_VERSION,
     UPDATE_WEIGHTS,
 )
-from backends_vllm.testing._serving import VERSION, Serving
-from backends_vllm.testing._tokenize import detokenize, tokenize
-from backends_vllm.testing._validation import (
+from backends_vllm_testing._serving import VERSION, Serving
+from backends_vllm_testing._tokenize import detokenize, tokenize
+from backends_vllm_testing._validation import (
     Spec,
     ValidationFailure,
     boolean,

@@ -10,8 +10,8 @@ from typing import Any
 import attrs
 import httpx
 
-from backends_dynamo.testing._schema import HttpError
-from backends_dynamo.testing._text import Text
+from backends_dynamo_testing._schema import HttpError
+from backends_dynamo_testing._text import Text
 from backends_testkit.engine import ReferenceEngine
 
 __all__ = ["Deployment", "json_response"]
