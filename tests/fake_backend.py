@@ -20,7 +20,8 @@ import httpx
 import numpy as np
 
 from backends_core import GenerateResult, ResponseParseError, TeacherLogprobs, TopLogprob, hookimpl
-from backends_testkit.engine import EngineRequest, EngineRequestError, ReferenceEngine
+from backends_testkit.emulator import GET, EmulatorBase, Route
+from backends_testkit.engine import EngineRequest, EngineRequestError
 
 _FINISH = {"eos": "stop", "max": "length", "cut": "abort"}
 
@@ -93,33 +94,33 @@ async def admin_health(server):
     return True
 
 
-class FakeEmulator:
+class FakeEmulator(EmulatorBase):
     """The fake dialect over a reference engine."""
 
-    def __init__(self, engine: ReferenceEngine) -> None:
-        self.engine = engine
+    def routes(self) -> dict[str, Route]:
+        return {
+            "/ping": Route(self._ping, methods=GET, level="open"),
+            "/v1/tokens": Route(self._json(self._tokens)),
+            "/v1/score": Route(self._json(self._score)),
+        }
 
-    def transport(self) -> httpx.MockTransport:
-        return httpx.MockTransport(self.handle)
+    def error_response(self, exc: Exception) -> httpx.Response | None:
+        return httpx.Response(400, json={"error": str(exc)}) if isinstance(exc, EngineRequestError) else None
 
-    async def handle(self, request: httpx.Request) -> httpx.Response:
-        try:
-            if request.url.path == "/ping":
-                return httpx.Response(200)
-            body = json.loads(request.content)
-            if request.url.path == "/v1/tokens":
-                return await self._tokens(body)
-            if request.url.path == "/v1/score":
-                out = await self.engine.score(body["tokens"], top_k=body["top"])
-                top = (
-                    [None, *([[t, lp] for t, lp in row] for row in out.prompt_top_logprobs[1:])]
-                    if body["top"]
-                    else None
-                )
-                return httpx.Response(200, json={"scores": [None, *map(float, out.prompt_logprobs[1:])], "top": top})
-        except EngineRequestError as exc:
-            return httpx.Response(400, json={"error": str(exc)})
-        return httpx.Response(404)
+    @staticmethod
+    def _json(handler: Any) -> Any:
+        async def answer(request: httpx.Request) -> httpx.Response:
+            return await handler(json.loads(request.content))
+
+        return answer
+
+    async def _ping(self, request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200)
+
+    async def _score(self, body: dict[str, Any]) -> httpx.Response:
+        out = await self.engine.score(body["tokens"], top_k=body["top"])
+        top = [None, *([[t, lp] for t, lp in row] for row in out.prompt_top_logprobs[1:])] if body["top"] else None
+        return httpx.Response(200, json={"scores": [None, *map(float, out.prompt_logprobs[1:])], "top": top})
 
     async def _tokens(self, body: dict[str, Any]) -> httpx.Response:
         p = body["params"]

@@ -23,7 +23,6 @@ from backends_core import Client, ClientConfig, GenerateResult, LoraAdapter, Sam
 from backends_core.errors import BackendError
 from backends_testkit.emulators import NoEmulatorError, make_emulator
 from backends_testkit.engine import ReferenceEngine
-from backends_testkit.http_server import serve
 from backends_testkit.tinymodel import TinyModels, build_tiny_models, default_models_dir, write_perturbed_weights
 from backends_testkit.watch import in_flight_or_ended
 
@@ -67,7 +66,7 @@ async def embedded_servers(
                 emulator = make_emulator(backend, engine, routed_experts=routed_experts)
             except NoEmulatorError as exc:
                 raise DemoFailure(f"{exc}: run the demo with --url") from None
-            urls.append(await stack.enter_async_context(serve(emulator.handle)))
+            urls.append(await stack.enter_async_context(emulator.serve()))
         yield urls
 
 

@@ -42,6 +42,7 @@ from backends_testkit.engine import ReferenceEngine
 from backends_testkit.http_server import serve as serve_on_port
 
 __all__ = [
+    "ANY_METHOD",
     "GET",
     "GET_POST",
     "POST",
@@ -63,6 +64,7 @@ Level = Literal["open", "normal", "admin"]
 GET = frozenset({"GET"})
 POST = frozenset({"POST"})
 GET_POST = frozenset({"GET", "POST"})
+ANY_METHOD = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
 @attrs.frozen

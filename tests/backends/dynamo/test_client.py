@@ -27,8 +27,8 @@ from backends_core import (
 )
 from backends_core.types import GenerateRequest
 from backends_dynamo.admin import REQUEST_ID_HEADER, dynamo_request_id
-from backends_dynamo_testing import WORKER_URL, DynamoEmulator
 from backends_dynamo.wire import check_generation
+from backends_dynamo_testing import WORKER_URL, DynamoEmulator
 from backends_testkit.engine import ReferenceEngine
 from backends_testkit.tinymodel import TinyModels
 

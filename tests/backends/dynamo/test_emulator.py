@@ -21,8 +21,8 @@ import pytest_asyncio
 from backends_core import Client, ClientConfig, SamplingParams
 from backends_core.types import GenerateRequest
 from backends_dynamo import wire
-from backends_dynamo_testing import WORKER_URL, DynamoEmulator
 from backends_dynamo.wire import fold, parse_sse
+from backends_dynamo_testing import WORKER_URL, DynamoEmulator
 from backends_testkit.engine import ReferenceEngine
 from backends_testkit.tinymodel import TinyModels, write_perturbed_weights
 

@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import json
 import time
 import zlib
 from typing import Any
 
 import attrs
-import httpx
 
 from backends_dynamo_testing._schema import HttpError
 from backends_dynamo_testing._text import Text
 from backends_testkit.engine import ReferenceEngine
 
-__all__ = ["Deployment", "json_response"]
-
-
-def json_response(status: int, body: Any, *, content_type: str = "application/json") -> httpx.Response:
-    """A JSON answer (the worker's system port labels its JSON ``text/plain``, as the captures show)."""
-    return httpx.Response(status, content=json.dumps(body).encode(), headers={"content-type": content_type})
+__all__ = ["Deployment"]
 
 
 @attrs.define(eq=False)

@@ -21,8 +21,9 @@ import attrs
 import httpx
 
 from backends_dynamo_testing import _shapes
-from backends_dynamo_testing._deployment import Deployment, json_response
+from backends_dynamo_testing._deployment import Deployment
 from backends_dynamo_testing._schema import CHAT_FIELDS, COMPLETION_FIELDS, HttpError, check_nvext, check_top_level
+from backends_testkit.emulator import json_reply
 from backends_testkit.engine import EngineError, EngineOutput, EngineRequest
 
 __all__ = ["Generation"]
@@ -96,7 +97,7 @@ class Generation:
             return httpx.Response(
                 200, text=self._stream(ask, outputs, started), headers={"content-type": "text/event-stream"}
             )
-        return json_response(200, self._answer(ask, outputs, started))
+        return json_reply(200, self._answer(ask, outputs, started))
 
     # -- request ------------------------------------------------------------------------------------
 

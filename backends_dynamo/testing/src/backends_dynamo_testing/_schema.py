@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from backends_testkit import emulator
+
 __all__ = [
     "CHAT_FIELDS",
     "COMPLETION_FIELDS",
@@ -109,7 +111,7 @@ CHAT_FIELDS = frozenset(
 COMPLETION_FIELDS = frozenset((*_OPENAI_COMMON, *_COMMON_EXT, "prompt", "best_of", "echo", "suffix"))
 
 
-class HttpError(Exception):
+class HttpError(emulator.HttpError):
     """Becomes an error answer: ``status`` with ``body`` (the frontend's ``{"message", "type", "code"}`` shape
     unless a body is given)."""
 
@@ -121,9 +123,9 @@ class HttpError(Exception):
     }
 
     def __init__(self, status: int, message: str, *, body: Any = None) -> None:
-        super().__init__(message)
         self.status = status
         self.body = body if body is not None else {"message": message, "type": self._TYPES[status], "code": status}
+        super().__init__(emulator.json_reply(status, self.body), message)
 
 
 def _expected(fields: tuple[str, ...]) -> str:

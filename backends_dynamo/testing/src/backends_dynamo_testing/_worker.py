@@ -21,7 +21,8 @@ from urllib.parse import unquote, urlsplit
 
 import httpx
 
-from backends_dynamo_testing._deployment import Deployment, json_response
+from backends_dynamo_testing._deployment import Deployment
+from backends_testkit.emulator import json_reply
 from backends_testkit.engine import EngineError
 
 __all__ = ["WorkerRoutes"]
@@ -85,7 +86,7 @@ class WorkerRoutes:
     async def handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
         if path in ("/health", "/live"):
-            return json_response(200, self._health(), content_type=_TEXT)
+            return json_reply(200, self._health(), content_type=_TEXT)
         if path == "/metrics":
             return httpx.Response(200, text=self._metrics(), headers={"content-type": _TEXT})
         if path == "/metadata":
@@ -99,7 +100,7 @@ class WorkerRoutes:
         route = self.routes.get(name)
         if route is None:
             body = {"error": "Route not found", "message": f"Route /engine/{name} not found"}
-            return json_response(404, body, content_type=_TEXT)
+            return json_reply(404, body, content_type=_TEXT)
         try:
             payload = json.loads(content) if content else {}
             if not isinstance(payload, Mapping):
@@ -107,8 +108,8 @@ class WorkerRoutes:
             answer = await route(payload)
         except (ValueError, TypeError, KeyError, EngineError) as exc:
             body = {"error": "Handler error", "message": f"Python callback failed: {type(exc).__name__}: {exc}"}
-            return json_response(500, body, content_type=_TEXT)
-        return json_response(200, answer, content_type=_TEXT)
+            return json_reply(500, body, content_type=_TEXT)
+        return json_reply(200, answer, content_type=_TEXT)
 
     # -- health and metrics -------------------------------------------------------------------------
 

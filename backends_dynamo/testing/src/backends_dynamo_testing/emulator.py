@@ -8,12 +8,13 @@ frontend (``/health``, ``/live``, ``/metrics``, ``/v1/models``, ``/v1/models/{id
 also answers ``/engine/<route>`` (for the worker) so that a single URL is enough in-process and in
 ``backends demo``; a real frontend answers those with 404.
 
-``emulator.transport()`` is an in-process httpx transport, ``emulator.asgi()`` an ASGI app, and
-:func:`backends_testkit.http_server.serve` puts ``emulator.handle`` on a real port.
+Written on the test kit's :class:`~backends_testkit.emulator.EmulatorBase`: ``emulator.transport()`` answers
+in-process, ``emulator.asgi()`` under an ASGI server, ``emulator.serve()`` on a real port.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,12 +22,12 @@ from urllib.parse import unquote, urlsplit
 
 import httpx
 
-from backends_dynamo_testing._deployment import Deployment, json_response
+from backends_dynamo_testing._deployment import Deployment
 from backends_dynamo_testing._generation import Generation
 from backends_dynamo_testing._schema import HttpError
 from backends_dynamo_testing._text import Text
 from backends_dynamo_testing._worker import WorkerRoutes
-from backends_testkit.asgi import asgi_app
+from backends_testkit.emulator import ANY_METHOD, GET, EmulatorBase, Route, json_reply
 from backends_testkit.engine import ReferenceEngine
 
 __all__ = ["WORKER_ID", "WORKER_URL", "DynamoEmulator"]
@@ -43,7 +44,7 @@ def _origin(url: str) -> tuple[str, str, int | None]:
     return parts.scheme, (parts.hostname or "").lower(), port
 
 
-class DynamoEmulator:
+class DynamoEmulator(EmulatorBase):
     """Dynamo's frontend and one vLLM worker over ``engine``.
 
     :param engine: the engine the worker runs.
@@ -67,7 +68,7 @@ class DynamoEmulator:
         enable_lora: bool = True,
         lora_hot_swap: bool = False,
     ) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self.deployment = Deployment(
             engine=engine,
             text=Text(engine.model_dir),
@@ -82,64 +83,88 @@ class DynamoEmulator:
         self.generation = Generation(self.deployment)
         self._workers = {_origin(u) for u in worker_urls}
         self._created = int(time.time())
-        #: ``(method, url)`` of every request, in order.
-        self.requests: list[tuple[str, str]] = []
 
-    def transport(self) -> httpx.MockTransport:
-        """An httpx transport that answers in-process."""
-        return httpx.MockTransport(self.handle)
+    def routes(self) -> dict[str, Route]:
+        """The frontend's routes (``/v1/models/{id}`` and ``/engine/<route>`` are found by :meth:`find_route`)."""
 
-    def asgi(self) -> Callable[..., Any]:
-        """The emulator as an ASGI application."""
-        return asgi_app(self.handle)
+        def get(answer: Callable[[], httpx.Response]) -> Route:
+            async def handler(request: httpx.Request) -> httpx.Response:
+                return answer()
 
-    async def aclose(self) -> None:
-        await self.engine.aclose()
+            return Route(handler, methods=GET, level="open")
 
-    async def handle(self, request: httpx.Request) -> httpx.Response:
-        """Answer one request as the frontend or, for a worker URL, as the worker's system port."""
-        self.requests.append((request.method, str(request.url)))
+        return {
+            "/v1/chat/completions": Route(self._chat, level="open"),
+            "/v1/completions": Route(self._completions, level="open"),
+            "/health": get(lambda: json_reply(200, self._health())),
+            "/live": get(lambda: json_reply(200, {"status": "live", "message": "Service is live"})),
+            "/metrics": get(self._metrics_answer),
+            "/busy_threshold": get(
+                lambda: json_reply(200, {"thresholds": [self._threshold(n) for n in self.deployment.served_names()]})
+            ),
+            "/v1/models": get(
+                lambda: json_reply(
+                    200, {"object": "list", "data": [self._model(n) for n in self.deployment.served_names()]}
+                )
+            ),
+        }
+
+    def find_route(self, request: httpx.Request) -> Route | None:
+        """A worker URL gets the worker's system port; ``/engine/<route>`` the worker's engine routes; the rest the
+        frontend."""
         if _origin(str(request.url)) in self._workers:
-            return await self.worker.handle(request)
+            return self._worker_port
         path = request.url.path
         if path.startswith("/engine/"):
-            return await self.worker.engine_route(path.removeprefix("/engine/"), request.content)
-        try:
-            return await self._frontend(request, path)
-        except HttpError as exc:
-            return json_response(exc.status, exc.body)
-
-    async def _frontend(self, request: httpx.Request, path: str) -> httpx.Response:
-        method = request.method
-        if method == "POST" and path in ("/v1/chat/completions", "/v1/completions"):
-            return await self.generation.handle(request, chat=path == "/v1/chat/completions")
-        if method == "GET":
-            answer = self._get(path)
-            if answer is not None:
-                return answer
-        raise HttpError(404, f"Route not found: {method} {path}")
-
-    def _get(self, path: str) -> httpx.Response | None:
-        d = self.deployment
-        if path == "/health":
-            return json_response(200, self._health())
-        if path == "/live":
-            return json_response(200, {"status": "live", "message": "Service is live"})
-        if path == "/metrics":
-            return httpx.Response(200, text=self._metrics(), headers={"content-type": "text/plain; version=0.0.4"})
-        if path == "/busy_threshold":
-            return json_response(200, {"thresholds": [self._threshold(n) for n in d.served_names()]})
-        if path == "/v1/models":
-            return json_response(200, {"object": "list", "data": [self._model(n) for n in d.served_names()]})
+            return self._engine_routes
         if path.startswith("/v1/models/"):
-            name, _, rest = unquote(path.removeprefix("/v1/models/")).partition("/")
-            if name not in d.served_names():
+            return self._model_routes
+        return super().find_route(request)
+
+    def log_entry(self, request: httpx.Request) -> tuple[str, str]:
+        return request.method, str(request.url)  # the host tells the frontend from the worker
+
+    def not_found(self, request: httpx.Request) -> httpx.Response:
+        return HttpError(404, f"Route not found: {request.method} {request.url.path}").response
+
+    method_not_allowed = not_found  # the frontend's router answers an unknown method like an unknown path
+
+    @functools.cached_property
+    def _worker_port(self) -> Route:
+        return Route(self.worker.handle, methods=ANY_METHOD, level="open")
+
+    @functools.cached_property
+    def _engine_routes(self) -> Route:
+        async def handler(request: httpx.Request) -> httpx.Response:
+            return await self.worker.engine_route(request.url.path.removeprefix("/engine/"), request.content)
+
+        return Route(handler, methods=ANY_METHOD, level="open")
+
+    @functools.cached_property
+    def _model_routes(self) -> Route:
+        async def handler(request: httpx.Request) -> httpx.Response:
+            name, _, rest = unquote(request.url.path.removeprefix("/v1/models/")).partition("/")
+            if name not in self.deployment.served_names():
                 raise HttpError(404, "Model not found")
             if rest == "ready":
-                return json_response(200, self._ready(name))
+                return json_reply(200, self._ready(name))
             if not rest:
-                return json_response(200, self._model(name))
-        return None
+                return json_reply(200, self._model(name))
+            return self.not_found(request)
+
+        return Route(handler, methods=GET, level="open")
+
+    async def _chat(self, request: httpx.Request) -> httpx.Response:
+        return await self.generation.handle(request, chat=True)
+
+    async def _completions(self, request: httpx.Request) -> httpx.Response:
+        return await self.generation.handle(request, chat=False)
+
+    def _names(self) -> list[str]:
+        return self.deployment.served_names()
+
+    def _metrics_answer(self) -> httpx.Response:
+        return httpx.Response(200, text=self._metrics(), headers={"content-type": "text/plain; version=0.0.4"})
 
     # -- frontend bodies ----------------------------------------------------------------------------
 

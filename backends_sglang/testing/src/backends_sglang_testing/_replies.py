@@ -10,10 +10,7 @@
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
-import httpx
+from backends_testkit.emulator import HttpError, empty, json_reply, text_reply
 
 __all__ = [
     "HttpError",
@@ -24,28 +21,6 @@ __all__ = [
     "text_reply",
     "validation_error",
 ]
-
-
-def json_reply(status: int, body: Any) -> httpx.Response:
-    """A JSON answer (``null`` included)."""
-    return httpx.Response(status, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
-
-
-def text_reply(status: int, text: str) -> httpx.Response:
-    """A plain body without a content type, as SGLang's bare ``Response(content=...)``."""
-    return httpx.Response(status, content=text.encode())
-
-
-def empty(status: int = 200) -> httpx.Response:
-    return httpx.Response(status)
-
-
-class HttpError(Exception):
-    """Raised inside a route handler; becomes its response."""
-
-    def __init__(self, response: httpx.Response, reason: str) -> None:
-        super().__init__(reason)
-        self.response = response
 
 
 def contract_error(text: str) -> HttpError:

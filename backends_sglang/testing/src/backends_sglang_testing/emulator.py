@@ -1,8 +1,7 @@
 """An SGLang 0.5.23 HTTP server over the numpy reference engine, for tests and the demo.
 
-``SglangEmulator(engine).handle`` is an async ``httpx.Request -> httpx.Response`` function:
-``emulator.transport()`` serves it in-process, ``emulator.asgi()`` under any ASGI server, and
-:func:`backends_testkit.http_server.serve` on a real port.
+Written on the test kit's :class:`~backends_testkit.emulator.EmulatorBase`: ``emulator.transport()`` answers
+in-process, ``emulator.asgi()`` under an ASGI server, ``emulator.serve()`` on a real port.
 
 Routes (method, auth level): ``/generate`` (POST, PUT; normal), ``/health`` ``/health_generate`` ``/ready`` (GET;
 always open), ``/model_info`` ``/get_model_info`` ``/server_info`` ``/get_server_info`` ``/v1/models``
@@ -24,39 +23,30 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Literal, NoReturn
+from typing import Any, NoReturn
 
-import attrs
 import httpx
 
 from backends_sglang_testing import _info
 from backends_sglang_testing._control import Control
 from backends_sglang_testing._generation import Generation, Limits
 from backends_sglang_testing._protocol import parse_generate
-from backends_sglang_testing._replies import HttpError, contract_error, empty, json_reply, validation_error
+from backends_sglang_testing._replies import contract_error, empty, json_reply, validation_error
 from backends_sglang_testing._text import Text
 from backends_sglang_testing._weights import WeightSource, WeightStore
-from backends_testkit.asgi import asgi_app
+from backends_testkit.emulator import GET, GET_POST, POST, EmulatorBase, Level, Route
 from backends_testkit.engine import ReferenceEngine
 
 __all__ = ["SglangEmulator"]
 
-Level = Literal["open", "normal", "admin"]
-Handler = Callable[[Any], Awaitable[httpx.Response]]
-
-
-@attrs.frozen
-class _Route:
-    methods: frozenset[str]
-    level: Level
-    handler: Handler
+BodyHandler = Callable[[Any], Awaitable[httpx.Response]]
 
 
 class _Crashed(Exception):
     """The emulated server died (an assertion SGLang's scheduler does not survive)."""
 
 
-class SglangEmulator:
+class SglangEmulator(EmulatorBase):
     """Serves SGLang's HTTP dialect for one engine.
 
     :param engine: the engine to serve (its ``max_model_len`` is the context length).
@@ -84,7 +74,7 @@ class SglangEmulator:
         max_running_requests: int = 64,
         weight_source: WeightSource | None = None,
     ) -> None:
-        self.engine = engine
+        super().__init__(engine, api_key=api_key, admin_api_key=admin_api_key)
         limits = Limits(context_len=engine.max_model_len, max_total_num_tokens=max_total_num_tokens)
         self.identity = _info.Identity(
             model_path=str(engine.model_dir),
@@ -106,30 +96,33 @@ class SglangEmulator:
         self.control = Control(
             engine, self.generation, self.identity, self.weights, weight_source=weight_source, crash=self._crash
         )
-        self._api_key, self._admin_api_key = api_key, admin_api_key
         #: Why the emulated server died, once it has (every later request is refused).
         self.crashed: str | None = None
-        #: ``(method, path)`` of every request received, in order.
-        self.requests: list[tuple[str, str]] = []
-        self._routes = self._route_table()
 
-    def _route_table(self) -> dict[str, _Route]:
-        get, post, both = frozenset({"GET"}), frozenset({"POST"}), frozenset({"GET", "POST"})
+    def routes(self) -> dict[str, Route]:
         c = self.control
-        routes: dict[str, _Route] = {
-            "/generate": _Route(frozenset({"POST", "PUT"}), "normal", self._generate),
-            "/health": _Route(get, "open", self._health),
-            "/health_generate": _Route(get, "open", self._health),
-            "/ready": _Route(get, "open", self._ready),
-            "/model_info": _Route(get, "normal", self._info(_info.model_info)),
-            "/get_model_info": _Route(get, "normal", self._info(_info.model_info)),
-            "/server_info": _Route(get, "normal", self._info(_info.server_info)),
-            "/get_server_info": _Route(get, "normal", self._info(_info.server_info)),
-            "/v1/models": _Route(get, "normal", self._info(_info.models)),
-            "/v1/loads": _Route(get, "normal", self._info(_info.loads)),
-            "/flush_cache": _Route(both, "admin", c.flush_cache),
-            "/release_memory_occupation": _Route(both, "admin", c.release_memory_occupation),
-            "/resume_memory_occupation": _Route(both, "admin", c.resume_memory_occupation),
+
+        def route(methods: frozenset[str], level: Level, handler: BodyHandler, *, contract: bool = False) -> Route:
+            # /generate's body passes a schema gate first, which words a JSON error differently
+            async def answer(request: httpx.Request) -> httpx.Response:
+                return await handler(self._body(request, contract=contract))
+
+            return Route(answer, methods=methods, level=level)
+
+        routes: dict[str, Route] = {
+            "/generate": route(frozenset({"POST", "PUT"}), "normal", self._generate, contract=True),
+            "/health": route(GET, "open", self._health),
+            "/health_generate": route(GET, "open", self._health),
+            "/ready": route(GET, "open", self._ready),
+            "/model_info": route(GET, "normal", self._info(_info.model_info)),
+            "/get_model_info": route(GET, "normal", self._info(_info.model_info)),
+            "/server_info": route(GET, "normal", self._info(_info.server_info)),
+            "/get_server_info": route(GET, "normal", self._info(_info.server_info)),
+            "/v1/models": route(GET, "normal", self._info(_info.models)),
+            "/v1/loads": route(GET, "normal", self._info(_info.loads)),
+            "/flush_cache": route(GET_POST, "admin", c.flush_cache),
+            "/release_memory_occupation": route(GET_POST, "admin", c.release_memory_occupation),
+            "/resume_memory_occupation": route(GET_POST, "admin", c.resume_memory_occupation),
         }
         for name in (
             "abort_request",
@@ -146,23 +139,17 @@ class SglangEmulator:
             "load_lora_adapter",
             "unload_lora_adapter",
         ):
-            routes[f"/{name}"] = _Route(post, "admin", getattr(c, name))
+            routes[f"/{name}"] = route(POST, "admin", getattr(c, name))
         return routes
 
     # -- serving ----------------------------------------------------------------------------------------
 
-    def transport(self) -> httpx.MockTransport:
-        """An httpx transport that answers in-process."""
-        return httpx.MockTransport(self.handle)
-
-    def asgi(self) -> Callable[..., Awaitable[None]]:
-        """The emulator as an ASGI 3 application."""
-        return asgi_app(self.handle)
-
     async def aclose(self) -> None:
         """Stop the engine and delete the checkpoints written for weight updates."""
-        await self.engine.aclose()
-        self.weights.close()
+        try:
+            await super().aclose()
+        finally:
+            self.weights.close()
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         """Answer one request as SGLang would.
@@ -172,33 +159,15 @@ class SglangEmulator:
         """
         if self.crashed is not None:
             raise httpx.ConnectError(f"connection refused: the emulated SGLang server died ({self.crashed})")
-        path = request.url.path
-        self.requests.append((request.method, path))
-        route = self._routes.get(path)
-        if not self._authorized(route.level if route else "normal", request.headers.get("authorization")):
-            return json_reply(401, {"error": "Unauthorized"})
-        if route is None:
-            return json_reply(404, {"detail": "Not Found"})
-        if request.method not in route.methods:
-            return json_reply(405, {"detail": "Method Not Allowed"})
-        try:
-            response = await route.handler(self._body(request, contract=path == "/generate"))
-        except HttpError as exc:
-            response = exc.response
-        except _Crashed as exc:
-            raise httpx.RemoteProtocolError(f"Server disconnected without sending a response ({exc})") from exc
+        response = await super().handle(request)
         if self.crashed is not None:
             raise httpx.RemoteProtocolError(f"Server disconnected without sending a response ({self.crashed})")
         return response
 
-    def _authorized(self, level: Level, header: str | None) -> bool:
-        if level == "open":
-            return True
-        scheme, _, token = (header or "").partition(" ")
-        token = token if scheme.lower() == "bearer" else ""
-        if level == "admin" and self._admin_api_key is not None:
-            return token == self._admin_api_key
-        return self._api_key is None or token == self._api_key
+    def error_response(self, exc: Exception) -> httpx.Response | None:
+        if isinstance(exc, _Crashed):
+            raise httpx.RemoteProtocolError(f"Server disconnected without sending a response ({exc})") from exc
+        return None
 
     @staticmethod
     def _body(request: httpx.Request, *, contract: bool) -> Any:
@@ -226,7 +195,7 @@ class SglangEmulator:
     async def _ready(self, body: Any) -> httpx.Response:
         return empty(200)
 
-    def _info(self, build: Callable[[_info.Identity, ReferenceEngine], Mapping[str, Any]]) -> Handler:
+    def _info(self, build: Callable[[_info.Identity, ReferenceEngine], Mapping[str, Any]]) -> BodyHandler:
         async def handler(body: Any) -> httpx.Response:
             return json_reply(200, build(self.identity, self.engine))
 

@@ -11,14 +11,13 @@ import asyncio
 import contextlib
 
 from backends_testkit.engine import ReferenceEngine
-from backends_testkit.http_server import serve
 from backends_testkit.reference.emulator import ReferenceEmulator
 
 
 async def _serve(model: str, host: str, port: int, seed: int, name: str | None) -> None:
     engine = ReferenceEngine(model, seed=seed)
     emulator = ReferenceEmulator(engine, model_name=name)
-    async with serve(emulator.handle, host=host, port=port) as url:
+    async with emulator.serve(host=host, port=port) as url:
         print(f"listening on {url}", flush=True)
         try:
             await asyncio.Event().wait()

@@ -1,9 +1,9 @@
 """The reference server: the reference wire dialect served over a :class:`ReferenceEngine`.
 
 Written on :class:`~backends_testkit.emulator.EmulatorBase`: ``emulator.transport()`` answers in-process,
-``emulator.asgi()`` under an ASGI server, ``emulator.serve()`` on a real port. Requests are validated strictly, as a real server would:
-unknown fields, wrong types and engine refusals are 400s with an ``{"error": ...}`` body; unknown routes
-404; wrong methods 405.
+``emulator.asgi()`` under an ASGI server, ``emulator.serve()`` on a real port. Requests are validated strictly,
+as a real server would: unknown fields, wrong types and engine refusals are 400s with an ``{"error": ...}`` body;
+unknown routes 404; wrong methods 405.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ from typing import Any
 
 import httpx
 
+from backends_testkit import emulator
+
 __all__ = ["HttpError", "bad_request", "error_body", "internal_error", "json_response", "not_found", "worker_error"]
 
 
@@ -18,16 +20,13 @@ def error_body(message: str, type_: str, code: int, param: str | None = None) ->
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-class HttpError(Exception):
-    """Raised inside a handler; becomes its response."""
+class HttpError(emulator.HttpError):
+    """Raised inside a handler; ``status`` with the JSON ``body`` is its response."""
 
     def __init__(self, status: int, body: Any) -> None:
-        super().__init__(f"HTTP {status}: {body}")
+        super().__init__(json_response(status, body), f"HTTP {status}: {body}")
         self.status = status
         self.body = body
-
-    def response(self) -> httpx.Response:
-        return json_response(self.status, self.body)
 
 
 def bad_request(message: str, param: str | None = None, type_: str = "BadRequestError") -> HttpError:

