@@ -32,6 +32,7 @@ from backends_core.multiturn import BridgeStats, Conversation
 from backends_core.multiturn.messages import as_plain, normalize_messages
 from backends_core.multiturn.rendering import load_tokenizer
 from backends_core.multiturn.turn_cache import TurnCache
+from backends_core.parsing import CompletionParser
 from backends_core.server import Server
 from backends_core.types import (
     GenerateRequest,
@@ -176,7 +177,8 @@ class Client:
         self._swaps: dict[str, int] = {}
         self._lookups: dict[int, asyncio.Future[None]] = {}
         self._tokenizer = tokenizer
-        self._turns = TurnCache(config.stateless)
+        self._parser: CompletionParser | None = None
+        self._turns = TurnCache(config.stateless, parse=self.parse_completion)
         #: Multi-turn bridge counters shared by every conversation of this client.
         self.bridge_stats = BridgeStats()
         #: Admin operations over every server.
@@ -228,6 +230,29 @@ class Client:
                 )
             self._tokenizer = load_tokenizer(source)
         return self._tokenizer
+
+    def parse_completion(self, result: GenerateResult) -> dict[str, Any]:
+        """The assistant message ``result``'s completion is, as the chat template would render it back.
+
+        The completion is decoded with this client's tokenizer (special tokens kept, its end-of-turn or EOS
+        terminator dropped), then split by the parsers ``config.reasoning_parser`` and ``config.tool_parser``
+        select (see :mod:`backends_core.parsing`).
+
+        :returns: ``{"role": "assistant", "content": str, "reasoning_content": str | None, "tool_calls": list |
+            None}``; ``reasoning_content`` is ``None`` without a reasoning parser or a reasoning block,
+            ``tool_calls`` is ``None`` without a tool parser or calls, else OpenAI's form: ``[{"id", "type":
+            "function", "function": {"name", "arguments": <the JSON text>}}]``. Each call's ``id`` is derived from
+            the completion, so parsing the same result twice gives equal messages.
+        :raises InvalidRequestError: ``result`` is not a :class:`GenerateResult`.
+        :raises ConfigError: no tokenizer is configured.
+        """
+        if not isinstance(result, GenerateResult):
+            raise InvalidRequestError(f"parse_completion takes a GenerateResult, got {type(result).__name__}")
+        if self._parser is None:
+            self._parser = CompletionParser(
+                self.tokenizer, tool_parser=self.driver.tool_parser, reasoning_parser=self.driver.reasoning_parser
+            )
+        return self._parser.parse(result)
 
     def server_index(self, which: int | str) -> int:
         """Index of a server given by index or base URL."""

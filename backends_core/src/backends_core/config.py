@@ -245,6 +245,11 @@ def _urls(value: str | Sequence[str] | None) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _parser_name(_inst: Any, attr: Any, value: Any) -> None:
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise ConfigError(f"{attr.name} must be a parser name (e.g. vLLM's) or null, got {value!r}")
+
+
 def _check_backend(_inst: Any, _attr: Any, value: str) -> None:
     if not _BACKEND_NAME.match(value):
         raise ConfigError(f"backend must match [a-z][a-z0-9_]* (an entry-point name), got {value!r}")
@@ -277,6 +282,11 @@ class ClientConfig:
     :param backend_options: backend-specific options, validated by the backend when the client opens.
     :param verify: TLS certificate verification: ``True`` (default; system CAs), a CA bundle path, or
         ``False`` to disable it (never the default).
+    :param tool_parser: how ``Client.parse_completion`` finds tool calls, by vLLM's parser name (``"hermes"``);
+        ``None`` (default) leaves tool-call markup in the content. Checked against the installed parsers (the
+        ``tool_parsers`` hook) when the client is built.
+    :param reasoning_parser: how ``Client.parse_completion`` finds reasoning, by vLLM's parser name
+        (``"qwen3"``); ``None`` (default) leaves reasoning in the content.
     """
 
     backend: str = attrs.field(validator=_check_backend)
@@ -296,6 +306,8 @@ class ClientConfig:
     stateless: StatelessPolicy = attrs.field(factory=StatelessPolicy, validator=_instance(StatelessPolicy))
     backend_options: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
     verify: bool | str = True
+    tool_parser: str | None = attrs.field(default=None, validator=_parser_name)
+    reasoning_parser: str | None = attrs.field(default=None, validator=_parser_name)
 
     @base_url.validator
     def _check_base_url(self, _attr: Any, value: tuple[str, ...]) -> None:

@@ -20,6 +20,7 @@ from backends_core import hookspecs
 from backends_core.config import ClientConfig
 from backends_core.errors import BackendError, ConfigError, ResponseParseError, UnsupportedOperationError
 from backends_core.events import Event, EventKind
+from backends_core.parsing import ParserNotFoundError, ReasoningParserFactory, ToolParserFactory, merge_parsers
 from backends_core.plugins import implemented_hooks, make_plugin_manager
 from backends_core.server import Server
 from backends_core.types import (
@@ -63,6 +64,21 @@ class BackendDriver:
         #: Optional operations this backend implements (hook names).
         self.capabilities: frozenset[str] = implemented_hooks(self.pm, backend_plugin) & CAPABILITY_HOOKS
         self.options = self._validate_options(config.backend_options)
+        #: Tool and reasoning parsers by name, from every plugin's ``tool_parsers`` / ``reasoning_parsers``.
+        self.tool_parsers: dict[str, ToolParserFactory] = merge_parsers("tool", self.pm.hook.tool_parsers())
+        self.reasoning_parsers: dict[str, ReasoningParserFactory] = merge_parsers(
+            "reasoning", self.pm.hook.reasoning_parsers()
+        )
+        self.tool_parser = self._selected("tool", config.tool_parser, self.tool_parsers)
+        self.reasoning_parser = self._selected("reasoning", config.reasoning_parser, self.reasoning_parsers)
+
+    @staticmethod
+    def _selected(kind: str, name: str | None, installed: Mapping[str, T]) -> T | None:
+        if name is None:
+            return None
+        if name not in installed:
+            raise ParserNotFoundError(kind, name, list(installed))
+        return installed[name]
 
     def _validate_options(self, options: Mapping[str, Any]) -> Any:
         if not self.pm.hook.validate_backend_options.get_hookimpls():

@@ -4,6 +4,8 @@
 
     BackendError                                  base of everything this framework raises
     ├── ConfigError (ValueError)                  bad ClientConfig / backend_options; ``.messages`` has field paths
+    │   └── ParserNotFoundError (LookupError)     tool_parser / reasoning_parser names no installed parser;
+    │                                             ``.kind``, ``.name``, ``.available``
     ├── BackendNotFoundError (LookupError)        no installed backend has that name; lists installed ones,
     │                                             suggests close names, gives the ``pip install`` hint
     ├── BackendConflictError                      two distributions register the same backend name
@@ -54,6 +56,7 @@ __all__ = [
     "ConfigError",
     "InvalidRequestError",
     "NetworkError",
+    "ParserNotFoundError",
     "RenderError",
     "RequestError",
     "RequestTimeout",
@@ -85,6 +88,24 @@ class ConfigError(BackendError, ValueError):
         self.source = source
         where = f" in {source}" if source else ""
         super().__init__(f"invalid configuration{where}: " + "; ".join(self.messages))
+
+
+class ParserNotFoundError(ConfigError, LookupError):
+    """``ClientConfig.tool_parser`` or ``reasoning_parser`` names no installed parser.
+
+    :ivar kind: ``"tool"`` or ``"reasoning"``.
+    :ivar name: the name asked for.
+    :ivar available: the installed names of that kind.
+    """
+
+    def __init__(self, kind: str, name: str, available: Sequence[str]) -> None:
+        self.kind = kind
+        self.name = name
+        self.available = sorted(available)
+        installed = ", ".join(repr(n) for n in self.available) or "none"
+        super().__init__(
+            [f"no {kind} parser named {name!r} is installed (installed: {installed}) @ $.{kind}_parser"]
+        )
 
 
 class BackendNotFoundError(BackendError, LookupError):

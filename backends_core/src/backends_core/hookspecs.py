@@ -9,8 +9,9 @@ Call order for one generation::
 
 Rules every hook follows:
 
-* All specs are ``firstresult``: one backend is registered per client, and its answer is the answer.
-  Returning ``None`` declines (only meaningful for hooks with a core default).
+* All specs but ``observe``, ``tool_parsers`` and ``reasoning_parsers`` are ``firstresult``: one backend is
+  registered per client, and its answer is the answer. Returning ``None`` declines (only meaningful for hooks
+  with a core default). Those three ask every implementation (backend, cross-cutting plugins, core defaults).
 * Sync hooks are pure (no I/O). Async hooks do I/O only through the :class:`~backends_core.server.Server`
   they are given, which maps every HTTP failure to a :mod:`backends_core.errors` type.
 * Required hooks: ``post_generate`` and ``parse_response``. Every other hook is optional; the optional
@@ -31,6 +32,7 @@ import pluggy
 if TYPE_CHECKING:
     from backends_core.config import ClientConfig
     from backends_core.events import Event
+    from backends_core.parsing import ReasoningParserFactory, ToolParserFactory
     from backends_core.server import Server
     from backends_core.types import (
         DistributedGroup,
@@ -53,7 +55,11 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 #: Hooks every backend must implement.
 REQUIRED_HOOKS = frozenset({"post_generate", "parse_response"})
 #: Hooks that are not backend capabilities (core defaults, cross-cutting plugins, test support).
-INFRASTRUCTURE_HOOKS = frozenset({"render", "prepare_request", "observe", "validate_backend_options"})
+INFRASTRUCTURE_HOOKS = frozenset(
+    {"render", "prepare_request", "observe", "validate_backend_options", "tool_parsers", "reasoning_parsers"}
+)
+#: Hooks whose every implementation is called (the rest are ``firstresult``).
+COLLECTING_HOOKS = frozenset({"observe", "tool_parsers", "reasoning_parsers"})
 
 __all__ = [
     "admin_abort",
@@ -75,9 +81,11 @@ __all__ = [
     "parse_response",
     "post_generate",
     "prepare_request",
+    "reasoning_parsers",
     "render",
     "teacher_logprobs",
     "tokenize_messages",
+    "tool_parsers",
     "validate_backend_options",
 ]
 
@@ -189,6 +197,48 @@ def parse_response(
     Raises: :class:`~backends_core.errors.ResponseParseError` naming the offending field.
 
     .. versionadded:: 0.1
+    """
+
+
+# -- Parsing completions back into messages ------------------------------------------------------------------
+
+
+@hookspec
+def tool_parsers() -> Mapping[str, ToolParserFactory] | None:
+    """Tool-call parsers this plugin provides, by the name ``ClientConfig.tool_parser`` selects them with.
+
+    Every implementation is called (the core's defaults, the backend, each cross-cutting plugin passed as
+    ``Client(config, plugins=[...])``) and the answers are merged; two plugins providing one name is a
+    :class:`~backends_core.errors.ConfigError`. Use vLLM's names (``--tool-call-parser``) where the format is
+    one of vLLM's. Mode: sync, pure. Required: no. The core provides ``hermes``
+    (:class:`~backends_core.parsing.HermesToolParser`).
+
+    A factory takes the client's tokenizer and returns a :class:`~backends_core.parsing.ToolParser`: a callable
+    ``parser(text) -> (content, [ParsedToolCall(name, arguments_json), ...])`` on the completion's text after
+    any reasoning. It must drop nothing: text it cannot read as tool calls stays in ``content``.
+
+    :returns: ``{name: factory}``, or ``None`` for none.
+    Raises: nothing (a bad answer is reported as a :class:`~backends_core.errors.ConfigError` by the core).
+
+    .. versionadded:: 0.2
+    """
+
+
+@hookspec
+def reasoning_parsers() -> Mapping[str, ReasoningParserFactory] | None:
+    """Reasoning parsers this plugin provides, by the name ``ClientConfig.reasoning_parser`` selects them with.
+
+    Collected and merged like :func:`tool_parsers`; use vLLM's names (``--reasoning-parser``). Mode: sync, pure.
+    Required: no. The core provides ``qwen3`` (:class:`~backends_core.parsing.Qwen3ReasoningParser`).
+
+    A factory takes the client's tokenizer and returns a :class:`~backends_core.parsing.ReasoningParser`: a
+    callable ``parser(text, *, prompt_ids) -> (reasoning | None, rest)`` on the completion's decoded text;
+    ``prompt_ids`` tell whether the template's generation prompt opened (or closed) the reasoning block.
+
+    :returns: ``{name: factory}``, or ``None`` for none.
+    Raises: nothing (a bad answer is reported as a :class:`~backends_core.errors.ConfigError` by the core).
+
+    .. versionadded:: 0.2
     """
 
 

@@ -26,6 +26,7 @@ from backends_core.errors import (
 )
 from backends_core.hookspecs import hookimpl
 from backends_core.multiturn.rendering import encode, render_text
+from backends_core.parsing import BUILTIN_REASONING_PARSERS, BUILTIN_TOOL_PARSERS
 
 __all__ = ["ENTRY_POINT_GROUP", "BackendInfo", "CoreDefaults", "available_backends", "make_plugin_manager"]
 
@@ -155,3 +156,11 @@ class CoreDefaults:
     @hookimpl(trylast=True)
     def prepare_request(self, request: Any) -> Any:
         return request
+
+    @hookimpl
+    def tool_parsers(self) -> Mapping[str, Any]:
+        return BUILTIN_TOOL_PARSERS
+
+    @hookimpl
+    def reasoning_parsers(self) -> Mapping[str, Any]:
+        return BUILTIN_REASONING_PARSERS

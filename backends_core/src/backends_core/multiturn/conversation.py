@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from backends_core.errors import BridgeError
 from backends_core.multiturn.extension import extend_prompt
+from backends_core.multiturn.messages import normalize_message
+from backends_core.multiturn.turn_cache import check_reply
 from backends_core.types import GenerateResult, Message, SamplingParams
 
 if TYPE_CHECKING:
@@ -21,9 +23,10 @@ class Conversation:
     """A multi-turn exchange that keeps exact ids between turns.
 
     ``await conv.send(messages)`` renders the first turn in full; every later ``send`` takes only the new
-    messages (tool results, the next user message) and extends the previous ids through
-    :func:`extend_prompt`. Pass ``assistant_message=`` when the previous turn's parsed tool calls matter to
-    the template.
+    messages (tool results, the next user message; never an assistant message) and extends the previous ids
+    through :func:`extend_prompt`. The previous turn's reply is recorded in :attr:`messages` as
+    :meth:`Client.parse_completion <backends_core.Client.parse_completion>` of its completion (tool calls and
+    reasoning as the client's parsers find them), and that parse is what the template sees for it.
     """
 
     def __init__(
@@ -40,7 +43,8 @@ class Conversation:
         self._server = server
         #: Session key: every turn sticks to one server (its prefix cache) unless ``server`` pins one.
         self.session = uuid.uuid4().hex
-        #: Every message so far; assistant turns appear as the caller described them (or their decoded text).
+        #: Every message so far; each earlier turn's reply as ``client.parse_completion`` of its completion (the
+        #: last turn's reply joins on the next ``send``).
         self.messages: list[Message] = []
         #: Each turn's result, in order.
         self.turns: list[GenerateResult] = []
@@ -62,9 +66,13 @@ class Conversation:
 
         :param new_messages: the first turn's messages, then only what is new.
         :param sampling: sampling parameters for this turn.
-        :param assistant_message: the previous turn parsed as a message (tool calls), if the caller has it.
+        :param assistant_message: the previous turn's reply as the caller holds it: checked to be the parse of its
+            completion (normal form), so a reply edited after sampling cannot pass for the sampled ids.
         :param generate_kwargs: passed to :meth:`Client.generate` (``request_id``, ``lora``...).
-        :raises BridgeError: the new prompt cannot be proven to extend the previous ids.
+        :raises BridgeError: the new prompt cannot be proven to extend the previous ids; reasons as
+            :func:`extend_prompt`, ``history_rewritten`` (an assistant message among ``new_messages``) and
+            ``assistant_mismatch`` (``assistant_message`` is not the parse of the previous completion). Every
+            failure is counted in ``client.bridge_stats.failures``.
         """
         client = self._client
         if generate_kwargs.get("server") is None:
@@ -80,17 +88,20 @@ class Conversation:
             )
         else:
             previous = self.turns[-1]
-            history = self.messages
             stats = client.bridge_stats
             stats.attempts += 1
             started = time.perf_counter()
             try:
+                _refuse_assistant_turns(new_messages)
+                reply = client.parse_completion(previous)
+                if assistant_message is not None:
+                    check_reply(normalize_message(assistant_message), reply)
                 ids = extend_prompt(
                     client.tokenizer,
-                    history=history,
+                    history=self.messages,
                     previous=previous,
                     new_messages=new_messages,
-                    assistant_message=assistant_message,
+                    assistant_message=reply,
                     tools=self.tools,
                     chat_template_kwargs=self.chat_template_kwargs,
                     stats=stats,
@@ -102,13 +113,23 @@ class Conversation:
             stats.successes += 1
             client.driver.emit("bridge", "bridge", None, started, None, delta_tokens=len(ids) - len(previous.token_ids))
             result = await client.generate(prompt_ids=ids, sampling=sampling, **generate_kwargs)
-            self.messages.append(self._assistant(previous, assistant_message))
+            self.messages.append(reply)
         self.messages.extend(new_messages)
         self.turns.append(result)
         return result
 
-    def _assistant(self, previous: GenerateResult, given: Message | None) -> Message:
-        if given is not None:
-            return given
-        text = self._client.tokenizer.decode(list(previous.completion_ids), skip_special_tokens=True)
-        return {"role": "assistant", "content": text}
+
+def _refuse_assistant_turns(new_messages: Sequence[Message]) -> None:
+    """A later turn's new messages are what follows the sampled reply: an assistant message among them would put
+    words in the model's mouth that it never sampled.
+
+    :raises BridgeError: reason ``history_rewritten``.
+    """
+    for i, m in enumerate(new_messages):
+        if isinstance(m, Mapping) and m.get("role") == "assistant":
+            raise BridgeError(
+                "history_rewritten",
+                f"new_messages[{i}] is an assistant message: the previous turn's reply is its sampled completion "
+                "(conv.messages holds its parse); send only tool results and user messages, or start a new "
+                "conversation for a rewritten history",
+            )

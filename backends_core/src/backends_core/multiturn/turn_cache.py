@@ -6,8 +6,12 @@ by an assistant message, are a prefix of the new list (compared in :func:`.messa
 form, so dicts vs Pydantic objects, ``None`` keys or JSON spacing in tool arguments don't matter), reuses that
 turn's prompt + completion ids untouched, and renders only the tail through the multi-turn bridge.
 
-The tail may only hold tool results and user messages. Anything else is a break: history was rewritten (an
-assistant message in the tail, context folding, a branched sub-agent) or no turn matches. A break raises
+The assistant message at the reuse point must be the parse of the completion reused
+(:meth:`Client.parse_completion <backends_core.Client.parse_completion>`, compared in normal form): the ids
+reused are that completion, so a reply the caller edited would otherwise be sent as the old ids. The tail may
+only hold tool results and user messages. Anything else is a break: the reply differs from the completion
+(``assistant_mismatch``), history was rewritten (an assistant message in the tail, context folding, a branched
+sub-agent) or no turn matches. A break raises
 :class:`~backends_core.errors.BridgeError` (``on_break="raise"``, the default) or, if the caller chose
 ``"rerender"``, renders the whole list and records a counted, logged re-render. Never a silent fallback.
 """
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -24,10 +28,10 @@ import attrs
 from backends_core.config import StatelessPolicy
 from backends_core.errors import BridgeError
 from backends_core.multiturn.extension import BridgeStats, extend_prompt
-from backends_core.multiturn.messages import _flat_strings, normal_forms
+from backends_core.multiturn.messages import _flat_strings, normal_forms, normalize_message
 from backends_core.types import GenerateResult
 
-__all__ = ["Turn", "TurnCache"]
+__all__ = ["Turn", "TurnCache", "check_reply"]
 
 _TAIL_ROLES = frozenset({"tool", "user"})
 
@@ -41,10 +45,16 @@ class Turn:
 
 
 class TurnCache:
-    """Bounded per-session memory of turns, and the prefix search over it."""
+    """Bounded per-session memory of turns, and the prefix search over it.
 
-    def __init__(self, policy: StatelessPolicy) -> None:
+    :param policy: how many sessions and turns to remember.
+    :param parse: a completion's assistant message (``Client.parse_completion``): the reply a reused turn
+        must be followed by.
+    """
+
+    def __init__(self, policy: StatelessPolicy, *, parse: Callable[[GenerateResult], Mapping[str, Any]]) -> None:
         self.policy = policy
+        self.parse = parse
         self._sessions: OrderedDict[str, list[Turn]] = OrderedDict()
         # per session, the last message list seen: a deep snapshot of each dict and its normal form, so the
         # next list (the same messages, fresh copies, plus a few new ones) is normalised by one C-level
@@ -113,7 +123,8 @@ class TurnCache:
         tail was rendered (see :func:`~backends_core.multiturn.extension.extend_prompt`).
 
         :raises BridgeError: reasons ``no_prefix`` (no remembered turn prefixes the list: history rewritten
-            or folded), ``history_rewritten`` (the tail holds an assistant or system message), or any
+            or folded), ``assistant_mismatch`` (the assistant message after the reused turn is not the parse
+            of its completion), ``history_rewritten`` (the tail holds an assistant or system message), or any
             :func:`~backends_core.multiturn.extension.extend_prompt` reason.
         """
         if session not in self._sessions:
@@ -127,6 +138,7 @@ class TurnCache:
                 f"{len(normalized)} messages (history rewritten or folded?)",
             )
         turn, at = found
+        check_reply(normalized[at], self.parse(turn.result))
         tail = normalized[at + 1 :]
         odd = [m["role"] for m in tail if m["role"] not in _TAIL_ROLES]
         if odd:
@@ -145,3 +157,32 @@ class TurnCache:
             chat_template_kwargs=chat_template_kwargs,
             stats=stats,
         )
+
+
+def _untyped_calls(message: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(message)
+    if out.get("tool_calls"):
+        out["tool_calls"] = [
+            {k: v for k, v in call.items() if not (k == "type" and v == "function")} if isinstance(call, Mapping) else call
+            for call in out["tool_calls"]
+        ]
+    return out
+
+
+def check_reply(given: Mapping[str, Any], parsed: Mapping[str, Any]) -> None:
+    """``given`` (an assistant message, normal form) is ``parsed`` (the completion's parse) up to benign
+    differences (:func:`~backends_core.multiturn.messages.normalize_message`, and a tool call's ``"type":
+    "function"`` spelled out or not).
+
+    :raises BridgeError: reason ``assistant_mismatch``, naming the fields that differ.
+    """
+    given, expected = _untyped_calls(given), _untyped_calls(normalize_message(parsed))
+    if given == expected:
+        return
+    fields = sorted(k for k in {*given, *expected} if given.get(k) != expected.get(k))
+    shown = "; ".join(f"{k}: given {given.get(k)!r:.80}, parsed {expected.get(k)!r:.80}" for k in fields)
+    raise BridgeError(
+        "assistant_mismatch",
+        f"the assistant message is not the parse of the completion whose ids would be reused ({shown}); "
+        "send client.parse_completion(result) as the reply, or start a new session",
+    )
