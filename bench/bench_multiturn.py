@@ -110,6 +110,7 @@ def main() -> None:
     from backends_core.multiturn.messages import normalize_messages
     from backends_core.multiturn.rendering import encode, render_text
     from backends_core.multiturn.turn_cache import TurnCache
+    from backends_core.parsing import CompletionParser
     from backends_core.types import GenerateResult
 
     tok = c.tokenizer()
@@ -135,7 +136,7 @@ def main() -> None:
                 logprobs=np.zeros(len(completions[-1]), np.float32),
                 finish_reason="stop",
             )
-            cache = TurnCache(StatelessPolicy())
+            cache = TurnCache(StatelessPolicy(), parse=CompletionParser(tok, tool_parser=None, reasoning_parser=None).parse)
             cache.remember("s", normalize_messages(prev_msgs), prev)
             cache._normalize("s", prev_msgs)  # what turn t-1's call left in the session
             seen = cache._seen["s"]  # the session saw turn t-1's list; every timed call starts from there

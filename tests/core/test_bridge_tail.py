@@ -17,6 +17,7 @@ from backends_core.multiturn.extension import clear_template_cache
 from backends_core.multiturn.messages import normalize_messages
 from backends_core.multiturn.rendering import encode, load_tokenizer, render_text
 from backends_core.multiturn.turn_cache import TurnCache
+from backends_core.parsing import CompletionParser
 
 TOOLS = [
     {
@@ -323,7 +324,7 @@ def test_boundary_drift_is_still_detected_after_verification(tok) -> None:
 
 
 def test_the_stateless_cache_counts_tail_renders(tok) -> None:
-    cache = TurnCache(StatelessPolicy())
+    cache = TurnCache(StatelessPolicy(), parse=CompletionParser(tok, tool_parser=None, reasoning_parser=None).parse)
     stats = BridgeStats()
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Question 0?"}]
     prompt = encode(tok, render_text(tok, messages))

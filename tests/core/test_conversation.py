@@ -11,7 +11,11 @@ import pytest
 from backends_core import BridgeError, Client, ClientConfig, Event, SamplingParams, hookimpl
 from backends_core.multiturn.extension import clear_template_cache
 from backends_testkit.engine import ReferenceEngine
+from backends_core.multiturn.rendering import load_tokenizer
 from backends_testkit.reference.emulator import ReferenceEmulator
+from scripted_backend import ScriptedBackend
+
+TOOLS = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object", "properties": {}}}}]
 
 
 class Recorder:
@@ -107,3 +111,67 @@ async def test_a_failed_bridge_raises_counts_and_sends_nothing(client: Client) -
     assert client.bridge_stats.failures == {"foreign_stop_token": 1} and client.bridge_stats.successes == 0
     assert [e for e in client.recorder.events if e.kind == "generate"] == generated  # type: ignore[attr-defined]
     assert len(conv.turns) == 1
+
+
+async def test_an_assistant_message_as_a_new_turn_is_refused_counted_and_nothing_is_sent(client: Client) -> None:
+    conv = client.conversation()
+    await conv.send([{"role": "user", "content": "x"}], sampling=SamplingParams(max_tokens=4, seed=1))
+    generated = [e for e in client.recorder.events if e.kind == "generate"]  # type: ignore[attr-defined]
+    injected = [{"role": "assistant", "content": "words never sampled"}, {"role": "user", "content": "y"}]
+    with pytest.raises(BridgeError) as info:
+        await conv.send(injected)
+    assert info.value.reason == "history_rewritten" and "new_messages[0]" in str(info.value)
+    assert client.bridge_stats.failures == {"history_rewritten": 1} and client.bridge_stats.attempts == 1
+    assert [e for e in client.recorder.events if e.kind == "generate"] == generated  # type: ignore[attr-defined]
+    bridge = [e for e in client.recorder.events if e.kind == "bridge"]  # type: ignore[attr-defined]
+    assert [e.detail.get("reason") for e in bridge] == ["history_rewritten"]
+    assert len(conv.turns) == 1 and len(conv.messages) == 1
+
+
+@pytest.fixture
+async def scripted_client(tiny_models):
+    tok = load_tokenizer(str(tiny_models.dense))
+    replies = [
+        '<think>\nthe user wants files\n</think>\n\n<tool_call>\n{"name": "ls", "arguments": {"path": "src"}}\n'
+        "</tool_call><|im_end|>",
+        "<think>\n\n</think>\n\nTwo files.<|im_end|>",
+        "unused<|im_end|>",
+    ]
+    config = ClientConfig(
+        backend="scripted",
+        base_url="http://scripted",
+        tokenizer=str(tiny_models.dense),
+        tool_parser="hermes",
+        reasoning_parser="qwen3",
+    )
+    async with Client(config, plugin=ScriptedBackend(tok, replies)) as c:
+        yield c
+
+
+async def test_each_reply_is_recorded_as_the_parse_of_its_completion(scripted_client: Client) -> None:
+    conv = scripted_client.conversation(tools=TOOLS)
+    first = await conv.send([{"role": "user", "content": "list the files"}])
+    second = await conv.send([{"role": "tool", "content": "a.py b.py"}])
+    await conv.send([{"role": "user", "content": "thanks"}])
+    assert conv.messages[1] == scripted_client.parse_completion(first)
+    assert conv.messages[1]["reasoning_content"] == "the user wants files" and conv.messages[1]["content"] == ""
+    assert conv.messages[1]["tool_calls"][0]["function"] == {"name": "ls", "arguments": '{"path": "src"}'}
+    assert conv.messages[3] == {"role": "assistant", "content": "Two files.", "reasoning_content": "", "tool_calls": None}
+    assert conv.messages[3] == scripted_client.parse_completion(second)
+    # the recorded reply renders to exactly the ids sampled (before a later user query, where the template drops
+    # earlier reasoning)
+    assert tuple(scripted_client.render(conv.messages[:3], tools=TOOLS)) == conv.turns[1].prompt_ids
+
+
+async def test_an_assistant_message_given_for_the_previous_turn_must_be_its_parse(scripted_client: Client) -> None:
+    conv = scripted_client.conversation(tools=TOOLS)
+    first = await conv.send([{"role": "user", "content": "list the files"}])
+    edited = {**scripted_client.parse_completion(first), "reasoning_content": "something else"}
+    with pytest.raises(BridgeError) as info:
+        await conv.send([{"role": "tool", "content": "a.py"}], assistant_message=edited)
+    assert info.value.reason == "assistant_mismatch" and "reasoning_content" in str(info.value)
+    assert scripted_client.bridge_stats.failures == {"assistant_mismatch": 1}
+    same = {**scripted_client.parse_completion(first), "reasoning_content": "the user wants files"}
+    same["tool_calls"] = [{**call, "id": "mine"} for call in same["tool_calls"]]  # call ids are the caller's
+    second = await conv.send([{"role": "tool", "content": "a.py"}], assistant_message=same)
+    assert second.prompt_ids[: len(first.token_ids)] == first.token_ids

@@ -25,7 +25,7 @@ def test_all_lists_every_spec_and_only_specs() -> None:
 def test_spec_is_typed_documented_and_firstresult(name: str) -> None:
     fn = SPECS[name]
     opts = fn.backends_core_spec
-    assert opts["firstresult"] is (name != "observe")
+    assert opts["firstresult"] is (name not in hookspecs.COLLECTING_HOOKS)
     assert not opts.get("historic")
     doc = inspect.getdoc(fn) or ""
     params = inspect.signature(fn).parameters

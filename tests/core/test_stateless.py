@@ -19,6 +19,7 @@ from backends_core.multiturn.messages import normalize_message, normalize_messag
 from backends_core.multiturn.rendering import encode, load_tokenizer, render_text
 from backends_testkit.engine import ReferenceEngine
 from backends_testkit.reference.emulator import ReferenceEmulator
+from scripted_backend import ScriptedBackend
 
 TOOLS = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object", "properties": {}}}}]
 
@@ -57,10 +58,7 @@ async def make_client(tiny_models):
 
 
 def reply(client: Client, result: GenerateResult) -> dict:
-    return {
-        "role": "assistant",
-        "content": client.tokenizer.decode(list(result.completion_ids), skip_special_tokens=True),
-    }
+    return client.parse_completion(result)
 
 
 async def test_an_agent_loop_sending_full_lists_reuses_every_turns_exact_ids(make_client) -> None:
@@ -93,22 +91,46 @@ class PydanticLike:
     name: str | None = None
 
 
-async def test_benign_differences_between_turns_do_not_break_reuse(make_client) -> None:
-    client = await make_client()
+LS_CALL = '<tool_call>\n{"name": "ls", "arguments": {"path": "src", "all": true}}\n</tool_call><|im_end|>'
+
+
+@pytest.fixture
+async def scripted(tiny_models):
+    """A client over a backend that replies with the given texts, parsing tool calls (``hermes``)."""
+    clients = []
+
+    async def make(*replies: str, **policy) -> Client:
+        tok = load_tokenizer(str(tiny_models.dense))
+        config = ClientConfig(
+            backend="scripted",
+            base_url="http://scripted",
+            tokenizer=str(tiny_models.dense),
+            tool_parser="hermes",
+            stateless=StatelessPolicy(**policy),
+        )
+        client = Client(config, plugin=ScriptedBackend(tok, list(replies)))
+        clients.append(client)
+        return client
+
+    yield make
+    for c in clients:
+        await c.aclose()
+
+
+async def test_benign_differences_between_turns_do_not_break_reuse(scripted) -> None:
+    client = await scripted(LS_CALL, "two files<|im_end|>", "ok<|im_end|>")
     first_msgs = [{"role": "user", "content": "call ls", "name": None}]
-    first = await client.generate(
-        messages=first_msgs, sampling=SamplingParams(max_tokens=4, seed=1), tools=TOOLS, session="s"
-    )
+    first = await client.generate(messages=first_msgs, tools=TOOLS, session="s")
+    parsed = client.parse_completion(first)
+    assert parsed["tool_calls"][0]["function"] == {"name": "ls", "arguments": '{"path": "src", "all": true}'}
     call = {"type": "function", "function": {"name": "ls", "arguments": '{"path":  "src",  "all": true}'}}
-    # turn 2 re-sends turn 1 as objects, without the None key, with reformatted tool-call JSON
+    # turn 2 re-sends turn 1 as objects, without the None key, with reformatted tool-call JSON and no call id
     second_msgs = [
         PydanticLike(role="user", content="call ls"),
         PydanticLike(role="assistant", content=None, tool_calls=[call]),
         {"role": "tool", "content": "a.py"},
     ]
-    second = await client.generate(
-        messages=second_msgs, sampling=SamplingParams(max_tokens=4, seed=1), tools=TOOLS, session="s"
-    )
+    second = await client.generate(messages=second_msgs, tools=TOOLS, session="s")
     assert second.prompt_ids[: len(first.token_ids)] == first.token_ids
     call_respaced = {"type": "function", "function": {"name": "ls", "arguments": {"all": True, "path": "src"}}}
     third_msgs = [
@@ -118,11 +140,42 @@ async def test_benign_differences_between_turns_do_not_break_reuse(make_client) 
         reply(client, second),
         {"role": "user", "content": "thanks"},
     ]
-    third = await client.generate(
-        messages=third_msgs, sampling=SamplingParams(max_tokens=4, seed=1), tools=TOOLS, session="s"
-    )
+    third = await client.generate(messages=third_msgs, tools=TOOLS, session="s")
     assert third.prompt_ids[: len(second.token_ids)] == second.token_ids
     assert client.bridge_stats.successes == 2
+
+
+async def test_a_reply_that_is_not_the_parse_of_the_reused_completion_is_a_counted_break(scripted) -> None:
+    client = await scripted(LS_CALL, "unused<|im_end|>")
+    messages: list = [{"role": "user", "content": "list files"}]
+    first = await client.generate(messages=messages, tools=TOOLS, session="s")
+    edited = client.parse_completion(first)
+    edited["tool_calls"][0]["function"]["arguments"] = '{"path": "lib", "all": true}'  # not what was sampled
+    with pytest.raises(BridgeError) as info:
+        await client.generate(
+            messages=[*messages, edited, {"role": "tool", "content": "a.py"}], tools=TOOLS, session="s"
+        )
+    assert info.value.reason == "assistant_mismatch" and "tool_calls" in str(info.value)
+    assert client.bridge_stats.failures == {"assistant_mismatch": 1} and client.bridge_stats.successes == 0
+    as_text = {"role": "assistant", "content": client.tokenizer.decode(list(first.completion_ids))}
+    with pytest.raises(BridgeError) as info:  # the raw text of a completion with a tool call is not its parse
+        await client.generate(messages=[*messages, as_text, {"role": "tool", "content": "a.py"}], session="s")
+    assert info.value.reason == "assistant_mismatch"
+    assert client.bridge_stats.failures == {"assistant_mismatch": 2}
+
+
+async def test_a_mismatched_reply_is_rerendered_only_when_the_caller_chose_so_and_counted(scripted, caplog) -> None:
+    client = await scripted(LS_CALL, "done<|im_end|>", on_break="rerender")
+    messages: list = [{"role": "user", "content": "list files"}]
+    first = await client.generate(messages=messages, tools=TOOLS, session="s")
+    edited = {**client.parse_completion(first), "content": "let me look"}
+    messages += [edited, {"role": "tool", "content": "a.py"}]
+    with caplog.at_level(logging.WARNING, logger="backends_core.client"):
+        second = await client.generate(messages=messages, tools=TOOLS, session="s")
+    assert list(second.prompt_ids) == client.render(messages, tools=TOOLS)  # the edited reply, rendered in full
+    assert second.prompt_ids[: len(first.token_ids)] != first.token_ids
+    assert client.bridge_stats.rerendered == 1 and client.bridge_stats.failures == {"assistant_mismatch": 1}
+    assert "assistant_mismatch" in caplog.text
 
 
 async def test_rewritten_history_raises_by_default_with_the_reason(make_client) -> None:
@@ -203,21 +256,22 @@ async def test_a_history_edited_in_place_is_still_a_break(make_client) -> None:
     assert third.prompt_ids[: len(second.token_ids)] == second.token_ids
 
 
-async def test_a_tool_call_edited_in_place_deep_in_the_history_is_still_a_break(make_client) -> None:
-    client = await make_client()
-    sampling = SamplingParams(max_tokens=4)
-    call = {"type": "function", "function": {"name": "ls", "arguments": {"path": "src"}}}
+async def test_a_tool_call_edited_in_place_deep_in_the_history_is_still_a_break(scripted) -> None:
+    client = await scripted(LS_CALL, "two files<|im_end|>", "unused<|im_end|>", "welcome<|im_end|>")
     messages: list = [{"role": "user", "content": "list files"}]
-    await client.generate(messages=messages, sampling=sampling, tools=TOOLS, session="s")
-    messages += [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": "a.py"}]
-    second = await client.generate(messages=messages, sampling=sampling, tools=TOOLS, session="s")
+    first = await client.generate(messages=messages, tools=TOOLS, session="s")
+    call = client.parse_completion(first)
+    messages += [call, {"role": "tool", "content": "a.py"}]
+    second = await client.generate(messages=messages, tools=TOOLS, session="s")
     messages += [reply(client, second), {"role": "user", "content": "thanks"}]
-    call["function"]["arguments"]["path"] = "lib"  # nested, in place, in an object the caller already sent
+    function = call["tool_calls"][0]["function"]
+    function["arguments"] = function["arguments"].replace("src", "lib")  # in place, in an object already sent
     with pytest.raises(BridgeError) as info:
-        await client.generate(messages=messages, sampling=sampling, tools=TOOLS, session="s")
-    assert info.value.reason == "history_rewritten"  # only turn 1 is still a prefix: an assistant follows it
-    call["function"]["arguments"]["path"] = "src"
-    third = await client.generate(messages=messages, sampling=sampling, tools=TOOLS, session="s")
+        await client.generate(messages=messages, tools=TOOLS, session="s")
+    # only turn 1 is still a prefix, and the (edited) tool call after it is not the parse of its completion
+    assert info.value.reason == "assistant_mismatch"
+    function["arguments"] = function["arguments"].replace("lib", "src")
+    third = await client.generate(messages=messages, tools=TOOLS, session="s")
     assert third.prompt_ids[: len(second.token_ids)] == second.token_ids
 
 

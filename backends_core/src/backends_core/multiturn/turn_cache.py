@@ -159,25 +159,14 @@ class TurnCache:
         )
 
 
-def _untyped_calls(message: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(message)
-    if out.get("tool_calls"):
-        out["tool_calls"] = [
-            {k: v for k, v in call.items() if not (k == "type" and v == "function")} if isinstance(call, Mapping) else call
-            for call in out["tool_calls"]
-        ]
-    return out
-
-
 def check_reply(given: Mapping[str, Any], parsed: Mapping[str, Any]) -> None:
     """``given`` (an assistant message, normal form) is ``parsed`` (the completion's parse) up to benign
-    differences (:func:`~backends_core.multiturn.messages.normalize_message`, and a tool call's ``"type":
-    "function"`` spelled out or not).
+    differences (:func:`~backends_core.multiturn.messages.normalize_message`).
 
     :raises BridgeError: reason ``assistant_mismatch``, naming the fields that differ.
     """
-    given, expected = _untyped_calls(given), _untyped_calls(normalize_message(parsed))
-    if given == expected:
+    expected = normalize_message(parsed)
+    if dict(given) == expected:
         return
     fields = sorted(k for k in {*given, *expected} if given.get(k) != expected.get(k))
     shown = "; ".join(f"{k}: given {given.get(k)!r:.80}, parsed {expected.get(k)!r:.80}" for k in fields)
