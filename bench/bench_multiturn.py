@@ -136,7 +136,9 @@ def main() -> None:
                 logprobs=np.zeros(len(completions[-1]), np.float32),
                 finish_reason="stop",
             )
-            cache = TurnCache(StatelessPolicy(), parse=CompletionParser(tok, tool_parser=None, reasoning_parser=None).parse)
+            cache = TurnCache(
+                StatelessPolicy(), parse=CompletionParser(tok, tool_parser=None, reasoning_parser=None).parse
+            )
             cache.remember("s", normalize_messages(prev_msgs), prev)
             cache._normalize("s", prev_msgs)  # what turn t-1's call left in the session
             seen = cache._seen["s"]  # the session saw turn t-1's list; every timed call starts from there

@@ -10,8 +10,8 @@ import pytest
 
 from backends_core import BridgeError, Client, ClientConfig, Event, SamplingParams, hookimpl
 from backends_core.multiturn.extension import clear_template_cache
-from backends_testkit.engine import ReferenceEngine
 from backends_core.multiturn.rendering import load_tokenizer
+from backends_testkit.engine import ReferenceEngine
 from backends_testkit.reference.emulator import ReferenceEmulator
 from scripted_backend import ScriptedBackend
 
@@ -156,7 +156,12 @@ async def test_each_reply_is_recorded_as_the_parse_of_its_completion(scripted_cl
     assert conv.messages[1] == scripted_client.parse_completion(first)
     assert conv.messages[1]["reasoning_content"] == "the user wants files" and conv.messages[1]["content"] == ""
     assert conv.messages[1]["tool_calls"][0]["function"] == {"name": "ls", "arguments": '{"path": "src"}'}
-    assert conv.messages[3] == {"role": "assistant", "content": "Two files.", "reasoning_content": "", "tool_calls": None}
+    assert conv.messages[3] == {
+        "role": "assistant",
+        "content": "Two files.",
+        "reasoning_content": "",
+        "tool_calls": None,
+    }
     assert conv.messages[3] == scripted_client.parse_completion(second)
     # the recorded reply renders to exactly the ids sampled (before a later user query, where the template drops
     # earlier reasoning)

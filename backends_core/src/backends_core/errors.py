@@ -103,9 +103,7 @@ class ParserNotFoundError(ConfigError, LookupError):
         self.name = name
         self.available = sorted(available)
         installed = ", ".join(repr(n) for n in self.available) or "none"
-        super().__init__(
-            [f"no {kind} parser named {name!r} is installed (installed: {installed}) @ $.{kind}_parser"]
-        )
+        super().__init__([f"no {kind} parser named {name!r} is installed (installed: {installed}) @ $.{kind}_parser"])
 
 
 class BackendNotFoundError(BackendError, LookupError):
