@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, ClassVar, NoReturn, TypeVar
@@ -47,6 +48,7 @@ from backends_core import (
 )
 from backends_core.driver import CAPABILITY_HOOKS
 from backends_core.hookspecs import REQUIRED_HOOKS
+from backends_core.multiturn.rendering import encode, render_text
 from backends_core.plugins import implemented_hooks, make_plugin_manager
 from backends_testkit.emulators import make_emulator
 from backends_testkit.engine import ReferenceEngine
@@ -780,3 +782,63 @@ class BackendConformance:
             client, "abort(request_ids)", abort, request_id="conformance-abort"
         )
         assert result.finish_reason == "abort" and counts[0] in (1, -1)
+
+    # -- parse_completion (issue #14, item 3): completions parsed back into assistant messages ---------------------
+    # Parsing is the core's (the client's tokenizer and parsers), so every backend passes it once its completions
+    # are exact; these checks hold a backend's completions to the round trip an agent loop relies on.
+
+    @contextlib.asynccontextmanager
+    async def _parsing_client(
+        self, engine: ReferenceEngine, live_url: str | None, request: pytest.FixtureRequest
+    ) -> AsyncIterator[Client]:
+        config = self.make_config(engine, live_url, request, tool_parser="hermes", reasoning_parser="qwen3")
+        transport = None if live_url else self.emulator_transport(engine)
+        async with Client(config, transport=transport, plugin=self.plugin) as client:
+            yield client
+
+    @pytest.mark.asyncio
+    async def test_parse_completion_returns_an_assistant_message(
+        self, engine: ReferenceEngine, live_url: str | None, request: pytest.FixtureRequest
+    ) -> None:
+        async with self._parsing_client(engine, live_url, request) as client:
+            result = await client.generate(messages=MESSAGES, sampling=SamplingParams(max_tokens=12, seed=1))
+            message = client.parse_completion(result)
+        assert set(message) == {"role", "content", "reasoning_content", "tool_calls"}
+        assert message["role"] == "assistant" and isinstance(message["content"], str)
+        assert message["reasoning_content"] is None or isinstance(message["reasoning_content"], str)
+        for call in message["tool_calls"] or ():
+            assert call["type"] == "function" and isinstance(call["id"], str) and call["id"]
+            assert isinstance(call["function"]["name"], str)
+            assert isinstance(json.loads(call["function"]["arguments"]), dict)
+
+    @pytest.mark.asyncio
+    @pytest.mark.parametrize("seed", [1, 6])
+    async def test_parsed_completion_renders_back_to_the_sampled_ids(
+        self, engine: ReferenceEngine, live_url: str | None, request: pytest.FixtureRequest, seed: int
+    ) -> None:
+        kwargs = {"enable_thinking": False}  # the prompt closes the think block: the reply is what follows it
+        async with self._parsing_client(engine, live_url, request) as client:
+            result = await client.generate(
+                messages=MESSAGES,
+                sampling=SamplingParams(max_tokens=6, seed=seed, temperature=1.0),
+                chat_template_kwargs=kwargs,
+            )
+            message = client.parse_completion(result)
+            tok = client.tokenizer
+            # the sample without the stop token that ended it (the template writes its own end of turn there)
+            body = list(result.completion_ids[:-1] if result.finish_reason == "stop" else result.completion_ids)
+            sampled = tok.decode(body, skip_special_tokens=False)
+            if "<think>" in sampled or "</think>" in sampled:
+                pytest.skip(
+                    f"seed {seed}: the sample holds think markup after a closed think block, which the template "
+                    "cannot produce"
+                )
+            text = render_text(tok, [*MESSAGES, message], add_generation_prompt=False, chat_template_kwargs=kwargs)
+        expected = tok.decode(list(result.prompt_ids), skip_special_tokens=False) + sampled
+        assert text == expected + "<|im_end|>\n"  # the same text, closed by the template's end of turn
+        # where the tokenizer writes that text as the sampled ids (on the emulator these seeds' samples are such), the
+        # re-render is the sampled ids; a sample that splits a character or a word otherwise can only match as text
+        canonical = encode(tok, expected) == [*result.prompt_ids, *body]
+        assert canonical or live_url is not None
+        if canonical:
+            assert encode(tok, text)[: len(result.prompt_ids) + len(body)] == [*result.prompt_ids, *body]
