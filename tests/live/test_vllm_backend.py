@@ -58,17 +58,17 @@ async def test_multi_turn_tito_over_six_turns_with_tool_messages(client: Client)
     conv = client.conversation(tools=TOOLS)
     sampling = SamplingParams(max_tokens=12, temperature=1.0, seed=3)
     turns = [await conv.send([{"role": "user", "content": "list the files in src"}], sampling=sampling)]
-    call = {"type": "function", "function": {"name": "ls", "arguments": {"path": "src"}}}
     for step in range(5):
         new = (
             [{"role": "tool", "content": f"file_{step}.py"}]
             if step % 2 == 0
             else [{"role": "user", "content": "go on"}]
         )
-        assistant = {"role": "assistant", "content": "", "tool_calls": [call]} if step % 2 == 0 else None
-        turns.append(await conv.send(new, sampling=sampling, assistant_message=assistant))
+        # the reply as the caller holds it: the parse of the sampled completion, checked against it
+        turns.append(await conv.send(new, sampling=sampling, assistant_message=client.parse_completion(turns[-1])))
     for before, after in itertools.pairwise(turns):
         assert after.prompt_ids[: len(before.token_ids)] == before.token_ids
+    assert conv.messages[1::2] == [client.parse_completion(t) for t in turns[:-1]]
     assert client.bridge_stats.successes == 5 and client.bridge_stats.failed == 0
     teacher = await client.teacher_logprobs(turns[-1].token_ids)  # the whole exact sequence scores consistently
     np.testing.assert_allclose(teacher.logprobs[len(turns[-1].prompt_ids) :], turns[-1].logprobs, atol=1e-4)

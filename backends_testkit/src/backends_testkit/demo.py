@@ -2,7 +2,7 @@
 
 By default it builds the tiny models (cached), builds the backend's emulator (``backends_testkit.emulators``) over
 the numpy reference engine, serves a two-server dense fleet and one MoE server on local ports, and drives them
-through the public API as a trainer would: multi-turn token-in/token-out with a tool call, teacher logprobs,
+through the public API as a trainer would: multi-turn token-in/token-out with a tool result, teacher logprobs,
 LoRA, a weight sync with a request kept in flight, and routed experts. With ``urls`` it does the same against
 real servers serving the tiny models. Every step checks what it shows; a broken invariant ends the demo with a
 non-zero exit status.
@@ -71,17 +71,15 @@ async def embedded_servers(
 
 
 async def _multi_turn(client: Client, seed: int) -> GenerateResult:
-    print("\n1. multi-turn token-in/token-out with a tool call")
+    print("\n1. multi-turn token-in/token-out with a tool result")
     conv = client.conversation(tools=TOOLS, server=0)
     sampling = SamplingParams(max_tokens=24, temperature=0.8, seed=seed)
     first = await conv.send([{"role": "user", "content": "Which files are in src?"}], sampling=sampling)
     print(f"  turn 1: {len(first.prompt_ids)} prompt ids -> {len(first.completion_ids)} completion ids")
-    call = {"type": "function", "function": {"name": "list_files", "arguments": {"path": "src"}}}
-    second = await conv.send(
-        [{"role": "tool", "content": "main.py util.py"}],
-        sampling=sampling,
-        assistant_message={"role": "assistant", "content": "", "tool_calls": [call]},
-    )
+    reply = client.parse_completion(first)
+    calls = len(reply["tool_calls"] or ())
+    print(f"  turn 1 parsed: {len(reply['content'])} characters of content, {calls} tool call(s)")
+    second = await conv.send([{"role": "tool", "content": "main.py util.py"}], sampling=sampling)
     third = await conv.send([{"role": "user", "content": "Open main.py."}], sampling=sampling)
     for n, (before, after) in enumerate(((first, second), (second, third)), start=2):
         new = len(after.prompt_ids) - len(before.token_ids)
@@ -331,7 +329,14 @@ async def _demo(
             where = "embedded emulators"
         else:
             where = "real servers"
-        config = ClientConfig(backend=backend, base_url=list(urls), model=model, tokenizer=str(models.dense))
+        config = ClientConfig(
+            backend=backend,
+            base_url=list(urls),
+            model=model,
+            tokenizer=str(models.dense),
+            tool_parser="hermes",
+            reasoning_parser="qwen3",
+        )
         async with Client(config) as client:
             caps = client.capabilities
             print(f"\nbackend {backend!r} over {len(client.servers)} {where}: {', '.join(client.base_urls)}")
