@@ -151,6 +151,8 @@ def test_where_the_completion_starts_is_read_from_the_generation_prompt(make_cli
     opened = render_text(tok, USER) + "<think>\n"  # a template that opens the block in the generation prompt
     inside = client.parse_completion(completion(tok, "weighing it\n</think>\n\nYes.<|im_end|>", prompt=opened))
     assert (inside["reasoning_content"], inside["content"]) == ("weighing it", "Yes.")
+    repeated = client.parse_completion(completion(tok, "<think>\nhm\n</think>\n\nNo.<|im_end|>", prompt=opened))
+    assert (repeated["reasoning_content"], repeated["content"]) == ("hm", "No.")
     closed = render_text(tok, USER, chat_template_kwargs={"enable_thinking": False})
     assert closed.endswith("<think>\n\n</think>\n\n")
     plain = client.parse_completion(completion(tok, "Yes, </think> is a tag.<|im_end|>", prompt=closed))

@@ -97,7 +97,7 @@ class Qwen3ReasoningParser:
     Where the completion starts is read from the prompt's last turn (the generation prompt): a ``<think>`` the
     template opened there and did not close means the completion starts inside the reasoning; a closed one
     (``enable_thinking=False`` renders an empty block) means it is all content. Otherwise a completion that
-    starts with ``<think>`` opens it. Inside, reasoning runs to ``</think>``, or, like vLLM 0.32, to a
+    starts with ``<think>`` opens it (after an opening in the prompt, a repeated ``<think>`` is markup). Inside, reasoning runs to ``</think>``, or, like vLLM 0.32, to a
     ``<tool_call>`` (an implicit end); with neither the sample was cut short and all of it is reasoning.
 
     The template's markup is not part of the fields: one newline after ``<think>`` and before ``</think>``, and
@@ -120,10 +120,9 @@ class Qwen3ReasoningParser:
         state = self._prompt_state(prompt_ids)
         if state == "closed":
             return None, text
-        if state == "none":
-            if not text.startswith(_THINK):
-                return None, text
-            text = text[len(_THINK) :]
+        if state == "none" and not text.startswith(_THINK):
+            return None, text
+        text = text.removeprefix(_THINK)  # opens the block, or repeats the prompt's opening (as vLLM absorbs it)
         end = text.find(_END_THINK)
         call = text.find(_TOOL_CALL)
         if end >= 0 and (call < 0 or end < call):
