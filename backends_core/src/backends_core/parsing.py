@@ -97,8 +97,9 @@ class Qwen3ReasoningParser:
     Where the completion starts is read from the prompt's last turn (the generation prompt): a ``<think>`` the
     template opened there and did not close means the completion starts inside the reasoning; a closed one
     (``enable_thinking=False`` renders an empty block) means it is all content. Otherwise a completion that
-    starts with ``<think>`` opens it (after an opening in the prompt, a repeated ``<think>`` is markup). Inside, reasoning runs to ``</think>``, or, like vLLM 0.32, to a
-    ``<tool_call>`` (an implicit end); with neither the sample was cut short and all of it is reasoning.
+    starts with ``<think>`` opens it (after an opening in the prompt, a repeated ``<think>`` is markup).
+    Inside, reasoning runs to ``</think>``, or, like vLLM 0.32, to a ``<tool_call>`` (an implicit end); with
+    neither the sample was cut short and all of it is reasoning.
 
     The template's markup is not part of the fields: one newline after ``<think>`` and before ``</think>``, and
     up to two after ``</think>``.
