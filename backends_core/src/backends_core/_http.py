@@ -27,6 +27,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+import yarl
 from aiohttp.client_proto import ResponseHandler
 from aiohttp.client_reqrep import ClientRequest
 from aiohttp.connector import Connection
@@ -184,7 +185,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         try:
             async with session.request(
                 request.method,
-                str(request.url),
+                _url(str(request.url)),
                 headers=headers,
                 data=data,
                 allow_redirects=False,
@@ -213,13 +214,17 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         extensions: dict[str, Any] = {"http_version": b"HTTP/1.1"}
         if answer.reason:
             extensions["reason_phrase"] = answer.reason.encode()
-        return httpx.Response(
+        response = httpx.Response(
             answer.status,
             headers=answer.raw_headers,
             stream=httpx.ByteStream(body),
             request=request,
             extensions=extensions,
         )
+        if "content-encoding" not in answer.headers:
+            # the body as httpx's ``aread`` would return it (nothing to decode), without iterating the stream
+            response._content = body
+        return response
 
     @property
     def connections(self) -> int:
@@ -239,6 +244,13 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+@functools.lru_cache(maxsize=4096)
+def _url(url: str) -> yarl.URL:
+    """The URL as aiohttp would parse it from the string, parsed once per URL (aiohttp re-parses a string on every
+    request)."""
+    return yarl.URL(url)
 
 
 def _tokens(values: Iterable[str]) -> set[str]:
