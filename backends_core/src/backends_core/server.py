@@ -280,7 +280,7 @@ async def _send(
 
 def _request_url(url: str, params: Mapping[str, Any] | None) -> httpx.URL:
     """``httpx.URL(url, params=params)`` as ``httpx.Request`` builds it, parsed once per route and query of
-    scalar values (parsing and merging the query cost several times the rest of building a request)."""
+    scalar values (parsing and merging the query was most of the cost of building a request)."""
     if not params:
         return _parsed_url(url)
     try:  # the type is part of the key: True, 1 and 1.0 are equal keys but different query values
