@@ -1,8 +1,11 @@
 """cProfile of one client's generate calls against the instant server: where the client CPU goes.
 
     uv run python bench/profile_client.py [--client ours_ids] [--body plain] [--conc 1] [--n 400] [--top 25]
+    uv run python bench/profile_client.py --admin 64 [--n 20] [--delay 0.05]
 
 Prints the functions with the most own time (tottime) and cumulative time. Used for the bounds in bench/README.md.
+``--admin N`` profiles ``n`` rounds of pause → update → resume over N emulated servers answering after ``--delay``
+seconds (the fleet fan-out of ``bench_fleet.py``: 4 admin calls per server and round) instead of generate calls.
 """
 
 from __future__ import annotations
@@ -50,8 +53,14 @@ async def main() -> None:
     parser.add_argument("--n", type=int, default=400)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--sort", default="tottime")
+    parser.add_argument("--admin", type=int, default=0, help="profile admin calls over this many servers")
+    parser.add_argument("--delay", type=float, default=0.05, help="seconds each emulated server takes per admin call")
     args = parser.parse_args()
     c.pin(0)
+    if args.admin:
+        profile, calls = await profile_admin(args.admin, args.n, args.delay)
+        report(profile, f"pause → update → resume over {args.admin} servers, per admin call", calls, args)
+        return
     fx = Fixture()
     with c.ServerProcess() as server:
         port = "re_obj" if args.body == "re" and args.client.startswith("renderers") else args.body
@@ -62,10 +71,32 @@ async def main() -> None:
         await run_calls(call, args.n, args.conc)
         profile.disable()
         await close()
+    report(profile, f"{args.client} {args.body} c={args.conc}", args.n, args)
+
+
+async def profile_admin(servers: int, rounds: int, delay: float) -> tuple[cProfile.Profile, int]:
+    """``rounds`` of pause → update → resume over ``servers`` emulated servers under cProfile."""
+    from backends_core import Client, ClientConfig
+
+    with c.ServerProcess("--admin", str(servers), "--admin-delay", str(delay)) as fleet:
+        urls = [fleet.url(f"admin{i}") for i in range(servers)]
+        async with Client(ClientConfig(backend="vllm", base_url=urls, model=c.MODEL)) as client:
+            await client.admin.health()  # connections up
+            profile = cProfile.Profile()
+            for r in range(rounds):
+                profile.enable()
+                await client.admin.pause(mode="wait")
+                await client.admin.update_weights("/ckpt/step", version=f"v{r}")
+                await client.admin.resume()
+                profile.disable()
+    return profile, 4 * rounds * servers
+
+
+def report(profile: cProfile.Profile, what: str, calls: int, args: argparse.Namespace) -> None:
     out = io.StringIO()
     stats = pstats.Stats(profile, stream=out)
     total = sum(v[2] for v in stats.stats.values())  # type: ignore[attr-defined]
-    print(f"{args.client} {args.body} c={args.conc}: {total / args.n * 1e6:.0f} µs/call of profiled own time")
+    print(f"{what}: {total / calls * 1e6:.0f} µs/call of profiled own time")
     print("own time by package (share of the client's profiled CPU):")
     for package, share in by_package(stats, total):
         print(f"  {package:<28} {share * 100:5.1f} %")

@@ -1,5 +1,6 @@
-"""Admin calls send exactly what ``httpx.AsyncClient.request`` would send (client headers, then the call's; cookies;
-the admin timeout; the mounted transport) and read answers the way it does."""
+"""Requests of both planes send exactly what ``httpx.AsyncClient.request`` would send (client headers, then the
+call's; cookies; the admin timeout or the client's; the client's hooks; the mounted transport) and read answers the
+way it does."""
 
 from __future__ import annotations
 
@@ -73,6 +74,107 @@ async def test_the_admin_request_is_the_one_httpx_would_send(call: dict[str, Any
     )
     assert seen(requests[0]) == seen(requests[1])
     assert requests[0].extensions["timeout"]["read"] == 7.0
+
+
+def make_data_server(data_client: httpx.AsyncClient) -> Server:
+    return Server(
+        base_url="http://data:8000",
+        admin_url="http://admin",
+        data_client=data_client,
+        admin_client=httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(500))),
+        retry=RetryPolicy(attempts=1, backoff=0),
+    )
+
+
+@pytest.mark.parametrize("call", CALLS, ids=[c["path"] for c in CALLS])
+async def test_the_data_request_is_the_one_httpx_would_send(call: dict[str, Any]) -> None:
+    requests: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        requests.append(request)
+        return httpx.Response(200, json={"ok": True})
+
+    client = httpx.AsyncClient(
+        transport=httpx.MockTransport(handler),
+        headers={"authorization": "Bearer api"},
+        timeout=httpx.Timeout(5.0, connect=2.0, pool=9.0),
+    )
+    assert await make_data_server(client).request(**call) == {"ok": True}
+    headers = dict(call.get("headers", {}))
+    content = None
+    if "json_body" in call:
+        content = orjson.dumps(call["json_body"])
+        headers["content-type"] = "application/json"
+    await client.request(
+        call["method"], "http://data:8000" + call["path"], params=call.get("params"), headers=headers, content=content
+    )
+    assert seen(requests[0]) == seen(requests[1])
+    assert requests[0].extensions["timeout"] == {"connect": 2.0, "read": 5.0, "write": 5.0, "pool": 9.0}
+
+
+async def test_query_values_that_compare_equal_stay_distinct() -> None:
+    """``True == 1 == 1.0``, but httpx writes them as ``true``, ``1`` and ``1.0``; the same route and name in turn."""
+    queries: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        queries.append(request.url.query.decode())
+        return httpx.Response(200, json={})
+
+    server = make_server(httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    for value in (True, 1, 1.0, "1", None, ["a", "b"], True):
+        await server.request("POST", "/sleep", params={"level": value}, plane="admin", expect="none")
+    assert queries == ["level=true", "level=1", "level=1.0", "level=1", "level=", "level=a&level=b", "level=true"]
+
+
+async def test_the_data_client_hooks_see_every_request_and_answer() -> None:
+    seen_requests: list[str | None] = []
+    seen_answers: list[int] = []
+
+    async def on_request(request: httpx.Request) -> None:
+        request.headers["x-session"] = "s1"
+
+    async def on_answer(response: httpx.Response) -> None:
+        seen_answers.append(response.status_code)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen_requests.append(request.headers.get("x-session"))
+        return httpx.Response(201, json={})
+
+    client = httpx.AsyncClient(
+        transport=httpx.MockTransport(handler), event_hooks={"request": [on_request], "response": [on_answer]}
+    )
+    await make_data_server(client).request("POST", "/generate", json_body={})
+    assert seen_requests == ["s1"]
+    assert seen_answers == [201]
+
+
+@pytest.mark.parametrize("plane", ["data", "admin"])
+async def test_a_closed_client_sends_nothing(plane: str) -> None:
+    sent: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return httpx.Response(200, json={})
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    server = make_data_server(client) if plane == "data" else make_server(client)
+    await client.aclose()
+    with pytest.raises(RuntimeError, match="closed"):
+        await server.request("GET", "/health", plane=plane)  # type: ignore[arg-type]
+    assert sent == []
+
+
+async def test_cookies_the_data_server_sets_are_kept_and_sent_back() -> None:
+    cookies: list[str | None] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        cookies.append(request.headers.get("cookie"))
+        return httpx.Response(200, json={}, headers={"set-cookie": "route=d1; Path=/"})
+
+    server = make_data_server(httpx.AsyncClient(transport=httpx.MockTransport(handler)))
+    await server.request("GET", "/v1/models", expect="none")
+    await server.request("GET", "/v1/models", expect="none")
+    assert cookies == [None, "route=d1"]
 
 
 async def test_cookies_the_admin_server_sets_are_kept_and_sent_back() -> None:

@@ -216,6 +216,70 @@ async def test_two_origins_share_the_connection_limit() -> None:
         assert len(one.conns) == 1 and len(two.conns) == 1  # each origin's idle connection is kept and reused
 
 
+class Tally:
+    """Connections a raw server accepted and saw closed by the client, to wait on from the test (with a deadline)."""
+
+    def __init__(self, together: int) -> None:
+        self.together = threading.Barrier(together)  # the first requests are answered only once all arrived
+        self.closed = 0
+        self.changed = threading.Condition()
+
+    def handle(self, server: RawServer, s: socket.socket, f: BinaryIO, index: int) -> None:
+        first = True
+        while read_request(f) is not None:
+            server.requests += 1
+            if first:
+                first = False
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    self.together.wait(10)
+            s.sendall(ok())
+        with self.changed:  # the client closed the connection
+            self.closed += 1
+            self.changed.notify_all()
+
+    async def closed_reaches(self, n: int) -> bool:
+        def wait() -> bool:
+            with self.changed:
+                return self.changed.wait_for(lambda: self.closed >= n, timeout=10)
+
+        return await asyncio.to_thread(wait)
+
+
+async def test_max_keepalive_connections_is_the_number_of_idle_connections_kept() -> None:
+    tally = Tally(5)
+    with raw_server(lambda s, f, i: tally.handle(server, s, f, i)) as server:
+        client, transport = lean(max_connections=10, max_keepalive_connections=2)
+        async with client:
+            answers = await asyncio.gather(*(client.get(server.url) for _ in range(5)))
+            assert [a.status_code for a in answers] == [200] * 5
+            assert len(server.conns) == 5  # all five were open at once
+            assert await tally.closed_reaches(3)
+            assert transport.connections == transport.idle_connections == 2
+            for _ in range(4):  # the two kept are the ones reused
+                assert (await client.get(server.url)).status_code == 200
+            answers = await asyncio.gather(*(client.get(server.url) for _ in range(2)))
+            assert [a.status_code for a in answers] == [200] * 2
+        assert await tally.closed_reaches(5)  # closing the client closed the two kept
+        assert len(server.conns) == 5 and server.requests == 11
+
+
+async def test_the_idle_cap_counts_every_origin_and_max_connections_only_those_in_use() -> None:
+    tallies = Tally(2), Tally(2)
+    with (
+        raw_server(lambda s, f, i: tallies[0].handle(one, s, f, i)) as one,
+        raw_server(lambda s, f, i: tallies[1].handle(two, s, f, i)) as two,
+    ):
+        client, transport = lean(max_connections=2, max_keepalive_connections=3)
+        async with client:
+            for server in (one, two):  # two at once to each origin; the first two stay idle meanwhile
+                answers = await asyncio.gather(*(client.get(server.url) for _ in range(2)))
+                assert [a.status_code for a in answers] == [200] * 2
+            assert len(one.conns) == 2 and len(two.conns) == 2
+            assert await tallies[0].closed_reaches(1)  # the longest idle: one of the first origin's
+            assert transport.connections == transport.idle_connections == 3
+            assert tallies[1].closed == 0
+
+
 async def test_hundreds_in_flight() -> None:
     n = 400
     arrived = 0

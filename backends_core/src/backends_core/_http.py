@@ -27,6 +27,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+import yarl
 from aiohttp.client_proto import ResponseHandler
 from aiohttp.client_reqrep import ClientRequest
 from aiohttp.connector import Connection
@@ -102,11 +103,14 @@ class _Exchange(ResponseHandler):
 
 
 class _Connector(aiohttp.TCPConnector):
-    """aiohttp's pool, with :class:`_Exchange` connections whose current exchange this task can look at."""
+    """aiohttp's pool, with :class:`_Exchange` connections whose current exchange this task can look at, and at
+    most ``max_idle`` idle connections (all hosts together; ``None``: no cap): a connection released beyond it
+    closes the longest-idle one (the nearest to its keep-alive expiry, and to being closed by the server)."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, *, max_idle: int | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._factory = functools.partial(_Exchange, loop=self._loop)  # type: ignore[assignment]  # a subclass
+        self._max_idle = max_idle
 
     async def connect(
         self,
@@ -121,12 +125,35 @@ class _Connector(aiohttp.TCPConnector):
             protocol.force_close()  # the request asks for it; aiohttp would keep the connection otherwise
         return connection
 
+    def _release(self, key: Any, protocol: ResponseHandler, *, should_close: bool = False) -> None:
+        super()._release(key, protocol, should_close=should_close)
+        if self._max_idle is None or self._closed:
+            return
+        idle = self._conns
+        excess = sum(map(len, idle.values())) - self._max_idle
+        while excess > 0:
+            oldest = min((k for k in idle if idle[k]), key=lambda k: idle[k][0][1])
+            conns = idle[oldest]
+            stale, _ = conns.popleft()
+            if not conns:
+                del idle[oldest]
+            transport = stale.transport
+            stale.close()
+            if oldest.is_ssl and not self._cleanup_closed_disabled:
+                self._cleanup_closed_transports.append(transport)
+            excess -= 1
+
 
 class AiohttpTransport(httpx.AsyncBaseTransport):
     """``httpx`` requests sent through one ``aiohttp.ClientSession`` (created on first use, in the running loop).
 
-    :param limits: ``max_connections`` caps the pool (all hosts together); ``keepalive_expiry`` is how long an
-        idle connection is kept; ``max_keepalive_connections=0`` or ``keepalive_expiry=0`` closes every
+    :param limits: ``max_connections`` caps the connections in use at once, all hosts together (a request
+        beyond it waits for one, up to the ``pool`` timeout); idle connections do not count towards it, so towards
+        one host at most ``max_connections`` are ever open, and over several hosts idle connections to one may
+        stay open while others are in use. ``max_keepalive_connections`` caps the idle connections kept for reuse
+        (all hosts together; the longest idle is closed when one more is released), so at most
+        ``max_connections + max_keepalive_connections`` are open at once; ``keepalive_expiry`` is how long an
+        idle connection is kept. ``max_keepalive_connections=0`` or ``keepalive_expiry=0`` closes every
         connection after its answer.
     :param verify: TLS verification: an ``ssl.SSLContext``, ``True`` (system CAs) or ``False`` (none).
     """
@@ -145,6 +172,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             limit=limits.max_connections or 0,
             keepalive_timeout=limits.keepalive_expiry if keep else None,
             force_close=not keep,
+            max_idle=limits.max_keepalive_connections,
             ssl=self._tls,
         )
         session = aiohttp.ClientSession(
@@ -184,7 +212,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         try:
             async with session.request(
                 request.method,
-                str(request.url),
+                _url(str(request.url)),
                 headers=headers,
                 data=data,
                 allow_redirects=False,
@@ -213,13 +241,17 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         extensions: dict[str, Any] = {"http_version": b"HTTP/1.1"}
         if answer.reason:
             extensions["reason_phrase"] = answer.reason.encode()
-        return httpx.Response(
+        response = httpx.Response(
             answer.status,
             headers=answer.raw_headers,
             stream=httpx.ByteStream(body),
             request=request,
             extensions=extensions,
         )
+        if "content-encoding" not in answer.headers:
+            # the body as httpx's ``aread`` would return it (nothing to decode), without iterating the stream
+            response._content = body
+        return response
 
     @property
     def connections(self) -> int:
@@ -239,6 +271,13 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+@functools.lru_cache(maxsize=4096)
+def _url(url: str) -> yarl.URL:
+    """The URL as aiohttp would parse it from the string, parsed once per URL (aiohttp re-parses a string on every
+    request)."""
+    return yarl.URL(url)
 
 
 def _tokens(values: Iterable[str]) -> set[str]:

@@ -92,8 +92,11 @@ class Limits:
     """Connection pool sizes. The admin plane has its own small pool so weight syncs never queue behind
     thousands of generation requests.
 
-    :param max_connections: data-plane connections across all servers.
-    :param max_keepalive_connections: idle data-plane connections kept open.
+    :param max_connections: data-plane connections in use at once across all servers (a request beyond it waits
+        for one, up to ``Timeouts.pool``); idle connections do not count, so at most ``max_connections +
+        max_keepalive_connections`` are open.
+    :param max_keepalive_connections: idle data-plane connections kept open for reuse, all servers together (the
+        longest idle is closed when one more is released).
     :param keepalive_expiry: seconds an idle connection is kept; keep it below the server's own keep-alive.
     :param admin_max_connections: admin-plane connections per server (their own pool).
     """

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import contextvars
 import email.utils
+import functools
 import json
 import math
 import time
@@ -163,9 +164,7 @@ class Server:
         statuses = policy.statuses(idempotent=repeatable)
         resend = repeatable and policy.resend_idempotent
         refused_until = None if refusal is None else time.monotonic() + refusal.within
-        extra: dict[str, Any] = {}
-        if plane == "admin":
-            extra["timeout"] = httpx.Timeout(self._admin_timeout)
+        timeout = _timeout(self._admin_timeout) if plane == "admin" else None
         content = None if json_body is None else dumps(json_body)
         if plane == "admin":
             own = self.home_headers if self.admin_url in self._home or not self._home else self.admin_headers
@@ -181,9 +180,7 @@ class Server:
         while True:
             attempt += 1
             try:
-                response = await client.request(
-                    method, url, content=content, params=params, headers=sent_headers, **extra
-                )
+                response = await _send(client, method, url, content, params, sent_headers, timeout)
             except httpx.TransportError as exc:
                 # the server reset the connection after its last 5xx, before answering this request
                 reset = isinstance(exc, httpx.ReadError | httpx.WriteError | httpx.RemoteProtocolError)
@@ -219,6 +216,92 @@ class Server:
             body = _redact(_error_body(response), self.secrets)
             hint = status_hint(response.status_code, body) if status_hint else None
             raise ServerStatusError(method=method, url=url, status_code=response.status_code, body=body, hint=hint)
+
+
+async def _send(
+    client: httpx.AsyncClient,
+    method: str,
+    url: str,
+    content: bytes | None,
+    params: Mapping[str, Any] | None,
+    headers: Mapping[str, str],
+    timeout: httpx.Timeout | None,  # noqa: ASYNC109  # the request's own, as httpx takes it
+) -> httpx.Response:
+    """``client.request(...)`` for both planes, without the layers of ``httpx.AsyncClient.send`` these clients
+    never use: the same request (client headers, then the call's; the client's cookies; the timeout, the client's
+    unless given) goes to the same transport (``mounts`` included) after the client's request hooks, and the whole
+    body is read and the answer closed. Cookies the server sets are kept as httpx keeps them. A client with auth,
+    redirects on or default query parameters takes httpx's own path.
+
+    A fleet's phase costs one event loop the client's CPU per call times the number of servers
+    (``bench/bench_fleet.py``): httpx's request building from a string URL, the redirect/auth layers, cookie
+    extraction of every answer and its logging were a large part of that per-call cost.
+    """
+    if client.auth is not None or client.follow_redirects or client.params:
+        return await client.request(
+            method, url, content=content, params=params, headers=headers, timeout=timeout or httpx.USE_CLIENT_DEFAULT
+        )
+    if client.is_closed:
+        raise RuntimeError("Cannot send a request, as the client has been closed.")
+    merged = httpx.Headers(client.headers)
+    if headers:
+        merged.update(headers)
+    cookies = client.cookies
+    request = httpx.Request(
+        method,
+        _request_url(url, params),
+        headers=merged,
+        cookies=cookies if cookies else None,
+        content=content,
+        extensions={"timeout": (timeout or client.timeout).as_dict()},
+    )
+    hooks = client.event_hooks
+    for hook in hooks["request"]:
+        await hook(request)
+    try:
+        response = await client._transport_for_url(request.url).handle_async_request(request)
+    except httpx.RequestError as exc:  # as httpx's own path: the error names its request
+        try:
+            exc.request  # noqa: B018
+        except RuntimeError:
+            exc.request = request
+        raise
+    response.request = request
+    try:
+        await response.aread()
+    finally:
+        await response.aclose()
+    if "set-cookie" in response.headers:
+        cookies.extract_cookies(response)
+    for hook in hooks["response"]:
+        await hook(response)
+    return response
+
+
+def _request_url(url: str, params: Mapping[str, Any] | None) -> httpx.URL:
+    """``httpx.URL(url, params=params)`` as ``httpx.Request`` builds it, parsed once per route and query of
+    scalar values (parsing and merging the query was most of the cost of building a request)."""
+    if not params:
+        return _parsed_url(url)
+    try:  # the type is part of the key: True, 1 and 1.0 are equal keys but different query values
+        return _url_with_query(url, tuple((k, v.__class__, v) for k, v in params.items()))
+    except TypeError:  # an unhashable value (a list of values for one name)
+        return _parsed_url(url).copy_merge_params(params)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parsed_url(url: str) -> httpx.URL:
+    return httpx.URL(url)
+
+
+@functools.lru_cache(maxsize=4096)
+def _url_with_query(url: str, items: tuple[tuple[str, type, Any], ...]) -> httpx.URL:
+    return _parsed_url(url).copy_merge_params({k: v for k, _, v in items})
+
+
+@functools.lru_cache(maxsize=64)
+def _timeout(seconds: float | None) -> httpx.Timeout:
+    return httpx.Timeout(seconds)
 
 
 def retry_after(response: httpx.Response) -> float | None:
