@@ -17,6 +17,7 @@ from backends_core.errors import (
     BackendNotFoundError,
     BackendValidationError,
     BridgeError,
+    ClientClosedError,
     ConfigError,
     InvalidRequestError,
     NetworkError,
@@ -24,6 +25,7 @@ from backends_core.errors import (
     RequestError,
     RequestTimeout,
     ResponseParseError,
+    RunningEventLoopError,
     ServerRefusedError,
     ServerStatusError,
     StaleServerError,
@@ -38,6 +40,7 @@ from backends_core.multiturn import BridgeStats, Conversation, extend_prompt
 from backends_core.plugins import ENTRY_POINT_GROUP, BackendInfo, available_backends
 from backends_core.routed_experts import align_routed_experts, decode_routed_experts
 from backends_core.server import Refusal, Server, StatusHint, idempotent_requests
+from backends_core.sync_client import SyncAdmin, SyncClient, SyncConversation
 from backends_core.types import (
     DistributedGroup,
     GenerateRequest,
@@ -69,6 +72,7 @@ __all__ = [
     "BridgeError",
     "BridgeStats",
     "Client",
+    "ClientClosedError",
     "ClientConfig",
     "ConfigError",
     "Conversation",
@@ -89,6 +93,7 @@ __all__ = [
     "ResponseParseError",
     "RetryPolicy",
     "RoutedExperts",
+    "RunningEventLoopError",
     "SamplingParams",
     "Server",
     "ServerOutcome",
@@ -98,6 +103,9 @@ __all__ = [
     "ServerStatusError",
     "StaleServerError",
     "StatusHint",
+    "SyncAdmin",
+    "SyncClient",
+    "SyncConversation",
     "SyncReport",
     "TeacherLogprobs",
     "TeacherRequest",
