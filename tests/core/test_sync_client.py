@@ -290,6 +290,19 @@ def test_a_client_dropped_without_close_stops_its_thread(config: ClientConfig, s
     assert not thread.is_alive()
 
 
+def test_a_client_whose_last_reference_drops_on_its_own_loop_thread_stops_it(
+    config: ClientConfig, server: VllmServer
+) -> None:
+    # e.g. a plugin hook, run on the loop, holding the last reference: the finalizer cannot wait for itself there
+    client = SyncClient(config, transport=server.transport())
+    portal = client._portal
+    holder = [client]
+    del client
+    portal.call("drop", holder.clear)
+    portal.thread.join(DEADLINE_S)
+    assert not portal.thread.is_alive() and portal.loop.is_closed()
+
+
 def test_a_process_that_never_closes_its_client_exits_cleanly(tiny_models) -> None:
     script = textwrap.dedent(
         f"""

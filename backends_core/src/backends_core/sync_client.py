@@ -27,9 +27,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import inspect
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
@@ -47,6 +48,8 @@ __all__ = ["SyncAdmin", "SyncClient", "SyncConversation"]
 P = ParamSpec("P")
 T = TypeVar("T")
 S = TypeVar("S")
+R = TypeVar("R")
+W = TypeVar("W")
 
 
 def _refuse_running_loop(what: str) -> None:
@@ -79,7 +82,10 @@ class _LoopThread:
 
     def _serve(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.close()
 
     @property
     def closed(self) -> bool:
@@ -139,8 +145,7 @@ class _LoopThread:
                 asyncio.run_coroutine_threadsafe(self._shutdown(finish, stop=False), self.loop).result()
             finally:
                 self.loop.call_soon_threadsafe(self.loop.stop)
-                self.thread.join()
-                self.loop.close()
+                self.thread.join()  # the thread closes the loop on its way out
 
     async def _shutdown(self, finish: Callable[[], Awaitable[None]] | None, *, stop: bool) -> None:
         try:
@@ -188,6 +193,23 @@ def _on_loop(method: Callable[Concatenate[S, P], T]) -> Callable[Concatenate[_Mi
     def mirror(self: _Mirror[S], /, *args: P.args, **kwargs: P.kwargs) -> T:
         return self._portal.call(what, lambda: method(self._target, *args, **kwargs))
 
+    return mirror
+
+
+def _wrapping(
+    method: Callable[Concatenate[S, P], R], face: Callable[[_LoopThread, R], W]
+) -> Callable[Concatenate[_Mirror[S], P], W]:
+    """The mirror of the plain method ``method`` that returns an async object: the method runs on the loop's
+    thread, and its result is handed back in its blocking face, ``face(portal, result)``."""
+    what = method.__name__
+
+    @functools.wraps(method)
+    def mirror(self: _Mirror[S], /, *args: P.args, **kwargs: P.kwargs) -> W:
+        return face(self._portal, self._portal.call(what, lambda: method(self._target, *args, **kwargs)))
+
+    name = getattr(face, "__name__", None)
+    if name is not None:  # help() shows the blocking face, not the async object
+        mirror.__signature__ = inspect.signature(method).replace(return_annotation=name)  # type: ignore[attr-defined]
     return mirror
 
 
@@ -380,16 +402,4 @@ class SyncClient(_Mirror[Client]):
     check_tokenizer = _blocking(Client.check_tokenizer)
     render = _on_loop(Client.render)
 
-    def conversation(
-        self,
-        *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        server: int | str | None = None,
-    ) -> SyncConversation:
-        """Start a multi-turn conversation that reuses each turn's exact ids (see :class:`SyncConversation`)."""
-        conversation = self._portal.call(
-            "conversation",
-            lambda: self._target.conversation(tools=tools, chat_template_kwargs=chat_template_kwargs, server=server),
-        )
-        return SyncConversation(self._portal, conversation)
+    conversation = _wrapping(Client.conversation, SyncConversation)
