@@ -8,9 +8,10 @@ loads the new checkpoint under a new weight version, flushes the prefix cache an
 
 It runs against the embedded engine: the vLLM emulator over the test kit's numpy reference engine serving the tiny
 models (built locally, cached), on a local port served by its own thread, which stands in for a vLLM server. A
-trainer points ``base_url`` at its servers instead. Every fact the loop relies on is checked with ``assert``::
+trainer points ``base_url`` at its servers instead (``--url``: a vLLM server on this machine serving the tiny dense
+model, whose checkpoints it can read). Every fact the loop relies on is checked with ``assert``::
 
-    python examples/sync_rollout_loop.py [--models-dir DIR] [--steps 50]
+    python examples/sync_rollout_loop.py [--models-dir DIR] [--steps 50] [--url http://127.0.0.1:8000]
 """
 
 from __future__ import annotations
@@ -93,14 +94,16 @@ def reward(sample: GenerateResult) -> float:
     return sum(1 for t in sample.completion_ids if t % 2 == 0) / max(len(sample.completion_ids), 1)
 
 
-def run(models_dir: Path, steps: int) -> None:
+def run(models_dir: Path, steps: int, url: str | None = None) -> None:
     models = build_tiny_models(models_dir)
     checkpoints = Path(tempfile.mkdtemp(prefix="sync-rollout-"))
-    with embedded_vllm_server(models.dense) as url:
+    with contextlib.ExitStack() as stack:
+        if url is None:
+            url = stack.enter_context(embedded_vllm_server(models.dense))
         config = ClientConfig(backend="vllm", base_url=url, model="tiny-qwen3", tokenizer=str(models.dense))
         with SyncClient(config) as client, ThreadPoolExecutor(BATCH) as workers:
             assert client.admin.health() == [True]
-            version = client.admin.state()[0].weight_version
+            version = started_on = client.admin.state()[0].weight_version
             probe_ids = client.render([{"role": "user", "content": PROMPTS[0]}])
             base = client.generate(prompt_ids=probe_ids, sampling=PROBE)
             tokens = 0
@@ -141,7 +144,7 @@ def run(models_dir: Path, steps: int) -> None:
                     assert not np.allclose(moved.logprobs, base.logprobs, atol=1e-4)  # the new weights serve
                     print(f"step {step + 1:2d}: weights {version} loaded, {tokens} tokens sampled so far")
             # back to the weights the run started from: pause, load, flush, resume, verify, in one call
-            original = base.weight_version or "base"
+            original = started_on or "base"
             report = client.admin.weight_sync(path=str(models.dense), version=original, mode="wait")
             assert report.ok
             back = client.generate(prompt_ids=probe_ids, sampling=PROBE)
@@ -155,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--models-dir", type=Path, default=None, help="where the tiny models are built (cached)")
     parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--url", help="a vLLM server serving the tiny dense model, instead of the embedded one")
     args = parser.parse_args(argv)
-    run(args.models_dir or default_models_dir(), args.steps)
+    run(args.models_dir or default_models_dir(), args.steps, args.url)
     return 0
 
 
