@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -145,3 +147,14 @@ def test_the_demo_runs_against_real_vllm_with_one_flag(vllm_dense_url: str, tiny
     assert main(["demo", "--url", vllm_dense_url, "--models-dir", str(tiny_models.root)]) == 0
     out = capsys.readouterr().out
     assert "over 1 real servers" in out and "FAILED" not in out
+
+
+def test_the_synchronous_rollout_example_runs_against_real_vllm(vllm_dense_url: str, tiny_models) -> None:
+    # twenty steps: one weight update, teacher scores and conversations on the real server; it ends on the
+    # weights and version it started from
+    example = Path(__file__).resolve().parents[2] / "examples" / "sync_rollout_loop.py"
+    argv = ["--url", vllm_dense_url, "--models-dir", str(tiny_models.root), "--steps", "20"]
+    command = [sys.executable, "-W", "error", str(example), *argv]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)  # a hang guard
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout.splitlines()[-1].startswith("20 steps, ")

@@ -17,6 +17,7 @@ from backends_core.errors import (
     BackendNotFoundError,
     BackendValidationError,
     BridgeError,
+    ClientClosedError,
     ConfigError,
     InvalidRequestError,
     NetworkError,
@@ -25,6 +26,7 @@ from backends_core.errors import (
     RequestError,
     RequestTimeout,
     ResponseParseError,
+    RunningEventLoopError,
     ServerRefusedError,
     ServerStatusError,
     StaleServerError,
@@ -39,6 +41,7 @@ from backends_core.multiturn import BridgeStats, Conversation, extend_prompt
 from backends_core.plugins import ENTRY_POINT_GROUP, BackendInfo, available_backends
 from backends_core.routed_experts import align_routed_experts, decode_routed_experts
 from backends_core.server import Refusal, Server, StatusHint, idempotent_requests
+from backends_core.sync_client import SyncAdmin, SyncClient, SyncConversation
 from backends_core.types import (
     DistributedGroup,
     GenerateRequest,
@@ -70,6 +73,7 @@ __all__ = [
     "BridgeError",
     "BridgeStats",
     "Client",
+    "ClientClosedError",
     "ClientConfig",
     "ConfigError",
     "Conversation",
@@ -91,6 +95,7 @@ __all__ = [
     "ResponseParseError",
     "RetryPolicy",
     "RoutedExperts",
+    "RunningEventLoopError",
     "SamplingParams",
     "Server",
     "ServerOutcome",
@@ -100,6 +105,9 @@ __all__ = [
     "ServerStatusError",
     "StaleServerError",
     "StatusHint",
+    "SyncAdmin",
+    "SyncClient",
+    "SyncConversation",
     "SyncReport",
     "TeacherLogprobs",
     "TeacherRequest",

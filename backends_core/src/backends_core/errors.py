@@ -27,8 +27,11 @@
     ├── AdminError                                an admin operation failed on one or more servers;
     │                                             ``.results`` every server's outcome, ``.phases``, ``.state``
     ├── WeightVersionMismatch                     a server reports another weight version than the one set
-    └── StaleServerError                          a server (back after being down) serves other weights than
-                                                  the fleet's version: it gets no requests until caught up
+    ├── StaleServerError                          a server (back after being down) serves other weights than
+    │                                             the fleet's version: it gets no requests until caught up
+    ├── ClientClosedError (RuntimeError)          a call on a SyncClient after close() (or cut short by it)
+    └── RunningEventLoopError (RuntimeError)      a SyncClient called from a thread running an event loop:
+                                                  async code uses Client
 
 Backends raise :class:`RenderError`, :class:`ResponseParseError`, :class:`InvalidRequestError`,
 :class:`ServerRefusedError` and :class:`ConfigError` themselves; HTTP failures are mapped to
@@ -53,6 +56,7 @@ __all__ = [
     "BackendNotFoundError",
     "BackendValidationError",
     "BridgeError",
+    "ClientClosedError",
     "ConfigError",
     "InvalidRequestError",
     "NetworkError",
@@ -61,6 +65,7 @@ __all__ = [
     "RequestError",
     "RequestTimeout",
     "ResponseParseError",
+    "RunningEventLoopError",
     "ServerRefusedError",
     "ServerStatusError",
     "StaleServerError",
@@ -335,3 +340,14 @@ class StaleServerError(BackendError):
             "until it is brought to that version (admin.update_weights or weight_sync); looked at again after "
             "fleet.cooldown"
         )
+
+
+class ClientClosedError(BackendError, RuntimeError):
+    """A :class:`~backends_core.sync_client.SyncClient` (or its admin or conversation) was called after
+    ``close()``, or ``close()`` cut the call short while it ran (its server request was cancelled)."""
+
+
+class RunningEventLoopError(BackendError, RuntimeError):
+    """A :class:`~backends_core.sync_client.SyncClient` was called from a thread that runs an event loop (inside
+    an ``async def``): blocking there would stall that loop, so the call is refused. Async code uses
+    :class:`~backends_core.client.Client` and awaits it."""

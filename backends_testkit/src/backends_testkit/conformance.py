@@ -842,3 +842,37 @@ class BackendConformance:
         assert canonical or live_url is not None
         if canonical:
             assert encode(tok, text)[: len(result.prompt_ids) + len(body)] == [*result.prompt_ids, *body]
+
+    # -- SyncClient -----------------------------------------------------------------------------------
+
+    def test_sync_client_from_plain_code_and_from_threads(
+        self, engine: ReferenceEngine, live_url: str | None, request: pytest.FixtureRequest
+    ) -> None:
+        """The blocking client over this backend: two calls in a row from plain code (where a second
+        ``asyncio.run`` of an async client's call fails), calls from four threads at once, teacher scores and an
+        admin call where the backend has them, and every call refused once it is closed."""
+        # imported here, to keep this section in one piece
+        from concurrent.futures import ThreadPoolExecutor
+
+        from backends_core import ClientClosedError, SyncClient
+
+        config = self.make_config(engine, live_url, request)
+        transport = None if live_url else self.emulator_transport(engine)
+        with SyncClient(config, transport=transport, plugin=self.plugin) as client:
+            for _ in range(2):
+                first = client.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=4, seed=5))
+                self.check_sample(first, PROMPT, 4)
+
+            def sample(seed: int) -> GenerateResult:
+                return client.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=3, seed=seed))
+
+            with ThreadPoolExecutor(4) as pool:
+                for result in pool.map(sample, range(4)):
+                    self.check_sample(result, PROMPT, 3)
+            if "teacher_logprobs" in self.expected_capabilities:
+                teacher = client.teacher_logprobs(first.token_ids)
+                assert teacher.logprobs.shape == (len(first.token_ids),)
+            if "admin_health" in self.expected_capabilities:
+                assert client.admin.health() == [True]
+        with pytest.raises(ClientClosedError):
+            client.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=1))
