@@ -23,7 +23,7 @@ Rules every hook follows:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -53,7 +53,9 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 #: Hooks every backend must implement.
 REQUIRED_HOOKS = frozenset({"post_generate", "parse_response"})
 #: Hooks that are not backend capabilities (core defaults, cross-cutting plugins, test support).
-INFRASTRUCTURE_HOOKS = frozenset({"render", "prepare_request", "observe", "validate_backend_options"})
+INFRASTRUCTURE_HOOKS = frozenset(
+    {"render", "prepare_request", "observe", "validate_backend_options", "sampling_features"}
+)
 
 __all__ = [
     "admin_abort",
@@ -76,6 +78,7 @@ __all__ = [
     "post_generate",
     "prepare_request",
     "render",
+    "sampling_features",
     "teacher_logprobs",
     "tokenize_messages",
     "validate_backend_options",
@@ -164,6 +167,26 @@ async def post_generate(server: Server, request: GenerateRequest, config: Client
     :returns: the decoded response body, handed to :func:`parse_response` unchanged.
     Raises: :class:`~backends_core.errors.InvalidRequestError` (not expressible for this server);
         :class:`~backends_core.errors.RequestError` subclasses come from ``server.request``.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def sampling_features(config: ClientConfig, options: Any) -> Collection[str] | None:
+    """The optional sampling features this backend's engine honours, from
+    :data:`~backends_core.types.SAMPLING_FEATURES`: ``"stop"`` (stop strings), ``"logit_bias"``, ``"extra"``
+    (engine fields passed through, which the backend validates by name) and ``"structured.<kind>"`` per
+    structured-output kind (``json_schema``, ``regex``, ``choice``, ``grammar``).
+
+    Called once when the client opens. Mode: sync, pure. Required: no; without it the backend honours none of
+    them. A request using a feature outside the answer raises
+    :class:`~backends_core.errors.UnsupportedOperationError` before anything is sent, so no field is ever
+    silently dropped.
+
+    :param config: the client's configuration.
+    :param options: the validated backend options (a feature may depend on them).
+    :returns: feature names.
 
     .. versionadded:: 0.1
     """

@@ -32,6 +32,7 @@ from backends_core import Server, StatusHint, hookimpl
 from backends_core.config import ClientConfig
 from backends_core.errors import InvalidRequestError, ServerStatusError
 from backends_core.types import (
+    SAMPLING_FEATURES,
     DistributedGroup,
     GenerateRequest,
     GenerateResult,
@@ -89,6 +90,14 @@ async def _check_length(server: Server, prompt: int, max_tokens: int) -> None:
             f"{server.base_url} (max_req_input_len {limit} + 4): SGLang would silently lower max_tokens to "
             f"{ceiling - prompt}"
         )
+
+
+@hookimpl
+def sampling_features() -> frozenset[str]:
+    """Stop strings, logit bias, every structured kind (``json_schema`` / ``regex`` / ``ebnf``, a choice as a
+    regex; needs the server's grammar backend, xgrammar by default) and the ``sampling_params`` keys of
+    ``wire.EXTRA_KEYS``."""
+    return SAMPLING_FEATURES
 
 
 @hookimpl

@@ -10,6 +10,7 @@ from backends_core import Server, StatusHint, hookimpl
 from backends_core.config import ClientConfig
 from backends_core.errors import InvalidRequestError, ServerRefusedError
 from backends_core.types import (
+    SAMPLING_FEATURES,
     DistributedGroup,
     GenerateRequest,
     GenerateResult,
@@ -29,6 +30,14 @@ _MODELS = "vllm.models"  # Server.cache key: the last /v1/models answer
 @hookimpl
 def validate_backend_options(options: Mapping[str, Any]) -> VllmOptions:
     return parse_options(options)
+
+
+@hookimpl
+def sampling_features() -> frozenset[str]:
+    """Both routes take stop strings, logit bias, ``structured_outputs`` of every kind (needs a structured-output
+    backend in the server's venv: xgrammar, guidance or outlines) and the fields of ``wire.GENERATE_EXTRA`` /
+    ``wire.COMPLETIONS_EXTRA``."""
+    return SAMPLING_FEATURES
 
 
 def _route_hint(path: str) -> StatusHint:

@@ -2,7 +2,8 @@
 
 Requests::
 
-    POST /generate {"model", "input_ids", "sampling": {...every SamplingParams field...}, "request_id",
+    POST /generate {"model", "input_ids", "sampling": {...every SamplingParams field but structured and extra
+                    (the reference engine has neither)...}, "request_id",
                     "cache_salt", "priority", "lora", "return_routed_experts", "routed_experts_start"}
     POST /score    {"model", "input_ids", "top_logprobs", "lora"}
 
@@ -51,7 +52,7 @@ class WireSample:
     output_ids: list[int]
     output_logprobs: list[float]
     finish_reason: str
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     routed_experts: str | None = None
     routed_experts_start: int = 0
@@ -91,13 +92,15 @@ def generate_payload(request: GenerateRequest, model: str | None) -> dict[str, A
             "min_p": s.min_p,
             "seed": s.seed,
             "n": s.n,
-            "stop_token_ids": list(s.stop_token_ids),
+            "stop_token_ids": list(s.stop_token_ids or ()),
             "ignore_eos": s.ignore_eos,
             "min_tokens": s.min_tokens,
             "top_logprobs": s.top_logprobs,
             "repetition_penalty": s.repetition_penalty,
             "presence_penalty": s.presence_penalty,
             "frequency_penalty": s.frequency_penalty,
+            "stop": list(s.stop),
+            "logit_bias": {str(token): bias for token, bias in s.logit_bias.items()},
         },
         "request_id": request.request_id,
         "cache_salt": request.cache_salt,
