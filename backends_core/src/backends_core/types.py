@@ -80,12 +80,18 @@ def _int_tuple(value: Sequence[int] | None) -> tuple[int, ...]:
 # -- structured output ----------------------------------------------------------------------------------
 
 
+def _json_object(value: Any) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise InvalidRequestError(f"structured JSON schema must be a mapping (a JSON object), got {value!r}")
+    return dict(value)
+
+
 @attrs.frozen
 class JsonSchema:
     """Constrain the completion to JSON valid against ``schema`` (a JSON Schema object)."""
 
     kind: ClassVar[str] = "json_schema"
-    schema: Mapping[str, Any] = attrs.field(converter=dict, hash=False)
+    schema: Mapping[str, Any] = attrs.field(converter=_json_object, hash=False)
 
     def __attrs_post_init__(self) -> None:
         try:

@@ -902,6 +902,7 @@ def check_generation(request: GenerateRequest, *, fan_out: bool) -> None:
         )
     _ids("prompt_ids", request.prompt_ids)
     _ids("stop_token_ids", stop_ids)
+    _optional(s, {})  # extra keys checked before any of the n requests goes out
     if request.priority is not None and not -_I32 <= request.priority < _I32:
         raise InvalidRequestError(f"priority {request.priority} does not fit nvext.agent_hints.priority (i32)")
     if s.seed is not None and not (s.seed >= -_I64 and s.seed + s.n - 1 < _I64):

@@ -102,6 +102,7 @@ def sampling_features() -> frozenset[str]:
 
 @hookimpl
 async def post_generate(server: Server, request: GenerateRequest, options: SglangOptions) -> Any:
+    body = wire.generate_payload(request)  # first: a field SGLang would refuse is refused before any request
     if options.check_prompt_length:
         await _check_length(server, len(request.prompt_ids), request.sampling.max_tokens)
     if request.lora is not None and request.lora in server.cache.get(_UNLOADED, ()):
@@ -109,7 +110,7 @@ async def post_generate(server: Server, request: GenerateRequest, options: Sglan
         raise InvalidRequestError(
             f"LoRA adapter {request.lora!r} was unloaded from {server.base_url}; load it again first"
         )
-    return await server.request("POST", "/generate", json_body=wire.generate_payload(request))
+    return await server.request("POST", "/generate", json_body=body)
 
 
 @hookimpl

@@ -41,6 +41,7 @@ __all__ = [
     "TinyModels",
     "build_tiny_models",
     "default_models_dir",
+    "write_eos_variant",
     "write_perturbed_weights",
 ]
 
@@ -163,6 +164,29 @@ def write_perturbed_weights(src: Path, dst: Path, *, seed: int, scale: float) ->
     tensors = load_file(str(src / _WEIGHTS))
     noisy = {name: (t + scale * rng.standard_normal(t.shape)).astype(np.float32) for name, t in sorted(tensors.items())}
     save_file(noisy, str(dst / _WEIGHTS), metadata=_SAFETENSORS_META)
+    return dst
+
+
+def write_eos_variant(src: Path, dst: Path, *, eos_token_ids: list[int]) -> Path:
+    """Write a copy of the model in ``src`` whose EOS (``config.json`` and ``generation_config.json``) is
+    ``eos_token_ids``, while its chat template still ends turns with ``<|im_end|>``: a model whose EOS differs
+    from its template's end-of-turn token, as some releases ship.
+
+    :param src: a model directory.
+    :param dst: the directory to write (created; existing files are overwritten).
+    :param eos_token_ids: the new EOS ids.
+    :returns: ``dst``.
+    """
+    dst.mkdir(parents=True, exist_ok=True)
+    for item in sorted(src.iterdir()):
+        if item.is_file():
+            shutil.copyfile(item, dst / item.name)
+    for name in ("config.json", "generation_config.json"):
+        path = dst / name
+        if path.is_file():
+            data = json.loads(path.read_text(encoding="utf-8"))
+            data["eos_token_id"] = eos_token_ids[0] if name == "config.json" else list(eos_token_ids)
+            _write_json(path, data)
     return dst
 
 

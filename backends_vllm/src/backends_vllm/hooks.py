@@ -81,8 +81,7 @@ async def _check_length(server: Server, request: GenerateRequest, model: str | N
 @hookimpl
 async def post_generate(server: Server, request: GenerateRequest, config: ClientConfig, options: VllmOptions) -> Any:
     model = request.lora or request.model or config.model
-    if options.check_prompt_length:
-        await _check_length(server, request, model)
+    # the body first: a field vLLM would refuse or ignore is refused before any request
     if options.transport == "generate":
         if request.sampling.top_logprobs >= wire.MAX_LOGPROBS:
             raise InvalidRequestError(
@@ -92,6 +91,8 @@ async def post_generate(server: Server, request: GenerateRequest, config: Client
         path, body = "/inference/v1/generate", wire.generate_payload(request, config.model)
     else:
         path, body = "/v1/completions", wire.completions_payload(request, config.model)
+    if options.check_prompt_length:
+        await _check_length(server, request, model)
     # routed experts (base64, megabytes) stay in the raw body as memoryviews: never JSON-scanned nor copied
     lift = ("routed_experts",) if request.return_routed_experts else ()
     return await server.request("POST", path, json_body=body, status_hint=_route_hint(path), large_strings=lift)

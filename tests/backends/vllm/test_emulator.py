@@ -287,7 +287,7 @@ async def test_unknown_fields_are_ignored_and_unimplemented_features_refused(eng
         ]
         neutral = {"prompt": PROMPT, "max_tokens": 1, "presence_penalty": 0.0, "repetition_penalty": 1, "stop": []}
         assert (await client.post("/v1/completions", json=neutral)).status_code == 200
-        for field, value in (("presence_penalty", 0.5), ("stream", True), ("logit_bias", {"5": 1.0})):
+        for field, value in (("presence_penalty", 0.5), ("stream", True), ("structured_outputs", {"regex": "a"})):
             response = await client.post("/v1/completions", json={"prompt": PROMPT, field: value})
             assert response.status_code == 400 and response.json()["error"]["param"] == field
             assert "does not implement" in response.json()["error"]["message"]

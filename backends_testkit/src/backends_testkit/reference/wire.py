@@ -40,6 +40,16 @@ from backends_core.types import (
 converter = make_converter()
 
 
+def _stop_reason(value: Any, _type: Any) -> int | str | None:
+    """A stop token id, a stop string, or null."""
+    if value is None or isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise ValueError(f"expected a token id, a string or null, got {value!r}")
+
+
+converter.register_structure_hook(int | str | None, _stop_reason)
+
+
 @attrs.frozen
 class WireSpan:
     version: str
