@@ -149,8 +149,8 @@ def test_dynamo_stop_and_extra() -> None:
     for key, match in (("guided_json", "collides"), ("best_of", "is not a sampling field")):
         with pytest.raises(InvalidRequestError, match=f"extra key '{key}' {match}"):
             dynamo_wire.check_generation(request(extra={key: 1}), fan_out=True)
-    with pytest.raises(InvalidRequestError, match="extra key 'nvext' collides"):
-        dynamo_wire.generation_payload(request(extra={"nvext": {}}), "m", transport="chat")
+    with pytest.raises(InvalidRequestError, match="extra key 'messages' collides"):
+        dynamo_wire.generation_payload(request(extra={"messages": []}), "m", transport="chat")
 
 
 def test_dynamo_declares_structured_output_only_when_told_the_workers_honour_it() -> None:
