@@ -187,6 +187,8 @@ def sampling_features(config: ClientConfig, options: Any) -> Collection[str] | N
     :param config: the client's configuration.
     :param options: the validated backend options (a feature may depend on them).
     :returns: feature names.
+    Raises: nothing; a name outside :data:`~backends_core.types.SAMPLING_FEATURES` makes the client refuse the
+        backend (:class:`~backends_core.errors.BackendValidationError`).
 
     .. versionadded:: 0.1
     """
