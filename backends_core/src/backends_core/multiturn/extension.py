@@ -101,6 +101,7 @@ class _TemplateState:
     """What one template (tokenizer x chat template x tools x template variables) always renders the same."""
 
     eot: tuple[str, tuple[int, ...]] | None = None
+    stop_ids: tuple[int, ...] | None = None
     verdicts: dict[Hashable, int] = attrs.field(factory=dict)
 
 
@@ -187,9 +188,15 @@ def end_of_turn_stop_ids(tokenizer: Any, chat_template_kwargs: Mapping[str, Any]
 
     :raises BridgeError: the template renders no end of turn to probe.
     """
+    state = _template_state(tokenizer, None, dict(chat_template_kwargs or {}))
+    if state is not None and state.stop_ids is not None:
+        return state.stop_ids
     _, ids = end_of_turn_ids(tokenizer, chat_template_kwargs)
     special = _special_ids(tokenizer)
-    return tuple(dict.fromkeys(i for i in ids if i in special))
+    stop_ids = tuple(dict.fromkeys(i for i in ids if i in special))
+    if state is not None:
+        state.stop_ids = stop_ids
+    return stop_ids
 
 
 def _message_shape(message: Mapping[str, Any]) -> tuple[Any, ...]:
