@@ -403,6 +403,7 @@ class Client:
         request goes elsewhere (:class:`StaleServerError` when it was pinned or the last one left); it stays in
         doubt, whatever a state check reads, until such a check passes.
         """
+        self.driver.check_sampling(request.sampling)  # before a server is picked or asked anything
         salt = self.config.fleet.salt_with_weight_version and request.cache_salt is None
         pinned = None if server is None else self.server_index(server)
         tried: set[int] = set()
