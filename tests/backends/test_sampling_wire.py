@@ -17,6 +17,7 @@ from backends_core import (
     JsonSchema,
     Regex,
     SamplingParams,
+    UnsupportedOperationError,
 )
 from backends_core.driver import BackendDriver
 from backends_dynamo import wire as dynamo_wire
@@ -151,6 +152,14 @@ def test_dynamo_stop_and_extra() -> None:
             dynamo_wire.check_generation(request(extra={key: 1}), fan_out=True)
     with pytest.raises(InvalidRequestError, match="extra key 'messages' collides"):
         dynamo_wire.generation_payload(request(extra={"messages": []}), "m", transport="chat")
+
+
+def test_dynamo_refuses_stop_strings_with_ignore_eos_which_its_frontend_would_ignore() -> None:
+    with pytest.raises(UnsupportedOperationError, match="ignores stop strings when ignore_eos is set") as info:
+        dynamo_wire.check_generation(request(stop=["x"], ignore_eos=True), fan_out=True)
+    assert info.value.operation == "sampling.stop"
+    dynamo_wire.check_generation(request(stop=["x"]), fan_out=True)
+    dynamo_wire.check_generation(request(ignore_eos=True), fan_out=True)
 
 
 def test_dynamo_declares_structured_output_only_when_told_the_workers_honour_it() -> None:

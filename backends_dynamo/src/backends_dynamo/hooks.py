@@ -138,7 +138,8 @@ async def _send(
 
 @hookimpl
 def sampling_features(options: DynamoOptions) -> frozenset[str]:
-    """Stop strings (matched by the frontend's detokenizer) and the ``extra`` keys of ``wire.EXTRA_KEYS``;
+    """Stop strings (matched by the frontend's detokenizer; not together with ``ignore_eos``, which makes 1.6.1
+    ignore them: ``wire.check_generation`` refuses the pair) and the ``extra`` keys of ``wire.EXTRA_KEYS``;
     structured output (``guided_*``) only with ``backend_options.structured_output``. Never ``logit_bias``:
     1.6.1 accepts it on its OpenAI routes but does not forward it to the engine (its ``SamplingOptions`` have no
     such field)."""

@@ -62,7 +62,7 @@ import numpy as np
 import numpy.typing as npt
 
 from backends_core.converters import make_converter, structure_response
-from backends_core.errors import InvalidRequestError, ResponseParseError
+from backends_core.errors import InvalidRequestError, ResponseParseError, UnsupportedOperationError
 from backends_core.jsonnode import U32, Node
 from backends_core.routed_experts import ALLOWED_DTYPES, align_routed_experts, decode_routed_experts
 from backends_core.types import (
@@ -888,6 +888,7 @@ def _text_only(messages: Sequence[Message] | None) -> None:
 def check_generation(request: GenerateRequest, *, fan_out: bool) -> None:
     """Refuse a generation Dynamo would reject or mishandle.
 
+    :raises UnsupportedOperationError: stop strings with ``ignore_eos`` (the frontend would ignore the strings).
     :raises InvalidRequestError: more than 32 stop token ids, ``n > 1`` without fan-out (Dynamo refuses ``n > 1``
         with completion ids), non-u32 ids, a priority outside i32, a seed that overflows i64, multimodal content.
     """
@@ -902,6 +903,13 @@ def check_generation(request: GenerateRequest, *, fan_out: bool) -> None:
         )
     _ids("prompt_ids", request.prompt_ids)
     _ids("stop_token_ids", stop_ids)
+    if s.stop and s.ignore_eos:
+        raise UnsupportedOperationError(
+            "dynamo",
+            "sampling.stop",
+            hint="Dynamo 1.6.1's frontend ignores stop strings when ignore_eos is set (verified live); "
+            "send one of them only",
+        )
     _optional(s, {})  # extra keys checked before any of the n requests goes out
     if request.priority is not None and not -_I32 <= request.priority < _I32:
         raise InvalidRequestError(f"priority {request.priority} does not fit nvext.agent_hints.priority (i32)")

@@ -44,18 +44,21 @@ async def test_vllm_worker_honours_json_schema_when_declared(dynamo_vllm: Any) -
 
 async def test_vllm_worker_stop_string(dynamo_vllm: Any) -> None:
     async with Client(config_for(dynamo_vllm)) as client:
-        greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        greedy = SamplingParams(max_tokens=12, temperature=0.0)
         free = await client.generate(prompt_ids=[1, 2, 3], sampling=greedy)
 
         def text(k: int) -> str:
             return str(client.tokenizer.decode(list(free.completion_ids[:k]), skip_special_tokens=True))
 
+        assert len(free.completion_ids) >= 3, free
         stop = text(3)[-1]
         k = next(j for j in range(1, 13) if stop in text(j))
         result = await client.generate(
             prompt_ids=[1, 2, 3],
-            sampling=SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop]),
+            sampling=SamplingParams(max_tokens=12, temperature=0.0, stop=[stop]),
         )
+        with pytest.raises(UnsupportedOperationError, match="ignores stop strings when ignore_eos is set"):
+            await client.generate(prompt_ids=[1, 2, 3], sampling=SamplingParams(stop=[stop], ignore_eos=True))
     assert result.completion_ids == free.completion_ids[:k]
     assert (result.finish_reason, result.stop_reason) == ("stop", stop)
 

@@ -157,7 +157,8 @@ class Generation:
                 "min_p": float(_typed(body, "min_p", (int, float), 0.0)),
                 "seed": _typed(body, "seed", (int,), None),
                 "stop_token_ids": tuple(stop_ids),
-                "stop": tuple(x for x in stop if x),
+                # the 1.6.1 frontend drops stop strings when ignore_eos is set (seen live)
+                "stop": () if _typed(body, "ignore_eos", (bool,), False) else tuple(x for x in stop if x),
                 "ignore_eos": _typed(body, "ignore_eos", (bool,), False),
                 "min_tokens": _typed(body, "min_tokens", (int,), 0),
             },
