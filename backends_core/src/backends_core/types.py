@@ -18,8 +18,9 @@ import numpy.typing as npt
 from backends_core.errors import InvalidRequestError
 
 __all__ = [
-    "DistributedGroup",
+    "SAMPLING_FEATURES",
     "Choice",
+    "DistributedGroup",
     "FinishReason",
     "GenerateRequest",
     "GenerateResult",
@@ -30,7 +31,6 @@ __all__ = [
     "PauseMode",
     "Regex",
     "RoutedExperts",
-    "SAMPLING_FEATURES",
     "SamplingParams",
     "ServerState",
     "Structured",
@@ -316,7 +316,8 @@ class GenerateRequest:
     """One generation call after rendering: what a backend's ``post_generate`` turns into a wire payload.
 
     :param prompt_ids: the exact prompt token ids to send.
-    :param sampling: sampling parameters.
+    :param sampling: sampling parameters; ``stop_token_ids=None`` is resolved to ``()`` here, so a backend always
+        sends a tuple (the client resolves it to the template's end-of-turn ids first for rendered prompts).
     :param messages: the messages ``prompt_ids`` were rendered from (``None`` when the caller gave ids).
     :param tools: tool schemas rendered into the prompt, if any.
     :param request_id: caller-chosen id, passed through to the server for tracing and abort.
