@@ -17,7 +17,7 @@ Reproduced from the 0.5.23 captures and notes:
 * ``weight_versions`` spans, ``cached_tokens`` (and ``cached_tokens_details`` when non-zero).
 
 Not reproduced: output logprobs are the engine's raw ``log_softmax`` (SGLang divides the logits by the
-temperature first); ``num_retractions`` is always 0.
+temperature first, and adds ``logit_bias`` to them); ``num_retractions`` is always 0.
 """
 
 from __future__ import annotations
