@@ -14,4 +14,5 @@ class TestDynamoConformance(BackendConformance):
     backend_name = "dynamo"
     expected_capabilities = CAPABILITY_HOOKS
     supports_routed_experts = True
+    expected_sampling_features = frozenset({"stop", "extra"})
     backend_options: ClassVar[dict[str, Any]] = {"worker_urls": [WORKER_URL]}

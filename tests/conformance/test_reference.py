@@ -14,3 +14,4 @@ class TestReferenceConformance(BackendConformance):
         "admin_destroy_weight_transfer",
     }
     supports_routed_experts = True
+    expected_sampling_features = frozenset({"stop", "logit_bias"})

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from backends_core import SAMPLING_FEATURES
 from backends_testkit.conformance import BackendConformance
 
 
@@ -30,3 +31,4 @@ class TestSglangConformance(BackendConformance):
         }
     )
     supports_routed_experts = True
+    expected_sampling_features = SAMPLING_FEATURES

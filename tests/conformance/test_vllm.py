@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from backends_core import SAMPLING_FEATURES
 from backends_core.driver import CAPABILITY_HOOKS
 from backends_testkit.conformance import BackendConformance
 
@@ -14,6 +15,7 @@ class TestVllmConformance(BackendConformance):
     backend_name = "vllm"
     expected_capabilities = VLLM_CAPABILITIES
     supports_routed_experts = True
+    expected_sampling_features = SAMPLING_FEATURES
 
 
 class TestVllmCompletionsTransportConformance(TestVllmConformance):

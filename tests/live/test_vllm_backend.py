@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from backends_core import Client, ClientConfig, LoraAdapter, SamplingParams
+from backends_core import SAMPLING_FEATURES, Client, ClientConfig, LoraAdapter, SamplingParams
 from backends_core.cli import main
 from backends_core.driver import CAPABILITY_HOOKS
 from backends_testkit.conformance import BackendConformance
@@ -39,6 +39,7 @@ class TestVllmLiveConformance(BackendConformance):
     backend_name = "vllm"
     expected_capabilities = CAPABILITY_HOOKS
     supports_routed_experts = False  # vLLM's CPU build cannot return routed experts
+    expected_sampling_features = SAMPLING_FEATURES
 
     @pytest.fixture
     def live_url(self, vllm_dense_url: str) -> str:

@@ -29,6 +29,7 @@ from backends_core.errors import (
 )
 from backends_core.fleet import Admin, ServedVersions
 from backends_core.multiturn import BridgeStats, Conversation
+from backends_core.multiturn.extension import end_of_turn_stop_ids
 from backends_core.multiturn.messages import as_plain, normalize_messages
 from backends_core.multiturn.rendering import load_tokenizer
 from backends_core.multiturn.turn_cache import TurnCache
@@ -310,6 +311,7 @@ class Client:
                 ids = self.render(plain, tools=tools, chat_template_kwargs=chat_template_kwargs)
             fields["messages"] = tuple(plain)
             fields["tools"] = tuple(tools) if tools else None
+            sampling = self.template_stop(sampling, chat_template_kwargs=chat_template_kwargs)
         else:
             assert prompt_ids is not None
             if isinstance(prompt_ids, str | bytes) or not _all_token_ints(prompt_ids):
@@ -317,6 +319,27 @@ class Client:
             ids = list(prompt_ids)
         request = GenerateRequest(prompt_ids=ids, sampling=sampling or SamplingParams(), **fields)
         return self.driver.prepare_request(request)
+
+    def template_stop(
+        self, sampling: SamplingParams | None, *, chat_template_kwargs: Mapping[str, Any] | None = None
+    ) -> SamplingParams:
+        """``sampling`` for a prompt rendered with the chat template: unless ``stop_token_ids`` was given (even
+        empty), it stops at the template's end-of-turn token(s) (:func:`~backends_core.multiturn.extension.
+        end_of_turn_stop_ids`), so a model whose EOS differs from its template's end of turn still ends its turn
+        there. The model's EOS stops it too (``ignore_eos`` aside).
+
+        :raises InvalidRequestError: the template has no end of turn to find (pass ``stop_token_ids``).
+        """
+        sampling = sampling or SamplingParams()
+        if sampling.stop_token_ids is not None:
+            return sampling
+        try:
+            ids = end_of_turn_stop_ids(self.tokenizer, chat_template_kwargs)
+        except BridgeError as exc:
+            raise InvalidRequestError(
+                f"cannot find the chat template's end-of-turn token ({exc}); pass sampling.stop_token_ids explicitly"
+            ) from exc
+        return attrs.evolve(sampling, stop_token_ids=ids)
 
     def _reuse_turns(
         self,
@@ -405,6 +428,7 @@ class Client:
         request goes elsewhere (:class:`StaleServerError` when it was pinned or the last one left); it stays in
         doubt, whatever a state check reads, until such a check passes.
         """
+        self.driver.check_sampling(request.sampling)  # before a server is picked or asked anything
         salt = self.config.fleet.salt_with_weight_version and request.cache_salt is None
         pinned = None if server is None else self.server_index(server)
         tried: set[int] = set()

@@ -18,18 +18,26 @@ import pluggy
 
 from backends_core import hookspecs
 from backends_core.config import ClientConfig
-from backends_core.errors import BackendError, ConfigError, ResponseParseError, UnsupportedOperationError
+from backends_core.errors import (
+    BackendError,
+    BackendValidationError,
+    ConfigError,
+    ResponseParseError,
+    UnsupportedOperationError,
+)
 from backends_core.events import Event, EventKind
 from backends_core.parsing import ParserNotFoundError, ReasoningParserFactory, ToolParserFactory, merge_parsers
 from backends_core.plugins import implemented_hooks, make_plugin_manager
 from backends_core.server import Server
 from backends_core.types import (
+    SAMPLING_FEATURES,
     DistributedGroup,
     GenerateRequest,
     GenerateResult,
     LoraAdapter,
     Message,
     PauseMode,
+    SamplingParams,
     ServerState,
     TeacherLogprobs,
     TeacherRequest,
@@ -71,6 +79,8 @@ class BackendDriver:
         )
         self.tool_parser = self._selected("tool", config.tool_parser, self.tool_parsers)
         self.reasoning_parser = self._selected("reasoning", config.reasoning_parser, self.reasoning_parsers)
+        #: Optional sampling features the backend's engine honours (``sampling_features`` hook).
+        self.sampling_features: frozenset[str] = self._sampling_features()
 
     @staticmethod
     def _selected(kind: str, name: str | None, installed: Mapping[str, T]) -> T | None:
@@ -79,6 +89,32 @@ class BackendDriver:
         if name not in installed:
             raise ParserNotFoundError(kind, name, list(installed))
         return installed[name]
+
+    def _sampling_features(self) -> frozenset[str]:
+        if not self.pm.hook.sampling_features.get_hookimpls():
+            return frozenset()
+        declared = self.pm.hook.sampling_features(config=self.config, options=self.options)
+        features = frozenset(declared or ())
+        unknown = sorted(features - SAMPLING_FEATURES)
+        if unknown:
+            raise BackendValidationError(
+                self.backend,
+                f"sampling_features declares unknown features {unknown}; known: {sorted(SAMPLING_FEATURES)}",
+            )
+        return features
+
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """Refuse, before anything is sent, a sampling feature this backend's engine does not honour.
+
+        :raises UnsupportedOperationError: naming the feature (``sampling.stop``, ``sampling.structured.regex``...).
+        """
+        missing = sorted(sampling.features - self.sampling_features)
+        if missing:
+            raise UnsupportedOperationError(
+                self.backend,
+                f"sampling.{missing[0]}",
+                hint=f"it honours {sorted(self.sampling_features) or 'none of the optional sampling features'}",
+            )
 
     def _validate_options(self, options: Mapping[str, Any]) -> Any:
         if not self.pm.hook.validate_backend_options.get_hookimpls():
@@ -157,6 +193,7 @@ class BackendDriver:
 
     async def generate(self, server: Server, request: GenerateRequest) -> list[GenerateResult]:
         """``post_generate`` then ``parse_response``, with the result invariants checked."""
+        self.check_sampling(request.sampling)
         started = time.perf_counter()
         try:
             raw = await self.pm.hook.post_generate(

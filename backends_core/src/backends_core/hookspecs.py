@@ -24,7 +24,7 @@ Rules every hook follows:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -56,7 +56,15 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 REQUIRED_HOOKS = frozenset({"post_generate", "parse_response"})
 #: Hooks that are not backend capabilities (core defaults, cross-cutting plugins, test support).
 INFRASTRUCTURE_HOOKS = frozenset(
-    {"render", "prepare_request", "observe", "validate_backend_options", "tool_parsers", "reasoning_parsers"}
+    {
+        "render",
+        "prepare_request",
+        "observe",
+        "validate_backend_options",
+        "tool_parsers",
+        "reasoning_parsers",
+        "sampling_features",
+    }
 )
 #: Hooks whose every implementation is called (the rest are ``firstresult``).
 COLLECTING_HOOKS = frozenset({"observe", "tool_parsers", "reasoning_parsers"})
@@ -83,6 +91,7 @@ __all__ = [
     "prepare_request",
     "reasoning_parsers",
     "render",
+    "sampling_features",
     "teacher_logprobs",
     "tokenize_messages",
     "tool_parsers",
@@ -172,6 +181,28 @@ async def post_generate(server: Server, request: GenerateRequest, config: Client
     :returns: the decoded response body, handed to :func:`parse_response` unchanged.
     Raises: :class:`~backends_core.errors.InvalidRequestError` (not expressible for this server);
         :class:`~backends_core.errors.RequestError` subclasses come from ``server.request``.
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def sampling_features(config: ClientConfig, options: Any) -> Collection[str] | None:
+    """The optional sampling features this backend's engine honours, from
+    :data:`~backends_core.types.SAMPLING_FEATURES`: ``"stop"`` (stop strings), ``"logit_bias"``, ``"extra"``
+    (engine fields passed through, which the backend validates by name) and ``"structured.<kind>"`` per
+    structured-output kind (``json_schema``, ``regex``, ``choice``, ``grammar``).
+
+    Called once when the client opens. Mode: sync, pure. Required: no; without it the backend honours none of
+    them. A request using a feature outside the answer raises
+    :class:`~backends_core.errors.UnsupportedOperationError` before anything is sent, so no field is ever
+    silently dropped.
+
+    :param config: the client's configuration.
+    :param options: the validated backend options (a feature may depend on them).
+    :returns: feature names.
+    Raises: nothing; a name outside :data:`~backends_core.types.SAMPLING_FEATURES` makes the client refuse the
+        backend (:class:`~backends_core.errors.BackendValidationError`).
 
     .. versionadded:: 0.1
     """

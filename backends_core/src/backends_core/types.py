@@ -6,9 +6,10 @@ converter. Arrays use numpy; classes holding arrays compare with ``np.array_equa
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import attrs
 import numpy as np
@@ -17,16 +18,22 @@ import numpy.typing as npt
 from backends_core.errors import InvalidRequestError
 
 __all__ = [
+    "SAMPLING_FEATURES",
+    "Choice",
     "DistributedGroup",
     "FinishReason",
     "GenerateRequest",
     "GenerateResult",
+    "Grammar",
+    "JsonSchema",
     "LoraAdapter",
     "Message",
     "PauseMode",
+    "Regex",
     "RoutedExperts",
     "SamplingParams",
     "ServerState",
+    "Structured",
     "TeacherLogprobs",
     "TeacherRequest",
     "TensorSpec",
@@ -70,6 +77,130 @@ def _int_tuple(value: Sequence[int] | None) -> tuple[int, ...]:
     return tuple(int(v) for v in value) if value is not None else ()
 
 
+# -- structured output ----------------------------------------------------------------------------------
+
+
+def _json_object(value: Any) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise InvalidRequestError(f"structured JSON schema must be a mapping (a JSON object), got {value!r}")
+    return dict(value)
+
+
+@attrs.frozen
+class JsonSchema:
+    """Constrain the completion to JSON valid against ``schema`` (a JSON Schema object)."""
+
+    kind: ClassVar[str] = "json_schema"
+    schema: Mapping[str, Any] = attrs.field(converter=_json_object, hash=False)
+
+    def __attrs_post_init__(self) -> None:
+        try:
+            json.dumps(self.schema, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"structured JSON schema is not JSON-serialisable: {exc}") from exc
+
+
+@attrs.frozen
+class Regex:
+    """Constrain the completion's text to match ``pattern`` (each engine's regex dialect; keep to the common
+    subset: classes, groups, alternation, quantifiers)."""
+
+    kind: ClassVar[str] = "regex"
+    pattern: str = attrs.field(validator=attrs.validators.instance_of(str))
+
+    def __attrs_post_init__(self) -> None:
+        _check(bool(self.pattern), "structured regex pattern must be a non-empty string")
+
+
+def _str_tuple(value: Any) -> tuple[Any, ...]:
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, Sequence):
+        raise InvalidRequestError(f"expected a string or a sequence of strings, got {value!r}")
+    return tuple(value)
+
+
+@attrs.frozen
+class Choice:
+    """Constrain the completion's text to exactly one of ``choices``."""
+
+    kind: ClassVar[str] = "choice"
+    choices: tuple[str, ...] = attrs.field(converter=_str_tuple)
+
+    def __attrs_post_init__(self) -> None:
+        _check(len(self.choices) > 0, "structured choice needs at least one choice")
+        for i, c in enumerate(self.choices):
+            _check(isinstance(c, str) and bool(c), f"structured choice [{i}] must be a non-empty string, got {c!r}")
+
+
+@attrs.frozen
+class Grammar:
+    """Constrain the completion's text to a context-free grammar: EBNF in the engine's dialect (vLLM:
+    xgrammar/guidance EBNF or Lark; SGLang: xgrammar EBNF, ``root ::= ...``)."""
+
+    kind: ClassVar[str] = "grammar"
+    grammar: str = attrs.field(validator=attrs.validators.instance_of(str))
+
+    def __attrs_post_init__(self) -> None:
+        _check(bool(self.grammar.strip()), "structured grammar must be a non-empty string")
+
+
+#: One structured-output constraint.
+Structured = JsonSchema | Regex | Choice | Grammar
+_STRUCTURED_KINDS = (JsonSchema, Regex, Choice, Grammar)
+
+#: Every optional sampling feature a backend may declare (its ``sampling_features`` hook): ``stop``,
+#: ``logit_bias``, ``extra``, and ``structured.<kind>`` per structured-output kind.
+SAMPLING_FEATURES = frozenset({"stop", "logit_bias", "extra", *(f"structured.{k.kind}" for k in _STRUCTURED_KINDS)})
+
+
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    strings = _str_tuple(value)
+    for i, s in enumerate(strings):
+        if not isinstance(s, str) or not s:
+            raise InvalidRequestError(f"stop[{i}] must be a non-empty string, got {s!r}")
+    return strings
+
+
+def _optional_int_tuple(value: Sequence[int] | None) -> tuple[int, ...] | None:
+    return None if value is None else _int_tuple(value)
+
+
+#: The bias range every engine takes (OpenAI's; vLLM clamps to it, SGLang adds it unclamped).
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidRequestError(f"logit_bias must be a mapping token id -> bias, got {type(value).__name__}")
+    out: dict[int, float] = {}
+    low, high = LOGIT_BIAS_RANGE
+    for token, bias in value.items():
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise InvalidRequestError(f"logit_bias key {token!r} must be a token id (an int >= 0)")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
+            raise InvalidRequestError(f"logit_bias[{token}] must be a finite number, got {bias!r}")
+        if not low <= bias <= high:
+            raise InvalidRequestError(f"logit_bias[{token}] = {bias!r} is outside [{low:g}, {high:g}]")
+        out[token] = float(bias)
+    return out
+
+
+def _extra(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise InvalidRequestError(f"extra must be a mapping of engine sampling fields, got {type(value).__name__}")
+    for key in value:
+        if not isinstance(key, str) or not key:
+            raise InvalidRequestError(f"extra keys must be non-empty strings, got {key!r}")
+    return dict(value)
+
+
 @attrs.frozen(kw_only=True)
 class SamplingParams:
     """Sampling parameters. Every field is sent to the server explicitly, so what you ask is what runs
@@ -82,13 +213,26 @@ class SamplingParams:
     :param min_p: drop tokens below ``min_p`` × the top probability; 0 disables.
     :param seed: per-request sampling seed; ``None`` lets the server choose.
     :param n: samples per prompt; ``Client.generate`` needs 1, ``Client.generate_samples`` takes any.
-    :param stop_token_ids: extra token ids that end generation (included in ``completion_ids``).
+    :param stop_token_ids: extra token ids that end generation (included in ``completion_ids``). ``None``
+        (the default): generation from ``messages`` (and a conversation's turns) stops at the chat template's
+        end-of-turn token(s) as well as the model's EOS; from ``prompt_ids``, at EOS only. A tuple, even
+        empty, replaces the template's ids.
     :param ignore_eos: keep going past the model's end-of-sequence tokens.
     :param min_tokens: generate at least this many tokens before a stop can apply.
     :param top_logprobs: how many alternatives per position to return besides the sampled token (0 = none).
     :param repetition_penalty: 1.0 disables.
     :param presence_penalty: 0 disables.
     :param frequency_penalty: 0 disables.
+    :param stop: strings that end generation once the completion's text contains one (a string or a
+        sequence of non-empty strings). The engine checks the decoded text as tokens are produced; the token
+        that completes the string stays in ``completion_ids`` (ids are never cut inside a token, so its text
+        may run past the string) and ``stop_reason`` is the matched string.
+    :param logit_bias: token id -> bias in [-100, 100] added to that token's logit before sampling. The
+        returned logprobs stay the engine's own (see the README's Sampling section).
+    :param structured: a structured-output constraint: :class:`JsonSchema`, :class:`Regex`,
+        :class:`Choice` or :class:`Grammar`.
+    :param extra: engine sampling fields this type does not model, passed through under the engine's own
+        names; the backend refuses a key its engine does not know, or one that a modelled field sets.
     """
 
     max_tokens: int = 16
@@ -98,13 +242,17 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     n: int = 1
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
+    stop_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_optional_int_tuple)
     ignore_eos: bool = False
     min_tokens: int = 0
     top_logprobs: int = 0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_stop_strings)
+    logit_bias: Mapping[int, float] = attrs.field(factory=dict, converter=_logit_bias, hash=False)
+    structured: Structured | None = None
+    extra: Mapping[str, Any] = attrs.field(factory=dict, converter=_extra, hash=False)
 
     def __attrs_post_init__(self) -> None:
         _check(
@@ -124,8 +272,43 @@ class SamplingParams:
         )
         _check(0 <= self.top_logprobs <= 20, f"top_logprobs must be in [0, 20], got {self.top_logprobs!r}")
         _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        _check(all(t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
+        _check(
+            all(t >= 0 for t in self.stop_token_ids or ()), f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}"
+        )
         _check(self.seed is None or isinstance(self.seed, int), f"seed must be an int or None, got {self.seed!r}")
+        _check(
+            self.structured is None or isinstance(self.structured, _STRUCTURED_KINDS),
+            f"structured must be JsonSchema, Regex, Choice or Grammar, got {type(self.structured).__name__}",
+        )
+        modelled = [k for k in self.extra if k in _SAMPLING_FIELD_NAMES]
+        _check(
+            not modelled,
+            f"extra key {modelled[0]!r} is a field of SamplingParams: set it there" if modelled else "",
+        )
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The optional sampling features this request uses (names of :data:`SAMPLING_FEATURES`)."""
+        used = set()
+        if self.stop:
+            used.add("stop")
+        if self.logit_bias:
+            used.add("logit_bias")
+        if self.extra:
+            used.add("extra")
+        if self.structured is not None:
+            used.add(f"structured.{self.structured.kind}")
+        return frozenset(used)
+
+
+_SAMPLING_FIELD_NAMES = frozenset(a.name for a in attrs.fields(SamplingParams))
+
+
+def _resolved_sampling(value: SamplingParams) -> SamplingParams:
+    """``value`` with ``stop_token_ids`` resolved: what a backend sends never holds ``None``."""
+    if isinstance(value, SamplingParams) and value.stop_token_ids is None:
+        return attrs.evolve(value, stop_token_ids=())
+    return value
 
 
 @attrs.frozen(kw_only=True)
@@ -133,7 +316,8 @@ class GenerateRequest:
     """One generation call after rendering: what a backend's ``post_generate`` turns into a wire payload.
 
     :param prompt_ids: the exact prompt token ids to send.
-    :param sampling: sampling parameters.
+    :param sampling: sampling parameters; ``stop_token_ids=None`` is resolved to ``()`` here, so a backend always
+        sends a tuple (the client resolves it to the template's end-of-turn ids first for rendered prompts).
     :param messages: the messages ``prompt_ids`` were rendered from (``None`` when the caller gave ids).
     :param tools: tool schemas rendered into the prompt, if any.
     :param request_id: caller-chosen id, passed through to the server for tracing and abort.
@@ -147,7 +331,7 @@ class GenerateRequest:
     """
 
     prompt_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
-    sampling: SamplingParams = attrs.field(factory=SamplingParams)
+    sampling: SamplingParams = attrs.field(factory=SamplingParams, converter=_resolved_sampling)
     messages: tuple[Message, ...] | None = None
     tools: tuple[Mapping[str, Any], ...] | None = None
     request_id: str | None = None

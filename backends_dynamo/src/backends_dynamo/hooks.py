@@ -15,6 +15,7 @@ from backends_core import Server, hookimpl
 from backends_core.config import ClientConfig
 from backends_core.errors import InvalidRequestError
 from backends_core.types import (
+    SAMPLING_FEATURES,
     GenerateRequest,
     GenerateResult,
     TeacherLogprobs,
@@ -133,6 +134,19 @@ async def _send(
         raw = wire.fold(wire.parse_sse(raw, server.base_url), server.base_url)
     _note_request_id(track, raw, rid)
     return wire.Sample(raw, aborted=aborted, weight_version=version)
+
+
+@hookimpl
+def sampling_features(options: DynamoOptions) -> frozenset[str]:
+    """Stop strings (matched by the frontend's detokenizer; not together with ``ignore_eos``, which makes 1.6.1
+    ignore them: ``wire.check_generation`` refuses the pair) and the ``extra`` keys of ``wire.EXTRA_KEYS``;
+    structured output (``guided_*``) only with ``backend_options.structured_output``. Never ``logit_bias``:
+    1.6.1 accepts it on its OpenAI routes but does not forward it to the engine (its ``SamplingOptions`` have no
+    such field)."""
+    features = {"stop", "extra"}
+    if options.structured_output:
+        features.update(f for f in SAMPLING_FEATURES if f.startswith("structured."))
+    return frozenset(features)
 
 
 @hookimpl

@@ -48,6 +48,10 @@ class DynamoOptions:
     :param stream: send ``stream: true`` and fold the server-sent events into one answer (same result; the
         engine data comes on the final chunk).
     :param extra_fields: metadata ``nvext.extra_fields`` to request as well (``worker_id``, ``timing``).
+    :param structured_output: the workers behind the frontend honour guided decoding (Dynamo's vLLM worker
+        turns ``guided_*`` into vLLM structured outputs; the mocker ignores it). Off by default: the frontend
+        accepts ``guided_*`` whatever the worker, so the backend cannot tell, and refuses ``structured``
+        rather than let it be dropped.
     """
 
     transport: Transport = "chat"
@@ -58,6 +62,7 @@ class DynamoOptions:
     fan_out_n: bool = True
     stream: bool = False
     extra_fields: tuple[MetadataField, ...] = attrs.field(default=(), converter=_unique)
+    structured_output: bool = False
 
     def workers(self, base_url: str, admin_url: str) -> tuple[str, ...]:
         """System URLs of the workers behind the frontend at ``base_url``."""

@@ -62,14 +62,17 @@ import numpy as np
 import numpy.typing as npt
 
 from backends_core.converters import make_converter, structure_response
-from backends_core.errors import InvalidRequestError, ResponseParseError
+from backends_core.errors import InvalidRequestError, ResponseParseError, UnsupportedOperationError
 from backends_core.jsonnode import U32, Node
 from backends_core.routed_experts import ALLOWED_DTYPES, align_routed_experts, decode_routed_experts
 from backends_core.types import (
+    Choice,
     FinishReason,
     GenerateRequest,
     GenerateResult,
+    JsonSchema,
     Message,
+    Regex,
     RoutedExperts,
     SamplingParams,
     TeacherLogprobs,
@@ -405,6 +408,47 @@ def extra_fields_for(request: GenerateRequest, metadata: Sequence[str] = ()) -> 
     return fields
 
 
+#: Top-level fields the modelled parts of :class:`SamplingParams` use on Dynamo: ``extra`` may not set them.
+MODELLED = frozenset(
+    {"stop", "logit_bias", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "response_format"}
+)
+#: Top-level sampling fields of Dynamo 1.6.1 (``CommonExt``) ``extra`` may set.
+EXTRA_KEYS = frozenset(
+    {"include_stop_str_in_output", "skip_special_tokens", "guided_decoding_backend", "guided_whitespace_pattern"}
+)
+
+
+def _guided(s: SamplingParams) -> dict[str, Any]:
+    """Dynamo's ``guided_*`` fields for ``s.structured`` (turned into vLLM ``StructuredOutputsParams`` by the vLLM
+    worker)."""
+    c = s.structured
+    if c is None:
+        return {}
+    if isinstance(c, JsonSchema):
+        return {"guided_json": dict(c.schema)}
+    if isinstance(c, Regex):
+        return {"guided_regex": c.pattern}
+    if isinstance(c, Choice):
+        return {"guided_choice": list(c.choices)}
+    return {"guided_grammar": c.grammar}
+
+
+def _optional(s: SamplingParams, fields: dict[str, Any]) -> dict[str, Any]:
+    """Stop strings, structured output and ``extra`` (checked by name), only when used."""
+    if s.stop:
+        fields["stop"] = list(s.stop)
+    fields.update(_guided(s))
+    for key, value in s.extra.items():
+        if key in fields or key in MODELLED:
+            raise InvalidRequestError(f"extra key {key!r} collides with a field SamplingParams models: set it there")
+        if key not in EXTRA_KEYS:
+            raise InvalidRequestError(
+                f"extra key {key!r} is not a sampling field Dynamo 1.6.1 forwards; known: {sorted(EXTRA_KEYS)}"
+            )
+        fields[key] = value
+    return fields
+
+
 def _sampling(s: SamplingParams) -> dict[str, Any]:
     return {
         "n": 1,
@@ -413,7 +457,7 @@ def _sampling(s: SamplingParams) -> dict[str, Any]:
         "top_k": s.top_k,
         "min_p": s.min_p,
         "seed": s.seed,
-        "stop_token_ids": list(s.stop_token_ids),
+        "stop_token_ids": list(s.stop_token_ids or ()),
         "ignore_eos": s.ignore_eos,
         "min_tokens": s.min_tokens,
         "presence_penalty": s.presence_penalty,
@@ -455,6 +499,7 @@ def generation_payload(
         body["max_tokens"] = s.max_tokens
         body.update(_sampling(s))
         body["logprobs"] = k
+    _optional(s, body)
     if k:
         body["return_tokens_as_token_ids"] = True  # alternatives are only identifiable as "token_id:<id>"
     body["stream"] = stream
@@ -843,21 +888,29 @@ def _text_only(messages: Sequence[Message] | None) -> None:
 def check_generation(request: GenerateRequest, *, fan_out: bool) -> None:
     """Refuse a generation Dynamo would reject or mishandle.
 
+    :raises UnsupportedOperationError: stop strings with ``ignore_eos`` (the frontend would ignore the strings).
     :raises InvalidRequestError: more than 32 stop token ids, ``n > 1`` without fan-out (Dynamo refuses ``n > 1``
         with completion ids), non-u32 ids, a priority outside i32, a seed that overflows i64, multimodal content.
     """
     s = request.sampling
-    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequestError(
-            f"{len(s.stop_token_ids)} stop_token_ids: Dynamo 1.6.1 accepts at most {MAX_STOP_TOKEN_IDS}"
-        )
+    stop_ids = s.stop_token_ids or ()
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(f"{len(stop_ids)} stop_token_ids: Dynamo 1.6.1 accepts at most {MAX_STOP_TOKEN_IDS}")
     if s.n > 1 and not fan_out:
         raise InvalidRequestError(
             f"n={s.n}: Dynamo 1.6.1 refuses n > 1 together with completion token ids; "
             "set backend_options.fan_out_n = true to send n requests of one sample"
         )
     _ids("prompt_ids", request.prompt_ids)
-    _ids("stop_token_ids", s.stop_token_ids)
+    _ids("stop_token_ids", stop_ids)
+    if s.stop and s.ignore_eos:
+        raise UnsupportedOperationError(
+            "dynamo",
+            "sampling.stop",
+            hint="Dynamo 1.6.1's frontend ignores stop strings when ignore_eos is set (verified live); "
+            "send one of them only",
+        )
+    _optional(s, {})  # extra keys checked before any of the n requests goes out
     if request.priority is not None and not -_I32 <= request.priority < _I32:
         raise InvalidRequestError(f"priority {request.priority} does not fit nvext.agent_hints.priority (i32)")
     if s.seed is not None and not (s.seed >= -_I64 and s.seed + s.n - 1 < _I64):

@@ -32,6 +32,7 @@ from backends_core import Server, StatusHint, hookimpl
 from backends_core.config import ClientConfig
 from backends_core.errors import InvalidRequestError, ServerStatusError
 from backends_core.types import (
+    SAMPLING_FEATURES,
     DistributedGroup,
     GenerateRequest,
     GenerateResult,
@@ -92,7 +93,16 @@ async def _check_length(server: Server, prompt: int, max_tokens: int) -> None:
 
 
 @hookimpl
+def sampling_features() -> frozenset[str]:
+    """Stop strings, logit bias, every structured kind (``json_schema`` / ``regex`` / ``ebnf``, a choice as a
+    regex; needs the server's grammar backend, xgrammar by default) and the ``sampling_params`` keys of
+    ``wire.EXTRA_KEYS``."""
+    return SAMPLING_FEATURES
+
+
+@hookimpl
 async def post_generate(server: Server, request: GenerateRequest, options: SglangOptions) -> Any:
+    body = wire.generate_payload(request)  # first: a field SGLang would refuse is refused before any request
     if options.check_prompt_length:
         await _check_length(server, len(request.prompt_ids), request.sampling.max_tokens)
     if request.lora is not None and request.lora in server.cache.get(_UNLOADED, ()):
@@ -100,7 +110,7 @@ async def post_generate(server: Server, request: GenerateRequest, options: Sglan
         raise InvalidRequestError(
             f"LoRA adapter {request.lora!r} was unloaded from {server.base_url}; load it again first"
         )
-    return await server.request("POST", "/generate", json_body=wire.generate_payload(request))
+    return await server.request("POST", "/generate", json_body=body)
 
 
 @hookimpl

@@ -22,15 +22,20 @@ temperature 0); prompt logprobs are always raw. They are the engine's own number
 from __future__ import annotations
 
 import itertools
+import json
 from typing import Any
 
 import numpy as np
 
+from backends_core.errors import InvalidRequestError
 from backends_core.jsonnode import Node
 from backends_core.types import (
+    Choice,
     FinishReason,
     GenerateRequest,
     GenerateResult,
+    JsonSchema,
+    Regex,
     SamplingParams,
     TeacherLogprobs,
     TeacherRequest,
@@ -41,6 +46,8 @@ from backends_core.types import (
 from backends_sglang import experts
 
 __all__ = [
+    "EXTRA_KEYS",
+    "MODELLED",
     "SAMPLING_KEYS",
     "generate_payload",
     "in_flight",
@@ -50,6 +57,7 @@ __all__ = [
     "parse_teacher",
     "routed_start",
     "sampling_params",
+    "structured_fields",
     "succeeded",
     "teacher_payload",
     "token_list",
@@ -88,6 +96,53 @@ SAMPLING_KEYS = (
     "choice",
 )
 _FINISH: dict[str, FinishReason] = {"length": "length", "stop": "stop", "abort": "abort"}
+#: Wire names the modelled fields of :class:`SamplingParams` use: ``extra`` may not set them.
+MODELLED = frozenset(
+    {
+        "max_new_tokens",
+        "min_new_tokens",
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "stop_token_ids",
+        "ignore_eos",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "sampling_seed",
+        "stop",
+        "logit_bias",
+        "json_schema",
+        "regex",
+        "ebnf",
+    }
+)
+#: ``sampling_params`` keys ``extra`` may set: SGLang's own, minus the modelled ones and those that change the
+#: answer's shape (``beam_width``) or whose meaning SGLang 0.5.23 does not define (``choice``).
+EXTRA_KEYS = frozenset(SAMPLING_KEYS) - MODELLED - {"beam_width", "choice"}
+_REGEX_SPECIAL = frozenset("\\.^$|?*+()[]{}/")
+
+
+def _regex_literal(text: str) -> str:
+    return "".join("\\" + c if c in _REGEX_SPECIAL else c for c in text)
+
+
+def structured_fields(s: SamplingParams) -> dict[str, Any]:
+    """SGLang's structured-output field for ``s.structured``: ``json_schema`` (a JSON string), ``regex``,
+    ``ebnf``; a choice is the regex alternation of its literal strings (SGLang's ``sampling_params`` has no
+    choice field of its own)."""
+    c = s.structured
+    if c is None:
+        return {}
+    if isinstance(c, JsonSchema):
+        return {"json_schema": json.dumps(dict(c.schema), separators=(",", ":"))}
+    if isinstance(c, Regex):
+        return {"regex": c.pattern}
+    if isinstance(c, Choice):
+        return {"regex": "(" + "|".join(_regex_literal(x) for x in c.choices) + ")"}
+    return {"ebnf": c.grammar}
 
 
 # -- requests -------------------------------------------------------------------------------------------
@@ -103,7 +158,7 @@ def sampling_params(s: SamplingParams, *, max_new_tokens: int | None = None) -> 
         "top_p": s.top_p,
         "top_k": s.top_k,
         "min_p": s.min_p,
-        "stop_token_ids": list(s.stop_token_ids),
+        "stop_token_ids": list(s.stop_token_ids or ()),
         "ignore_eos": s.ignore_eos,
         "repetition_penalty": s.repetition_penalty,
         "presence_penalty": s.presence_penalty,
@@ -111,6 +166,19 @@ def sampling_params(s: SamplingParams, *, max_new_tokens: int | None = None) -> 
     }
     if s.seed is not None:
         params["sampling_seed"] = s.seed
+    if s.stop:
+        params["stop"] = list(s.stop)
+    if s.logit_bias:
+        params["logit_bias"] = {str(token): bias for token, bias in s.logit_bias.items()}
+    params.update(structured_fields(s))
+    for key, value in s.extra.items():
+        if key in MODELLED:
+            raise InvalidRequestError(f"extra key {key!r} collides with a field SamplingParams models: set it there")
+        if key not in EXTRA_KEYS:
+            raise InvalidRequestError(
+                f"extra key {key!r} is not a sampling_params field SGLang 0.5.23 takes; known: {sorted(EXTRA_KEYS)}"
+            )
+        params[key] = value
     return params
 
 

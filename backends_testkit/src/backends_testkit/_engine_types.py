@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import attrs
@@ -40,6 +41,14 @@ def _int_tuple(values: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in values)
 
 
+def _str_tuple(values: Any) -> tuple[str, ...]:
+    return tuple(values)
+
+
+def _bias(values: Mapping[int, float]) -> dict[int, float]:
+    return {int(k): float(v) for k, v in values.items()}
+
+
 @attrs.frozen(kw_only=True)
 class EngineRequest:
     """One generation request in token space.
@@ -52,6 +61,9 @@ class EngineRequest:
     :ivar min_p: drop tokens below ``min_p`` × the top probability.
     :ivar seed: seed of this request's sampler; ``None`` draws one from the engine's generator.
     :ivar stop_token_ids: extra ids that end generation (the matched id is kept in the output).
+    :ivar stop: strings that end generation once the completion's decoded text (special tokens skipped) holds
+        one, looked for in the text of tokens past ``min_tokens``; the token completing it is kept in the output.
+    :ivar logit_bias: token id -> bias added to its logit before sampling (logprobs stay the raw ones).
     :ivar ignore_eos: keep going past EOS tokens.
     :ivar min_tokens: EOS / stop ids are not sampled before this many tokens.
     :ivar logprobs: ``None`` = no logprobs; ``0`` = the sampled token's; ``k`` = plus top-k alternatives.
@@ -70,6 +82,8 @@ class EngineRequest:
     min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_str_tuple)
+    logit_bias: Mapping[int, float] = attrs.field(factory=dict, converter=_bias, hash=False)
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
@@ -101,7 +115,7 @@ class EngineOutput:
     :ivar routed_experts: ``int32 [len(prompt)+len(completion)-1-start, layers, top_k]``; row ``i`` is
         the routing of the token at absolute position ``start + i`` (the last sampled token has none).
         A request aborted before its prefill has fewer rows (those computed).
-    :ivar stop_reason: the EOS / stop token id that ended the request, if any.
+    :ivar stop_reason: the EOS / stop token id, or the stop string, that ended the request, if any.
     :ivar weight_version: the engine's weight version when the request finished.
     :ivar weight_versions: spans of completion positions per weight version.
     :ivar num_cached_tokens: prompt tokens served from the prefix cache.
@@ -111,7 +125,7 @@ class EngineOutput:
     prompt_ids: tuple[int, ...]
     completion_ids: tuple[int, ...]
     finish_reason: FinishReason
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None
     logprobs: npt.NDArray[np.float32] | None = None
     top_logprobs: TopLogprobs | None = None
     prompt_logprobs: npt.NDArray[np.float32] | None = None

@@ -24,19 +24,25 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, ClassVar, NoReturn, TypeVar
 
+import attrs
 import httpx
 import numpy as np
 import pytest
 import pytest_asyncio
 
 from backends_core import (
+    SAMPLING_FEATURES,
     AdminError,
+    Choice,
     Client,
     ClientConfig,
     GenerateResult,
+    Grammar,
     InvalidRequestError,
+    JsonSchema,
     LoraAdapter,
     NetworkError,
+    Regex,
     RequestTimeout,
     ResponseParseError,
     RetryPolicy,
@@ -46,7 +52,7 @@ from backends_core import (
     UnsupportedOperationError,
     available_backends,
 )
-from backends_core.driver import CAPABILITY_HOOKS
+from backends_core.driver import CAPABILITY_HOOKS, BackendDriver
 from backends_core.hookspecs import REQUIRED_HOOKS
 from backends_core.multiturn.rendering import encode, render_text
 from backends_core.plugins import implemented_hooks, make_plugin_manager
@@ -876,3 +882,127 @@ class BackendConformance:
                 assert client.admin.health() == [True]
         with pytest.raises(ClientClosedError):
             client.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=1))
+
+    # -- open sampling: stop strings, logit bias, refusals before sending, extra fields (issue #14 item 4) --
+    # A backend declares the optional sampling features its engine honours with the ``sampling_features``
+    # hook; subclasses list them in ``expected_sampling_features``. Every feature it does not declare must
+    # raise ``UnsupportedOperationError`` before anything is sent.
+
+    #: The optional sampling features the backend declares (``sampling_features`` hook).
+    expected_sampling_features: ClassVar[frozenset[str]] = frozenset()
+
+    def needs_sampling(self, *features: str) -> None:
+        missing = [f for f in features if f not in self.expected_sampling_features]
+        if missing:
+            pytest.skip(f"{self.backend_name} does not declare sampling {', '.join(missing)}")
+
+    @pytest_asyncio.fixture
+    async def counted_client(
+        self, engine: ReferenceEngine, live_url: str | None, request: pytest.FixtureRequest
+    ) -> AsyncIterator[tuple[Client, list[httpx.Request]]]:
+        """A client and the requests that reached the emulator (always empty against a live server: only the
+        error is checked there)."""
+        sent: list[httpx.Request] = []
+        config = self.make_config(engine, live_url, request)
+        transport = None if live_url else _Counting(self.emulator_transport(engine), sent)
+        async with Client(config, transport=transport, plugin=self.plugin) as client:
+            yield client, sent
+
+    def test_sampling_features_are_as_declared(self) -> None:
+        config = ClientConfig(
+            backend=self.backend_name, base_url="http://emulator.test", backend_options=dict(self.backend_options)
+        )
+        assert BackendDriver(config, plugin=self.plugin).sampling_features == self.expected_sampling_features
+
+    @pytest.mark.asyncio
+    async def test_undeclared_sampling_features_raise_before_sending(
+        self, counted_client: tuple[Client, list[httpx.Request]]
+    ) -> None:
+        client, sent = counted_client
+        samples = {
+            "stop": SamplingParams(stop=["x"]),
+            "logit_bias": SamplingParams(logit_bias={1: 1.0}),
+            "extra": SamplingParams(extra={"skip_special_tokens": True}),
+            "structured.json_schema": SamplingParams(structured=JsonSchema({"type": "object"})),
+            "structured.regex": SamplingParams(structured=Regex("[0-9]+")),
+            "structured.choice": SamplingParams(structured=Choice(["yes", "no"])),
+            "structured.grammar": SamplingParams(structured=Grammar('root ::= "a"')),
+        }
+        assert set(samples) == SAMPLING_FEATURES
+        for feature in sorted(SAMPLING_FEATURES - self.expected_sampling_features):
+            with pytest.raises(UnsupportedOperationError) as info:
+                await client.generate(prompt_ids=PROMPT, sampling=samples[feature])
+            assert info.value.operation == f"sampling.{feature}"
+        assert sent == []
+
+    @pytest.mark.asyncio
+    async def test_extra_with_an_unknown_or_modelled_key_raises_before_sending(
+        self, counted_client: tuple[Client, list[httpx.Request]]
+    ) -> None:
+        self.needs_sampling("extra")
+        client, sent = counted_client
+        with pytest.raises(InvalidRequestError, match="no_such_engine_field"):
+            await client.generate(prompt_ids=PROMPT, sampling=SamplingParams(extra={"no_such_engine_field": 1}))
+        with pytest.raises(InvalidRequestError, match="max_tokens"):
+            SamplingParams(extra={"max_tokens": 3})
+        assert sent == []
+
+    @pytest.mark.asyncio
+    async def test_stop_string_ends_generation_at_the_string(self, client: Client) -> None:
+        self.needs_sampling("stop")
+        # without ignore_eos, which Dynamo 1.6.1 lets override stop strings
+        greedy = SamplingParams(max_tokens=16, temperature=0.0)
+        free = await client.generate(prompt_ids=PROMPT, sampling=greedy)
+        found = _first_new_text(client.tokenizer, free.completion_ids)
+        if found is None:
+            pytest.skip("the greedy completion has no token that adds new printable text to stop on")
+        k, stop = found
+        result = await client.generate(prompt_ids=PROMPT, sampling=attrs.evolve(greedy, stop=[stop]))
+        # the token that completes the string ends the completion, and stays in it
+        assert result.completion_ids == free.completion_ids[:k]
+        assert result.finish_reason == "stop" and result.stop_reason == stop
+        np.testing.assert_allclose(result.logprobs, free.logprobs[:k], atol=1e-4)
+
+    @pytest.mark.asyncio
+    async def test_logit_bias_steers_sampling(self, client: Client) -> None:
+        self.needs_sampling("logit_bias")
+        favoured = 100
+        result = await client.generate(
+            prompt_ids=PROMPT,
+            sampling=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logit_bias={favoured: 100.0}),
+        )
+        assert result.completion_ids == (favoured,) * 3
+
+
+class _Counting(httpx.AsyncBaseTransport):
+    """Passes requests to ``inner`` and records each one that gets there."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, sent: list[httpx.Request]) -> None:
+        self.inner, self.sent = inner, sent
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.sent.append(request)
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def _first_new_text(tokenizer: Any, ids: tuple[int, ...]) -> tuple[int, str] | None:
+    """``(k, text)``: the first token ``k - 1`` (from the second on) whose decoded text is printable, not
+    whitespace, and new (absent from the text before it), so a stop on ``text`` ends the completion after ``k``
+    tokens exactly."""
+    for k in range(2, len(ids) + 1):
+        before = tokenizer.decode(list(ids[: k - 1]), skip_special_tokens=True)
+        after = tokenizer.decode(list(ids[:k]), skip_special_tokens=True)
+        piece = after[len(before) :]
+        if (
+            after.startswith(before)
+            and piece.strip()
+            and piece.isprintable()
+            and "\ufffd" not in after
+            and piece not in before
+            and after.find(piece) == len(before)
+        ):
+            return k, piece
+    return None

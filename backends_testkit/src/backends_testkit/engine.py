@@ -94,6 +94,8 @@ class _Sequence:
     prompt_top: TopLogprobs | None = None
     routed: list[npt.NDArray[np.int32]] = attrs.Factory(list)
     versions: list[str] = attrs.Factory(list)
+    text: str = ""  # the completion's decoded text, kept only while stop strings are looked for
+    stop_from: int = 0  # where stop strings may start in ``text``: past the text of the first min_tokens tokens
 
 
 class ReferenceEngine:
@@ -116,6 +118,7 @@ class ReferenceEngine:
         self._max_model_len = max_model_len
         self._max_batch = max_batch
         self._eos_token_ids = _read_eos_ids(self._model_dir)
+        self._decoder: Any = None
         self._rng = np.random.Generator(np.random.PCG64(seed))
         self._weight_version = DEFAULT_WEIGHT_VERSION
         self._loras: dict[str, _Lora] = {}
@@ -397,7 +400,7 @@ class ReferenceEngine:
         n = len(r.prompt_ids)
         if n == 0:
             fail("prompt_ids must not be empty")
-        bad = [t for t in (*r.prompt_ids, *r.stop_token_ids) if not 0 <= t < self.vocab_size]
+        bad = [t for t in (*r.prompt_ids, *r.stop_token_ids, *r.logit_bias) if not 0 <= t < self.vocab_size]
         if bad:
             fail(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if r.max_tokens < 0:
@@ -422,6 +425,10 @@ class ReferenceEngine:
             fail(f"routed_experts_start must be in [0, {n}), got {r.routed_experts_start}")
         if r.lora is not None and r.lora not in self._loras:
             fail(f"LoRA adapter {r.lora!r} is not loaded")
+        if any(not isinstance(s, str) or not s for s in r.stop):
+            fail(f"stop strings must be non-empty strings, got {list(r.stop)!r}")
+        if r.stop and not (self._model_dir / "tokenizer.json").is_file():
+            fail(f"stop strings need a tokenizer: {self._model_dir} has no tokenizer.json")
 
     # -- internals: the step loop --------------------------------------------------------------
 
@@ -516,8 +523,12 @@ class ReferenceEngine:
         banned: tuple[int, ...] = ()
         if len(seq.completion) < request.min_tokens:
             banned = request.stop_token_ids + (() if request.ignore_eos else self._eos_token_ids)
+        biased = logits
+        if request.logit_bias:
+            biased = np.array(logits, dtype=np.float64)
+            biased[list(request.logit_bias)] += np.fromiter(request.logit_bias.values(), dtype=np.float64)
         token = sample_token(
-            logits,
+            biased,
             seq.rng,
             temperature=request.temperature,
             top_k=request.top_k,
@@ -534,8 +545,33 @@ class ReferenceEngine:
             seq.top.append(top_logprobs(logprobs, request.logprobs))
         if token in request.stop_token_ids or (not request.ignore_eos and token in self._eos_token_ids):
             self._finish(seq, "stop", stop_reason=token)
+        elif (matched := self._stop_string(seq)) is not None:
+            self._finish(seq, "stop", stop_reason=matched)
         elif len(seq.completion) >= request.max_tokens or len(seq.tokens) >= self._max_model_len:
             self._finish(seq, "length")
+
+    def _stop_string(self, seq: _Sequence) -> str | None:
+        """The stop string the last token completed, if any: the one ending first in the new text (ties: the
+        first in ``stop``), searched only in text past the first ``min_tokens`` tokens, as vLLM's detokenizer
+        does."""
+        stop = seq.request.stop
+        if not stop:
+            return None
+        if self._decoder is None:
+            from tokenizers import Tokenizer
+
+            self._decoder = Tokenizer.from_file(str(self._model_dir / "tokenizer.json"))
+        previous = seq.text
+        seq.text = self._decoder.decode(seq.completion, skip_special_tokens=True)
+        if len(seq.completion) <= seq.request.min_tokens:
+            seq.stop_from = len(seq.text)
+            return None
+        best: tuple[int, str] | None = None
+        for candidate in stop:
+            at = seq.text.find(candidate, max(seq.stop_from, len(previous) - len(candidate) + 1, 0))
+            if at >= 0 and (best is None or at + len(candidate) < best[0]):
+                best = (at + len(candidate), candidate)
+        return None if best is None else best[1]
 
     def _start_sequence(self, seq: _Sequence) -> None:
         prompt = np.asarray(seq.request.prompt_ids, dtype=np.int64)
@@ -564,7 +600,7 @@ class ReferenceEngine:
     def _namespace(self, seq: _Sequence) -> int:
         return -1 if seq.lora is None else seq.lora.generation
 
-    def _finish(self, seq: _Sequence, reason: FinishReason, *, stop_reason: int | None = None) -> None:
+    def _finish(self, seq: _Sequence, reason: FinishReason, *, stop_reason: int | str | None = None) -> None:
         if seq in self._running:
             self._running.remove(seq)
         elif seq in self._waiting:

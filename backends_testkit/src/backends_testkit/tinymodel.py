@@ -41,6 +41,7 @@ __all__ = [
     "TinyModels",
     "build_tiny_models",
     "default_models_dir",
+    "write_eos_variant",
     "write_perturbed_weights",
 ]
 
@@ -64,6 +65,7 @@ SPECIAL_TOKENS: tuple[tuple[str, bool], ...] = (
 """Added tokens ``(content, special)`` with ids ``BPE_VOCAB_SIZE + index``, in this order."""
 
 _TOKEN_ID = {content: BPE_VOCAB_SIZE + i for i, (content, _) in enumerate(SPECIAL_TOKENS)}
+_ID_TOKEN = {i: t for t, i in _TOKEN_ID.items()}
 ENDOFTEXT_ID = _TOKEN_ID["<|endoftext|>"]
 IM_END_ID = _TOKEN_ID["<|im_end|>"]
 TOKENIZER_SIZE = BPE_VOCAB_SIZE + len(SPECIAL_TOKENS)
@@ -163,6 +165,37 @@ def write_perturbed_weights(src: Path, dst: Path, *, seed: int, scale: float) ->
     tensors = load_file(str(src / _WEIGHTS))
     noisy = {name: (t + scale * rng.standard_normal(t.shape)).astype(np.float32) for name, t in sorted(tensors.items())}
     save_file(noisy, str(dst / _WEIGHTS), metadata=_SAFETENSORS_META)
+    return dst
+
+
+def write_eos_variant(src: Path, dst: Path, *, eos_token_ids: list[int]) -> Path:
+    """Write a copy of the model in ``src`` whose EOS (``config.json``, ``generation_config.json`` and the
+    tokenizer's ``eos_token``) is ``eos_token_ids``, while its chat template still ends turns with
+    ``<|im_end|>``: a model whose EOS differs from its template's end-of-turn token, as some releases ship.
+
+    :param src: a model directory.
+    :param dst: the directory to write (created; existing files are overwritten).
+    :param eos_token_ids: the new EOS ids.
+    :returns: ``dst``.
+    """
+    dst.mkdir(parents=True, exist_ok=True)
+    for item in sorted(src.iterdir()):
+        if item.is_file():
+            shutil.copyfile(item, dst / item.name)
+    for name in ("config.json", "generation_config.json"):
+        path = dst / name
+        if path.is_file():
+            data = json.loads(path.read_text(encoding="utf-8"))
+            data["eos_token_id"] = eos_token_ids[0] if name == "config.json" else list(eos_token_ids)
+            _write_json(path, data)
+    # the tokenizer's EOS too (servers take it as an EOS as well), as the token of the first id
+    token = _ID_TOKEN.get(eos_token_ids[0])
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = dst / name
+        if token is not None and path.is_file():
+            data = json.loads(path.read_text(encoding="utf-8"))
+            data["eos_token"] = token
+            _write_json(path, data)
     return dst
 
 

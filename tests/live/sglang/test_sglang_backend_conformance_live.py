@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from backends_core import SAMPLING_FEATURES
 from backends_core.driver import CAPABILITY_HOOKS
 from backends_testkit.conformance import BackendConformance
 
@@ -17,6 +18,7 @@ class TestSglangLiveConformance(BackendConformance):
     expected_capabilities = CAPABILITY_HOOKS
     supports_routed_experts = True
     live_moe = True
+    expected_sampling_features = SAMPLING_FEATURES
     deterministic_seeds = False  # sampling_seed does not reproduce on CPU SGLang without deterministic inference
 
     @pytest.fixture

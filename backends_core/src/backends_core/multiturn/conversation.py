@@ -112,6 +112,7 @@ class Conversation:
                 raise
             stats.successes += 1
             client.driver.emit("bridge", "bridge", None, started, None, delta_tokens=len(ids) - len(previous.token_ids))
+            sampling = client.template_stop(sampling, chat_template_kwargs=self.chat_template_kwargs)
             result = await client.generate(prompt_ids=ids, sampling=sampling, **generate_kwargs)
             self.messages.append(reply)
         self.messages.extend(new_messages)

@@ -53,7 +53,7 @@ from backends_core.errors import BridgeError, RenderError
 from backends_core.multiturn.rendering import encode, render_text
 from backends_core.types import GenerateResult, Message
 
-__all__ = ["BridgeStats", "clear_template_cache", "extend_prompt"]
+__all__ = ["BridgeStats", "clear_template_cache", "end_of_turn_ids", "end_of_turn_stop_ids", "extend_prompt"]
 
 _SENTINEL = "\u27e6backends-bridge-sentinel\u27e7"
 _CONTEXT_USER = "\u27e6backends-bridge-context\u27e7"
@@ -101,6 +101,7 @@ class _TemplateState:
     """What one template (tokenizer x chat template x tools x template variables) always renders the same."""
 
     eot: tuple[str, tuple[int, ...]] | None = None
+    stop_ids: tuple[int, ...] | None = None
     verdicts: dict[Hashable, int] = attrs.field(factory=dict)
 
 
@@ -152,6 +153,50 @@ def _end_of_turn(tokenizer: Any, chat_template_kwargs: Mapping[str, Any]) -> str
     if not eot:
         raise BridgeError("no_end_of_turn", "the chat template puts nothing after an assistant message")
     return eot
+
+
+def end_of_turn_ids(
+    tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None
+) -> tuple[str, tuple[int, ...]]:
+    """The template's end-of-turn text after an assistant message and its ids, probed once per template (the
+    same cached probe the bridge closes turns with).
+
+    :raises BridgeError: ``sentinel_missing`` / ``no_end_of_turn`` when the template has none to find.
+    """
+    kwargs = dict(chat_template_kwargs or {})
+    state = _template_state(tokenizer, None, kwargs)
+    if state is not None and state.eot is not None:
+        return state.eot
+    eot = _end_of_turn(tokenizer, kwargs)
+    found = (eot, tuple(encode(tokenizer, eot)))
+    if state is not None:
+        state.eot = found
+    return found
+
+
+def _special_ids(tokenizer: Any) -> set[int]:
+    ids = {int(i) for i in getattr(tokenizer, "all_special_ids", None) or ()}
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(int(i) for i, token in added.items() if getattr(token, "special", False))
+    return ids
+
+
+def end_of_turn_stop_ids(tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None) -> tuple[int, ...]:
+    """The token ids that end an assistant turn in this chat template: the special tokens of its end-of-turn
+    text (``<|im_end|>`` of ``"<|im_end|>\\n"``; the newline after it is formatting, not a stop). Empty when the
+    end of turn is plain text only.
+
+    :raises BridgeError: the template renders no end of turn to probe.
+    """
+    state = _template_state(tokenizer, None, dict(chat_template_kwargs or {}))
+    if state is not None and state.stop_ids is not None:
+        return state.stop_ids
+    _, ids = end_of_turn_ids(tokenizer, chat_template_kwargs)
+    special = _special_ids(tokenizer)
+    stop_ids = tuple(dict.fromkeys(i for i in ids if i in special))
+    if state is not None:
+        state.stop_ids = stop_ids
+    return stop_ids
 
 
 def _message_shape(message: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -308,8 +353,7 @@ def extend_prompt(
         if state is not None and state.eot is not None:
             eot, eot_ids = state.eot
         else:
-            eot = _end_of_turn(tokenizer, kwargs)
-            eot_ids = tuple(encode(tokenizer, eot))
+            eot, eot_ids = end_of_turn_ids(tokenizer, kwargs)
             if state is not None:
                 state.eot = (eot, eot_ids)
         delta_text, how = _render_delta(

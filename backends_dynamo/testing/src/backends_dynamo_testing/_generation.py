@@ -31,6 +31,7 @@ __all__ = ["Generation"]
 _DESERIALIZE = "Failed to deserialize the JSON body into the target type: "
 _NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 _MAX_STOP_IDS = 32
+_GUIDED = ("guided_json", "guided_regex", "guided_grammar", "guided_choice")
 
 
 @attrs.frozen(kw_only=True)
@@ -126,8 +127,13 @@ class Generation:
         for key, neutral in _NEUTRAL.items():
             if _typed(body, key, (int, float), neutral) != neutral:
                 raise HttpError(400, f"emulator: {key} is not supported by the reference engine")
-        if body.get("stop"):
-            raise HttpError(400, "emulator: stop strings are not supported by the reference engine")
+        stop = body.get("stop")
+        stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+        if not all(isinstance(x, str) for x in stop):
+            raise HttpError(400, "Failed to deserialize the JSON body into the target type: stop: expected strings")
+        for key in _GUIDED:
+            if body.get(key) is not None:
+                raise HttpError(400, f"emulator: {key} (guided decoding) is not supported by the reference engine")
         instance = nvext.get("backend_instance_id")
         if instance is not None and instance != self.d.worker_id:
             raise HttpError(400, "Invalid request")
@@ -151,6 +157,8 @@ class Generation:
                 "min_p": float(_typed(body, "min_p", (int, float), 0.0)),
                 "seed": _typed(body, "seed", (int,), None),
                 "stop_token_ids": tuple(stop_ids),
+                # the 1.6.1 frontend drops stop strings when ignore_eos is set (seen live)
+                "stop": () if _typed(body, "ignore_eos", (bool,), False) else tuple(x for x in stop if x),
                 "ignore_eos": _typed(body, "ignore_eos", (bool,), False),
                 "min_tokens": _typed(body, "min_tokens", (int,), 0),
             },
@@ -225,9 +233,11 @@ class Generation:
 
     # -- answers ------------------------------------------------------------------------------------
 
-    def _stop_reason(self, ask: _Ask, out: EngineOutput) -> int | None:
-        """The matched stop token id; ``None`` for EOS (as vLLM reports it), length and abort."""
+    def _stop_reason(self, ask: _Ask, out: EngineOutput) -> int | str | None:
+        """The matched stop token id or stop string; ``None`` for EOS (as vLLM reports it), length and abort."""
         reason = out.stop_reason
+        if isinstance(reason, str):
+            return reason
         if reason is None or reason not in ask.sampling["stop_token_ids"]:
             return None
         if not ask.sampling["ignore_eos"] and reason in self.d.engine.eos_token_ids:

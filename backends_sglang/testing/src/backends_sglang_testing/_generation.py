@@ -17,7 +17,7 @@ Reproduced from the 0.5.23 captures and notes:
 * ``weight_versions`` spans, ``cached_tokens`` (and ``cached_tokens_details`` when non-zero).
 
 Not reproduced: output logprobs are the engine's raw ``log_softmax`` (SGLang divides the logits by the
-temperature first); ``num_retractions`` is always 0.
+temperature first, and adds ``logit_bias`` to them); ``num_retractions`` is always 0.
 """
 
 from __future__ import annotations
@@ -143,6 +143,8 @@ class Generation:
             min_p=s.min_p,
             seed=None if s.seed is None else s.seed + sample,
             stop_token_ids=s.stop_token_ids,
+            stop=s.stop,
+            logit_bias=s.logit_bias,
             ignore_eos=s.ignore_eos,
             min_tokens=min(s.min_new_tokens, max_new),
             logprobs=(full or job.top_logprobs_num) if job.return_logprob else None,
@@ -193,24 +195,19 @@ class Generation:
 
     # -- answers ----------------------------------------------------------------------------------------
 
-    def _stop_string(self, job: Job, out: EngineOutput) -> _Sample | None:
-        """The sample cut at the first stop string in the decoded completion, if one occurs."""
-        completion, skip = out.completion_ids, job.sampling.skip_special_tokens
-        for k in range(1, len(completion) + 1):
-            decoded = self.text.decode(completion[:k], skip_special_tokens=skip)
-            hits = [(decoded.find(stop), stop) for stop in job.sampling.stop if stop and stop in decoded]
-            if hits:
-                at, stop = min(hits)
-                text = decoded if job.sampling.no_stop_trim else decoded[:at]
-                return _Sample(out.request_id, completion[:k], {"type": "stop", "matched": stop}, text, k)
-        return None
-
     def _finish(self, job: Job, out: EngineOutput) -> _Sample:
-        """Finish reason and text of one engine output (stop strings first, as SGLang checks them per token)."""
-        if job.sampling.stop and (cut := self._stop_string(job, out)) is not None:
-            return cut
+        """Finish reason and text of one engine output. The engine checks stop strings per token on the decoded
+        completion; the token completing one stays in ``output_ids`` and the text is cut where the string
+        starts (``no_stop_trim`` keeps it)."""
         completion, skip = out.completion_ids, job.sampling.skip_special_tokens
         shown = completion
+        if out.finish_reason == "stop" and isinstance(out.stop_reason, str):
+            decoded = self.text.decode(completion, skip_special_tokens=skip)
+            at = decoded.find(out.stop_reason)
+            text = decoded if job.sampling.no_stop_trim or at < 0 else decoded[:at]
+            return _Sample(
+                out.request_id, completion, {"type": "stop", "matched": out.stop_reason}, text, len(completion)
+            )
         if out.finish_reason == "stop":
             finish: dict[str, Any] = {"type": "stop", "matched": out.stop_reason}
             shown = completion if job.sampling.no_stop_trim else completion[:-1]

@@ -111,6 +111,7 @@ class Sampling:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     seed: int | None = None
+    logit_bias: Mapping[int, float] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)
@@ -223,8 +224,12 @@ def _sampling(params: Mapping[str, Any]) -> Sampling:
     for key in _UNSUPPORTED_SAMPLING:
         if key in p:
             raise message_error(f"the SGLang emulator does not support sampling_params.{key}")
-    if p.get("logit_bias"):
-        raise message_error("the SGLang emulator does not support sampling_params.logit_bias")
+    bias: dict[int, float] = {}
+    for key, value in (p.get("logit_bias") or {}).items():
+        try:
+            bias[int(key)] = float(value)
+        except (TypeError, ValueError):
+            raise message_error(f"logit_bias keys must be token ids, got {key!r}") from None
     for key, neutral in (("frequency_penalty", 0), ("presence_penalty", 0), ("repetition_penalty", 1)):
         if key in p and p[key] != neutral:
             raise message_error(f"the SGLang emulator's engine has no {key} (only the neutral {neutral})")
@@ -243,6 +248,7 @@ def _sampling(params: Mapping[str, Any]) -> Sampling:
         skip_special_tokens=p.get("skip_special_tokens", True),
         no_stop_trim=p.get("no_stop_trim", False),
         seed=p.get("sampling_seed"),
+        logit_bias=bias,
     )
     _range(s.temperature >= 0, f"temperature must be non-negative, got {s.temperature}.")
     _range(0 < s.top_p <= 1, f"top_p must be in (0, 1], got {s.top_p}.")

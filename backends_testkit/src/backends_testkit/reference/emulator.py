@@ -40,6 +40,8 @@ _SAMPLING_FIELDS = {
     "repetition_penalty": float,
     "presence_penalty": float,
     "frequency_penalty": float,
+    "stop": list,
+    "logit_bias": dict,
 }
 _GENERATE_FIELDS = {
     "model",
@@ -170,6 +172,14 @@ class ReferenceEmulator(EmulatorBase):
         n = sampling.get("n", 1)
         if n < 1:
             raise BadRequest("sampling.n must be >= 1")
+        stop = sampling.get("stop", [])
+        if not all(isinstance(x, str) and x for x in stop):
+            raise BadRequest("sampling.stop: expected non-empty strings")
+        bias = sampling.get("logit_bias", {})
+        try:
+            logit_bias = {int(k): float(v) for k, v in bias.items()}
+        except (TypeError, ValueError):
+            raise BadRequest("sampling.logit_bias: expected {token id: number}") from None
         seed = sampling.get("seed")
         top = sampling.get("top_logprobs", 0)
         rid = body.get("request_id")
@@ -187,6 +197,8 @@ class ReferenceEmulator(EmulatorBase):
                 min_p=sampling.get("min_p", 0.0),
                 seed=None if seed is None else seed + i,
                 stop_token_ids=sampling.get("stop_token_ids", []),
+                stop=stop,
+                logit_bias=logit_bias,
                 ignore_eos=sampling.get("ignore_eos", False),
                 min_tokens=sampling.get("min_tokens", 0),
                 logprobs=top,

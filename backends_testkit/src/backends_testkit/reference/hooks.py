@@ -22,6 +22,12 @@ from backends_testkit.reference import wire
 
 
 @hookimpl
+def sampling_features() -> frozenset[str]:
+    """Stop strings and logit bias; the reference engine has no structured output and no unmodelled fields."""
+    return frozenset({"stop", "logit_bias"})
+
+
+@hookimpl
 async def post_generate(server: Server, request: GenerateRequest, config: ClientConfig) -> Any:
     return await server.request("POST", "/generate", json_body=wire.generate_payload(request, config.model))
 

@@ -2,7 +2,8 @@
 
 Requests::
 
-    POST /generate {"model", "input_ids", "sampling": {...every SamplingParams field...}, "request_id",
+    POST /generate {"model", "input_ids", "sampling": {...every SamplingParams field but structured and extra
+                    (the reference engine has neither)...}, "request_id",
                     "cache_salt", "priority", "lora", "return_routed_experts", "routed_experts_start"}
     POST /score    {"model", "input_ids", "top_logprobs", "lora"}
 
@@ -39,6 +40,16 @@ from backends_core.types import (
 converter = make_converter()
 
 
+def _stop_reason(value: Any, _type: Any) -> int | str | None:
+    """A stop token id, a stop string, or null."""
+    if value is None or isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    raise ValueError(f"expected a token id, a string or null, got {value!r}")
+
+
+converter.register_structure_hook(int | str | None, _stop_reason)
+
+
 @attrs.frozen
 class WireSpan:
     version: str
@@ -51,7 +62,7 @@ class WireSample:
     output_ids: list[int]
     output_logprobs: list[float]
     finish_reason: str
-    stop_reason: int | None = None
+    stop_reason: int | str | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     routed_experts: str | None = None
     routed_experts_start: int = 0
@@ -91,13 +102,15 @@ def generate_payload(request: GenerateRequest, model: str | None) -> dict[str, A
             "min_p": s.min_p,
             "seed": s.seed,
             "n": s.n,
-            "stop_token_ids": list(s.stop_token_ids),
+            "stop_token_ids": list(s.stop_token_ids or ()),
             "ignore_eos": s.ignore_eos,
             "min_tokens": s.min_tokens,
             "top_logprobs": s.top_logprobs,
             "repetition_penalty": s.repetition_penalty,
             "presence_penalty": s.presence_penalty,
             "frequency_penalty": s.frequency_penalty,
+            "stop": list(s.stop),
+            "logit_bias": {str(token): bias for token, bias in s.logit_bias.items()},
         },
         "request_id": request.request_id,
         "cache_salt": request.cache_salt,

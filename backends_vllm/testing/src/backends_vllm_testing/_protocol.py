@@ -2,7 +2,7 @@
 
 Fields the emulator implements are validated and used; fields it accepts but that change nothing here
 (``cache_salt``, ``user``, ``stream_options``...) are validated and ignored; fields of features the reference
-engine lacks (penalties, logit bias, stop strings, structured output...) are accepted only at their neutral
+engine lacks (penalties, structured output...) are accepted only at their neutral
 values — anything else is refused with a 400 that says so, never silently ignored.
 """
 
@@ -56,7 +56,6 @@ NEUTRAL: Mapping[str, tuple[Any, ...]] = {
     "frequency_penalty": (None, 0, 0.0),
     "presence_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
@@ -72,7 +71,6 @@ NEUTRAL: Mapping[str, tuple[Any, ...]] = {
     "thinking_token_budget": (None, -1),
     "stream_interval": (None,),
     "watermarking": (None, False),
-    "stop": ([], None, ""),
     "stream": (False, None),
     "prompt_logprob_token_ids": (None,),
     "prompt_logprob_start": (None, 0),

@@ -56,6 +56,8 @@ class _Sampling:
     logprobs: int | None
     prompt_logprobs: int | None
     logprob_token_ids: tuple[int, ...]
+    stop: tuple[str, ...] = ()
+    logit_bias: Mapping[int, float] = attrs.field(factory=dict)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -186,6 +188,7 @@ class Serving:
             )
         extra = tuple(values.get("logprob_token_ids") or ())
         stop_ids = tuple(values.get("stop_token_ids") or ())
+        stop = self._stop_strings(values.get("stop"))
         for token in (*extra, *stop_ids):
             if not 0 <= token < self.engine.vocab_size:
                 raise bad_request(f"Token id {token} is out of vocabulary")
@@ -203,7 +206,46 @@ class Serving:
             logprobs=self._logprobs_count(values.get("logprobs"), "logprobs", "sample"),
             prompt_logprobs=self._logprobs_count(values.get("prompt_logprobs"), "prompt_logprobs", "prompt"),
             logprob_token_ids=extra,
+            stop=stop,
+            logit_bias=self._logit_bias(values.get("logit_bias")),
         )
+
+    @staticmethod
+    def _stop_strings(value: Any) -> tuple[str, ...]:
+        """vLLM's ``stop``: a string or a list of strings; an empty one is refused."""
+        if value is None:
+            return ()
+        strings = (value,) if isinstance(value, str) else tuple(value)
+        if not all(isinstance(x, str) for x in strings):
+            raise bad_request("stop must be a string or a list of strings.", "stop")
+        if any(not x for x in strings):
+            raise bad_request("stop cannot contain an empty string.", "stop")
+        return strings
+
+    def _logit_bias(self, value: Any) -> dict[int, float]:
+        """vLLM's ``logit_bias``: token ids (JSON keys) to biases, clamped to [-100, 100]; ids must be in the
+        vocabulary."""
+        if not value:
+            return {}
+        if not isinstance(value, Mapping):
+            raise bad_request("logit_bias must be an object of token id to bias.", "logit_bias")
+        out: dict[int, float] = {}
+        for key, bias in value.items():
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                raise bad_request(
+                    f"logit_bias contains key(s) that cannot be converted to int: {key!r}", "logit_bias"
+                ) from None
+            out[token] = min(100.0, max(-100.0, float(bias)))
+        invalid = [t for t in out if not 0 <= t < self.engine.vocab_size]
+        if invalid:
+            raise bad_request(
+                f"token_id(s) {invalid} in logit_bias contain out-of-vocab token ids. Vocabulary size: "
+                f"{self.engine.vocab_size}",
+                "logit_bias",
+            )
+        return out
 
     def _max_tokens(self, prompt: Sequence[int], max_tokens: int | None) -> int:
         if not prompt:
@@ -252,7 +294,9 @@ class Serving:
             return None
         if s.logprob_token_ids:
             return full
-        if not self.exact_ranks or (s.temperature < _GREEDY_TEMPERATURE and s.min_tokens == 0):
+        if s.logit_bias and self.exact_ranks:  # biased sampling: the raw rank can be anything
+            bound = full
+        elif not self.exact_ranks or (s.temperature < _GREEDY_TEMPERATURE and s.min_tokens == 0):
             bound = 1
         elif s.top_k > 0:
             bound = s.top_k + (len(s.stop_token_ids) + len(self.engine.eos_token_ids) if s.min_tokens else 0)
@@ -287,6 +331,8 @@ class Serving:
                 min_p=s.min_p,
                 seed=None if s.seed is None else (s.seed + i) % 2**64,
                 stop_token_ids=s.stop_token_ids,
+                stop=s.stop,
+                logit_bias=s.logit_bias,
                 ignore_eos=s.ignore_eos,
                 min_tokens=min(s.min_tokens, max_tokens),
                 logprobs=depth,
@@ -327,7 +373,7 @@ class Serving:
                 self.engine.abort(engine_id)
         return len(targets)
 
-    def _stop_reason(self, out: EngineOutput, s: _Sampling) -> int | None:
+    def _stop_reason(self, out: EngineOutput, s: _Sampling) -> int | str | None:
         if out.stop_reason is None or (out.stop_reason == self.primary_eos and not s.ignore_eos):
             return None
         return out.stop_reason
@@ -491,6 +537,11 @@ class Serving:
         s = self._sampling(params, defaults={})
         self._priority(values["priority"])
         mode = values["output_mode"]
+        if s.stop and not params["detokenize"]:
+            raise bad_request(
+                "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.",
+                "sampling_params.stop",
+            )
         if mode == "text" and not params["detokenize"]:
             raise bad_request("output_mode 'text' needs sampling_params.detokenize to be true", "output_mode")
         prompt = values["token_ids"]
