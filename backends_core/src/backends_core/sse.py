@@ -66,8 +66,8 @@ class ResponseStream:
 
     async def events(self) -> AsyncIterator[bytes]:
         """The ``data`` of each Server-Sent Event, in order (multi-line data joined with ``\\n``; comments,
-        ``event:``, ``id:`` and ``retry:`` lines skipped). A body that ends inside an event raises
-        :class:`NetworkError`: the connection was cut mid-event."""
+        ``event:``, ``id:`` and ``retry:`` lines skipped). A body that ends cleanly inside an event is not an event
+        stream: :class:`ResponseParseError`."""
         pending = b""
         data: list[bytes] = []
         async for chunk in self.chunks():
@@ -85,13 +85,9 @@ class ResponseStream:
                 if line.startswith(b"data:"):
                     value = line[5:]
                     data.append(value[1:] if value.startswith(b" ") else value)
-        if data or pending.strip():
-            raise NetworkError(
-                "the stream ended inside an event (the connection was cut)",
-                method=self.method,
-                url=self.url,
-                maybe_processed=True,
-            )
+        if data or pending.strip():  # a cut connection fails in the transport: this body is not an event stream
+            snippet = (b"\n".join(data) or pending)[:200].decode("utf-8", "replace")
+            raise ResponseParseError(f"the body ended inside an event (not an event stream?): {snippet!r}", url=self.url)
 
     async def json_events(self) -> AsyncIterator[Any]:
         """Each event's data decoded as JSON, up to (not including) a ``[DONE]`` event."""

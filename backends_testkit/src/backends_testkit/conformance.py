@@ -30,6 +30,7 @@ import pytest_asyncio
 
 from backends_core import (
     AdminError,
+    BackendError,
     Client,
     ClientConfig,
     GenerateResult,
@@ -41,6 +42,7 @@ from backends_core import (
     RetryPolicy,
     SamplingParams,
     ServerRefusedError,
+    StreamDelta,
     ServerStatusError,
     UnsupportedOperationError,
     available_backends,
@@ -254,6 +256,7 @@ class BackendConformance:
             "admin_sleep": client.admin.sleep,
             "admin_wake": client.admin.wake,
             "admin_abort": client.admin.abort,
+            "post_generate_stream": lambda: client.stream(prompt_ids=PROMPT),
         }
         assert set(calls) == CAPABILITY_HOOKS
         for name in sorted(CAPABILITY_HOOKS - set(self.expected_capabilities)):
@@ -780,3 +783,125 @@ class BackendConformance:
             client, "abort(request_ids)", abort, request_id="conformance-abort"
         )
         assert result.finish_reason == "abort" and counts[0] in (1, -1)
+
+    # -- streaming --------------------------------------------------------------------------------------
+    #
+    # ``Client.stream`` over the backend's ``post_generate_stream`` (capability ``post_generate_stream``): the deltas
+    # together are the result, the result is what generate returns, a stream left early is aborted on the server,
+    # and a failure before the first delta is the error generate raises.
+
+    @pytest.mark.asyncio
+    async def test_stream_deltas_make_up_the_result_generate_returns(self, client: Client) -> None:
+        self.needs("post_generate_stream")
+        sampling = SamplingParams(max_tokens=12, temperature=0.0, seed=5, ignore_eos=True)
+        whole = await client.generate(prompt_ids=PROMPT, sampling=sampling)
+        async with client.stream(prompt_ids=PROMPT, sampling=sampling) as stream:
+            deltas = [delta async for delta in stream]
+        result = stream.result
+        assert deltas and all(isinstance(d, StreamDelta) and d.completion_ids for d in deltas)
+        for delta in deltas:
+            assert delta.logprobs.dtype == np.float32 and delta.logprobs.shape == (len(delta.completion_ids),)
+            assert np.isfinite(delta.logprobs).all()
+        assert sum((d.completion_ids for d in deltas), ()) == result.completion_ids
+        np.testing.assert_array_equal(np.concatenate([d.logprobs for d in deltas]), result.logprobs)
+        self.check_sample(result, PROMPT, 12)
+        assert result.completion_ids == whole.completion_ids
+        np.testing.assert_allclose(result.logprobs, whole.logprobs, atol=1e-4)
+        assert (result.finish_reason, result.stop_reason) == (whole.finish_reason, whole.stop_reason)
+        assert result.weight_version == whole.weight_version
+        assert result.usage is not None and whole.usage is not None
+        assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (
+            whole.usage.prompt_tokens,
+            whole.usage.completion_tokens,
+        )
+
+    @pytest.mark.asyncio
+    async def test_stream_from_messages_and_its_result_needs_the_whole_loop(self, client: Client) -> None:
+        self.needs("post_generate_stream")
+        async with client.stream(messages=MESSAGES, sampling=SamplingParams(max_tokens=6, seed=1)) as stream:
+            with pytest.raises(InvalidRequestError, match="no result"):
+                stream.result  # noqa: B018
+            ids = [t async for delta in stream for t in delta.completion_ids]
+        self.check_sample(stream.result, client.render(MESSAGES), 6)
+        assert tuple(ids) == stream.result.completion_ids
+
+    @pytest.mark.asyncio
+    @pytest.mark.parametrize("model_kind", ["moe"], indirect=True)
+    async def test_stream_routed_experts_arrive_with_the_result(
+        self, client: Client, request: pytest.FixtureRequest, live_url: str | None
+    ) -> None:
+        self.needs("post_generate_stream")
+        if not self.supports_routed_experts:
+            pytest.skip(f"{self.backend_name} does not return routed experts")
+        if live_url and not (self.live_moe or request.config.getoption("--backend-moe", default=False)):
+            pytest.skip("this live server has no routed experts")
+        sampling = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        try:
+            stream = client.stream(prompt_ids=PROMPT, sampling=sampling, return_routed_experts=True)
+        except InvalidRequestError as exc:  # a transport whose streamed form carries no routing says so
+            pytest.skip(str(exc))
+        try:
+            async with stream:
+                async for _ in stream:
+                    pass
+        except InvalidRequestError as exc:
+            pytest.skip(str(exc))
+        whole = await client.generate(prompt_ids=PROMPT, sampling=sampling, return_routed_experts=True)
+        routed = stream.result.routed_experts
+        assert routed is not None and whole.routed_experts is not None
+        assert routed.start == whole.routed_experts.start
+        np.testing.assert_array_equal(routed.experts, whole.routed_experts.experts)
+
+    @pytest.mark.asyncio
+    async def test_leaving_a_stream_early_aborts_it_on_the_server(self, client: Client) -> None:
+        """The stream of a LONGEST-token generation is left after its first delta; a LONG-token generation sent
+        after it is the clock: had the first one not been aborted, it would still have about LONGEST - LONG tokens
+        to go when the clock's generation ends, so the server reporting nothing in flight right then proves the
+        abort. A server whose count lags may show it only later (inconclusive: tried again, see Attempts)."""
+        self.needs("post_generate_stream")
+        if not self._observes_in_flight():
+            pytest.skip(f"{self.backend_name} does not report requests in flight")
+        attempts = Attempts("leaving a stream early")
+        long = SamplingParams(max_tokens=LONGEST, ignore_eos=True, temperature=1.0)
+        for attempt in range(1, CATCH_ATTEMPTS + 1):
+            await self._wait_idle(client)
+            async with client.stream(prompt_ids=PROMPT, sampling=long) as stream:
+                async for delta in stream:
+                    assert delta.completion_ids
+                    break
+            clock = await asyncio.wait_for(
+                client.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=LONG, ignore_eos=True)),
+                FINISH_TIMEOUT_S,
+            )
+            assert len(clock.completion_ids) == LONG
+            (state,) = await client.admin.state()
+            if state.in_flight == 0:
+                return
+            await self._wait_idle(client)  # the left stream must end at last: fails after IDLE_TIMEOUT_S
+            attempts.inconclusive(f"attempt {attempt}: {state.in_flight} in flight when the clock generation ended")
+        attempts.verdict("a stream left early was still in flight when a shorter generation sent after it ended")
+
+    @pytest.mark.asyncio
+    @pytest.mark.parametrize(
+        ("fault", "error"),
+        [
+            ("status_500", ServerStatusError),
+            ("refused", NetworkError),
+            ("timeout", RequestTimeout),
+            ("not_json", ResponseParseError),
+        ],
+    )
+    async def test_stream_failing_before_its_first_delta_raises_what_generate_raises(
+        self, faulty_client: Any, fault: str, error: type[Exception]
+    ) -> None:
+        self.needs("post_generate_stream")
+        async with faulty_client(fault) as client:
+            with pytest.raises(BackendError) as generated:
+                await client.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=2))
+            with pytest.raises(BackendError) as streamed:
+                async with client.stream(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=2)) as stream:
+                    async for _ in stream:
+                        pass
+        assert type(streamed.value) is type(generated.value) and isinstance(streamed.value, error)
+        if fault == "status_500":
+            assert "engine exploded" in str(streamed.value)
