@@ -87,7 +87,9 @@ class ResponseStream:
                     data.append(value[1:] if value.startswith(b" ") else value)
         if data or pending.strip():  # a cut connection fails in the transport: this body is not an event stream
             snippet = (b"\n".join(data) or pending)[:200].decode("utf-8", "replace")
-            raise ResponseParseError(f"the body ended inside an event (not an event stream?): {snippet!r}", url=self.url)
+            raise ResponseParseError(
+                f"the body ended inside an event (not an event stream?): {snippet!r}", url=self.url
+            )
 
     async def json_events(self) -> AsyncIterator[Any]:
         """Each event's data decoded as JSON, up to (not including) a ``[DONE]`` event."""

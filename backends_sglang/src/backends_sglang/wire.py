@@ -38,8 +38,8 @@ from backends_core.types import (
     FinishReason,
     GenerateRequest,
     GenerateResult,
-    StreamDelta,
     SamplingParams,
+    StreamDelta,
     TeacherLogprobs,
     TeacherRequest,
     TopLogprob,
@@ -488,5 +488,7 @@ class StreamFold:
         for name in _GROWING:
             if name in meta and meta[name] is not None:
                 meta[name] = self.lists[name]
-        (result,) = parse_generate({"output_ids": self.ids, "meta_info": meta}, self.request, self.server_url, self.geometry)
+        (result,) = parse_generate(
+            {"output_ids": self.ids, "meta_info": meta}, self.request, self.server_url, self.geometry
+        )
         return result

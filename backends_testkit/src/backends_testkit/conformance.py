@@ -42,11 +42,12 @@ from backends_core import (
     RetryPolicy,
     SamplingParams,
     ServerRefusedError,
-    StreamDelta,
     ServerStatusError,
+    StreamDelta,
     UnsupportedOperationError,
     available_backends,
 )
+from backends_core.client import GenerateStream
 from backends_core.driver import CAPABILITY_HOOKS
 from backends_core.hookspecs import REQUIRED_HOOKS
 from backends_core.plugins import implemented_hooks, make_plugin_manager
@@ -95,6 +96,14 @@ POLL_S = 0.005
 #: Pauses with mode "keep" an attempt may take to find the server holding its generation, when the server's admin
 #: plane lags its engine (a pause that lands before the generation reached the engine holds nothing yet).
 KEEP_PULSES = 20
+
+
+async def _drain(stream: GenerateStream) -> GenerateResult:
+    """Run a stream to its end; its result."""
+    async with stream:
+        async for _ in stream:
+            pass
+    return stream.result
 
 
 class Attempts:
@@ -238,7 +247,7 @@ class BackendConformance:
 
     @pytest.mark.asyncio
     async def test_missing_optional_operations_raise_unsupported(self, client: Client) -> None:
-        calls = {
+        calls: dict[str, Callable[[], Awaitable[Any]]] = {
             "teacher_logprobs": lambda: client.teacher_logprobs(PROMPT),
             "admin_health": client.admin.health,
             "admin_ready": client.admin.ready,
@@ -256,7 +265,7 @@ class BackendConformance:
             "admin_sleep": client.admin.sleep,
             "admin_wake": client.admin.wake,
             "admin_abort": client.admin.abort,
-            "post_generate_stream": lambda: client.stream(prompt_ids=PROMPT),
+            "post_generate_stream": lambda: _drain(client.stream(prompt_ids=PROMPT)),
         }
         assert set(calls) == CAPABILITY_HOOKS
         for name in sorted(CAPABILITY_HOOKS - set(self.expected_capabilities)):
@@ -899,9 +908,7 @@ class BackendConformance:
             with pytest.raises(BackendError) as generated:
                 await client.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=2))
             with pytest.raises(BackendError) as streamed:
-                async with client.stream(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=2)) as stream:
-                    async for _ in stream:
-                        pass
+                await _drain(client.stream(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=2)))
         assert type(streamed.value) is type(generated.value) and isinstance(streamed.value, error)
         if fault == "status_500":
             assert "engine exploded" in str(streamed.value)

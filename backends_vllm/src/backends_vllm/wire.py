@@ -653,7 +653,7 @@ class StreamFold:
             body = {"request_id": self.request_id, "choices": [choice], "usage": self.usage}
             (result,) = parse_generate(body, self.request, self.server_url)
         else:
-            legacy = dict(self.legacy)
+            legacy: dict[str, Any] = dict(self.legacy)
             if not self.request.sampling.top_logprobs:
                 legacy["top_logprobs"] = None
             choice["logprobs"] = legacy

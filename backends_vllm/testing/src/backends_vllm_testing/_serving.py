@@ -648,7 +648,9 @@ class Serving:
                     "token_ids": ids,
                     "routed_experts": self._routed(out) if out else None,
                     "sampling_mask": None,
-                    "weight_versions": [{"version": w.version, "start": w.start, "end": w.end} for w in out.weight_versions]
+                    "weight_versions": [
+                        {"version": w.version, "start": w.start, "end": w.end} for w in out.weight_versions
+                    ]
                     if out
                     else None,
                 }

@@ -12,8 +12,8 @@ Routes: ``GET /health /ping /version /load /v1/models``, ``POST /tokenize /detok
 ``POST /inference/v1/generate /inference/v1/abort_requests`` (403 without scale-out), the LoRA routes, and in
 dev mode ``/pause /resume /is_paused /abort_requests /reset_prefix_cache /sleep /wake_up /is_sleeping
 /collective_rpc /weight_info /update_weight_version /get_world_size`` and the weight-transfer routes. Not
-emulated: chat completions, render / derender (streaming: one prompt, ``n`` 1, see :mod:`._serving`); ``/metrics`` has only
-the running / waiting request gauges.
+emulated: chat completions, render / derender (streaming: one prompt, ``n`` 1, see :mod:`._serving`);
+``/metrics`` has only the running / waiting request gauges.
 
 Where real vLLM on CPU fails (the weight-transfer routes answer 500 "not configured"), the emulator by default
 implements a plausible successful protocol instead and records it on :attr:`VllmEmulator.weight_transfer`;
