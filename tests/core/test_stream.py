@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -61,6 +61,27 @@ def config(engine: ReferenceEngine, *urls: str, **fields: Any) -> ClientConfig:
 def in_flight(engine: ReferenceEngine) -> int:
     state = engine.state()
     return state.in_flight + state.queued
+
+
+async def _until(condition: Callable[[], bool], within: float = 30.0) -> None:
+    """Return once ``condition()`` holds; fail after ``within`` seconds (a hang guard)."""
+    async with asyncio.timeout(within):
+        while True:
+            if condition():
+                return
+            await asyncio.sleep(0.001)
+
+
+async def _collect(server: Server, into: list[bytes]) -> None:
+    async with server.stream("POST", "/gen", json_body={}) as stream:
+        async for data in stream.events():
+            into.append(data)
+
+
+async def _deltas(client: Client, into: list[tuple[int, ...]]) -> None:
+    async with client.stream(prompt_ids=PROMPT) as stream:
+        async for delta in stream:
+            into.append(delta.completion_ids)
 
 
 # -- the transport and the test kit's server -----------------------------------------------------------------
@@ -118,15 +139,14 @@ async def test_closing_a_stream_early_closes_its_connection_and_the_server_stops
     async def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, stream=StreamedBody(pieces()))
 
-    async with serve(handler) as url:
-        async with httpx.AsyncClient(transport=AiohttpTransport()) as client:
-            server = Server(base_url=url, admin_url=url, data_client=client, admin_client=client)
-            async with server.stream("POST", "/gen", json_body={}) as stream:
-                async for data in stream.events():
-                    assert data == b"0"
-                    break
-            more.set()
-            await asyncio.wait_for(stopped.wait(), 30)
+    async with serve(handler) as url, httpx.AsyncClient(transport=AiohttpTransport()) as client:
+        server = Server(base_url=url, admin_url=url, data_client=client, admin_client=client)
+        async with server.stream("POST", "/gen", json_body={}) as stream:
+            async for data in stream.events():
+                assert data == b"0"
+                break
+        more.set()
+        await asyncio.wait_for(stopped.wait(), 30)
     assert len(produced) < 1000
 
 
@@ -138,15 +158,13 @@ async def test_a_connection_cut_mid_stream_is_a_network_error() -> None:
         writer.close()
 
     listener = await asyncio.start_server(cut, "127.0.0.1", 0)
-    url = "http://127.0.0.1:%d" % listener.sockets[0].getsockname()[1]
+    url = f"http://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
     try:
         async with httpx.AsyncClient(transport=AiohttpTransport()) as client:
             server = Server(base_url=url, admin_url=url, data_client=client, admin_client=client)
-            got = []
+            got: list[bytes] = []
             with pytest.raises(NetworkError) as info:
-                async with server.stream("POST", "/gen", json_body={}) as stream:
-                    async for data in stream.events():
-                        got.append(data)
+                await _collect(server, got)
     finally:
         listener.close()
         await listener.wait_closed()
@@ -159,15 +177,14 @@ async def test_a_non_2xx_answer_raises_before_the_stream_is_handed_out() -> None
 
     client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
     server = Server(base_url="http://s", admin_url="http://s", data_client=client, admin_client=client)
-    entered = False
+    got: list[bytes] = []
     with pytest.raises(ServerStatusError) as info:
-        async with server.stream("POST", "/gen", json_body={}):
-            entered = True
-    assert not entered and info.value.status_code == 400 and info.value.body == {"error": "bad prompt"}
+        await _collect(server, got)
+    assert not got and info.value.status_code == 400 and info.value.body == {"error": "bad prompt"}
 
 
 async def test_events_are_read_whatever_the_pieces_and_a_body_that_is_no_event_stream_is_a_parse_error() -> None:
-    pieces = [b"data: {\"a\"", b": 1}\r\n", b"\r\n: comment\n", b"event: x\ndata: [1,\ndata: 2]\n\n", b"data: [DONE]\n\n"]
+    pieces = [b'data: {"a"', b": 1}\r\n", b"\r\n: comment\n", b"event: x\ndata: [1,\ndata: 2]\n\n", b"data: [DONE]\n\n"]
 
     async def body() -> AsyncGenerator[bytes, None]:
         for piece in pieces:
@@ -187,9 +204,7 @@ async def test_events_are_read_whatever_the_pieces_and_a_body_that_is_no_event_s
     client = httpx.AsyncClient(transport=httpx.MockTransport(html))
     server = Server(base_url="http://s", admin_url="http://s", data_client=client, admin_client=client)
     with pytest.raises(ResponseParseError, match="not an event stream"):
-        async with server.stream("POST", "/gen", json_body={}) as stream:
-            async for _ in stream.events():
-                pass
+        await _collect(server, [])
 
 
 async def test_an_asgi_served_emulator_streams_its_events() -> None:
@@ -239,9 +254,7 @@ async def test_leaving_the_block_early_aborts_the_engine_request(engine: Referen
 
         if leave == "cancel":
             task = asyncio.ensure_future(consume())
-            async with asyncio.timeout(30):
-                while in_flight(engine) == 0 and not task.done():
-                    await asyncio.sleep(0.001)
+            await _until(lambda: in_flight(engine) > 0 or task.done())
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -250,12 +263,10 @@ async def test_leaving_the_block_early_aborts_the_engine_request(engine: Referen
                 await consume()
         else:
             await consume()
-        async with asyncio.timeout(30):
-            while in_flight(engine):
-                await asyncio.sleep(0.001)
+        await _until(lambda: in_flight(engine) == 0)
         assert client.balancer.load[0].in_flight == 0
+        stream = client.stream(prompt_ids=PROMPT, sampling=long)
         with pytest.raises(InvalidRequestError, match="no result"):
-            stream = client.stream(prompt_ids=PROMPT, sampling=long)
             stream.result  # noqa: B018
 
 
@@ -310,11 +321,9 @@ async def test_a_stream_that_delivered_a_delta_is_never_sent_again(engine: Refer
         return sse_reply(events(), done=False)
 
     async with Client(config(engine, "http://a", "http://b"), transport=httpx.MockTransport(handler)) as client:
-        got = []
+        got: list[tuple[int, ...]] = []
         with pytest.raises(NetworkError) as info:
-            async with client.stream(prompt_ids=PROMPT) as stream:
-                async for delta in stream:
-                    got.append(delta.completion_ids)
+            await _deltas(client, got)
         assert [load.in_flight for load in client.balancer.load] == [0, 0]
     assert got == [(7,)] and len(hosts) == 1 and info.value.maybe_processed
 
@@ -371,6 +380,4 @@ async def test_the_driver_refuses_a_stream_breaking_the_invariants(events: list[
     cfg = ClientConfig(backend="scripted", base_url="http://s", retry=RetryPolicy(attempts=1))
     async with Client(cfg, plugin=_Scripted(events), transport=httpx.MockTransport(lambda r: httpx.Response(500))) as c:
         with pytest.raises(ResponseParseError, match=message):
-            async with c.stream(prompt_ids=PROMPT) as stream:
-                async for _ in stream:
-                    pass
+            await _deltas(c, [])
