@@ -103,7 +103,9 @@ class Generation:
             except EngineError as exc:
                 raise HttpError(400, str(exc)) from exc
             return sse_reply(
-                self._live(ask, engine_request, steps, started), dumps=lambda c: json.dumps(c, separators=(",", ":"))
+                self._live(ask, engine_request, steps, started),
+                content_type="text/event-stream",  # the frontend's, without a charset
+                dumps=lambda c: json.dumps(c, separators=(",", ":")),
             )
         outputs = await self._run(ask)
         if ask.stream:
