@@ -9,9 +9,11 @@ import shutil
 from pathlib import Path
 from typing import Any, ClassVar
 
+import httpx
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
+from stream_checks import check_partial_rollout_stream
 
 from backends_core import Client, ClientConfig, LoraAdapter, SamplingParams
 from backends_core.cli import main
@@ -145,3 +147,22 @@ def test_the_demo_runs_against_real_vllm_with_one_flag(vllm_dense_url: str, tiny
     assert main(["demo", "--url", vllm_dense_url, "--models-dir", str(tiny_models.root)]) == 0
     out = capsys.readouterr().out
     assert "over 1 real servers" in out and "FAILED" not in out
+
+
+async def test_a_partial_rollout_stream_stopped_early_is_aborted_on_the_engine(
+    client: Client, vllm_dense_url: str
+) -> None:
+    """Judged by vLLM's own gauges (``vllm:num_requests_running`` + ``waiting`` on ``/metrics``)."""
+    async with httpx.AsyncClient(base_url=vllm_dense_url, timeout=60) as raw:
+
+        async def count() -> int:
+            metrics = (await raw.get("/metrics")).text
+            gauges = [
+                float(line.rsplit(" ", 1)[1])
+                for line in metrics.splitlines()
+                if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))
+            ]
+            assert gauges, "vLLM's /metrics has no vllm:num_requests_running gauge"
+            return round(sum(gauges))
+
+        await check_partial_rollout_stream(client, count)
