@@ -7,7 +7,7 @@ distributions registered under the ``backends_core.backends`` entry-point group.
 
 from __future__ import annotations
 
-from backends_core.client import Client
+from backends_core.client import Client, GenerateStream
 from backends_core.config import AdminPolicy, ClientConfig, FleetPolicy, Limits, RetryPolicy, Timeouts
 from backends_core.errors import (
     AdminError,
@@ -79,6 +79,7 @@ __all__ = [
     "FleetPolicy",
     "GenerateRequest",
     "GenerateResult",
+    "GenerateStream",
     "InvalidRequestError",
     "Limits",
     "LoraAdapter",

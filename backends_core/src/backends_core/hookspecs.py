@@ -216,6 +216,7 @@ def post_generate_stream(
     :param request: as for :func:`post_generate`.
     :param config: the client's configuration.
     :param options: the validated backend options.
+    :returns: an async iterator of the deltas, then the result (an async generator function's call).
     Raises: request errors from ``server.stream`` (before the first chunk, as :func:`post_generate` would; an error
         the server reports inside the stream through ``ResponseStream.error``);
         :class:`~backends_core.errors.ResponseParseError` naming the offending field of a chunk.
