@@ -863,32 +863,20 @@ class BackendConformance:
 
     @pytest.mark.asyncio
     async def test_leaving_a_stream_early_aborts_it_on_the_server(self, client: Client) -> None:
-        """The stream of a LONGEST-token generation is left after its first delta; a LONG-token generation sent
-        after it is the clock: had the first one not been aborted, it would still have about LONGEST - LONG tokens
-        to go when the clock's generation ends, so the server reporting nothing in flight right then proves the
-        abort. A server whose count lags may show it only later (inconclusive: tried again, see Attempts)."""
+        """The stream of a LONGEST-token generation is left after its first delta, and a CLOCK-token generation sent
+        after it is the clock: had the left one run on, it would still have most of its tokens to go when the
+        clock's generation ends, so the server reporting nothing in flight then proves the abort. A count still
+        above 0 after a second clock generation is evidence against (no count lags two generations); one that
+        reaches 0 only then says nothing (a lagging count), and the attempt is repeated (see Attempts)."""
         self.needs("post_generate_stream")
         if not self._observes_in_flight():
             pytest.skip(f"{self.backend_name} does not report requests in flight")
-        attempts = Attempts("leaving a stream early")
-        long = SamplingParams(max_tokens=LONGEST, ignore_eos=True, temperature=1.0)
-        for attempt in range(1, CATCH_ATTEMPTS + 1):
-            await self._wait_idle(client)
-            async with client.stream(prompt_ids=PROMPT, sampling=long) as stream:
-                async for delta in stream:
-                    assert delta.completion_ids
-                    break
-            clock = await asyncio.wait_for(
-                client.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=LONG, ignore_eos=True)),
-                FINISH_TIMEOUT_S,
-            )
-            assert len(clock.completion_ids) == LONG
+
+        async def in_flight() -> int:
             (state,) = await client.admin.state()
-            if state.in_flight == 0:
-                return
-            await self._wait_idle(client)  # the left stream must end at last: fails after IDLE_TIMEOUT_S
-            attempts.inconclusive(f"attempt {attempt}: {state.in_flight} in flight when the clock generation ended")
-        attempts.verdict("a stream left early was still in flight when a shorter generation sent after it ended")
+            return state.in_flight or 0
+
+        await left_stream_is_aborted(client, in_flight, idle=lambda: self._wait_idle(client))
 
     @pytest.mark.asyncio
     @pytest.mark.parametrize(
@@ -912,3 +900,40 @@ class BackendConformance:
         assert type(streamed.value) is type(generated.value) and isinstance(streamed.value, error)
         if fault == "status_500":
             assert "engine exploded" in str(streamed.value)
+
+
+#: Tokens of the clock generation of the early-exit tests (far fewer than the left stream's LONGEST).
+CLOCK = 200
+
+
+async def left_stream_is_aborted(
+    client: Client, in_flight: Callable[[], Awaitable[int]], *, idle: Callable[[], Awaitable[None]]
+) -> None:
+    """Leave a LONGEST-token stream after its first delta and prove with CLOCK-token generations that the server
+    stopped it (see ``test_leaving_a_stream_early_aborts_it_on_the_server``). ``in_flight`` reads the server's
+    count of requests in flight; ``idle`` returns once it is 0 (with its own deadline)."""
+    attempts = Attempts("leaving a stream early")
+    long = SamplingParams(max_tokens=LONGEST, ignore_eos=True, temperature=1.0)
+    clock = SamplingParams(max_tokens=CLOCK, ignore_eos=True)
+    for attempt in range(1, CATCH_ATTEMPTS + 1):
+        await idle()
+        async with client.stream(prompt_ids=PROMPT, sampling=long) as stream:
+            async for delta in stream:
+                assert delta.completion_ids
+                break
+        counts = []
+        for _ in range(2):
+            ticked = await asyncio.wait_for(client.generate(prompt_ids=PROMPT, sampling=clock), FINISH_TIMEOUT_S)
+            assert len(ticked.completion_ids) == CLOCK
+            counts.append(await in_flight())
+            if counts[-1] == 0:
+                break
+        if counts[0] == 0:
+            return
+        if counts[-1] == 0:
+            attempts.inconclusive(f"attempt {attempt}: {counts[0]} in flight after one clock generation, 0 after two")
+            continue
+        await idle()
+        attempts.against(f"attempt {attempt}: still {counts} in flight after two clock generations")
+        break
+    attempts.verdict("a stream left early was still in flight when shorter generations sent after it ended")
