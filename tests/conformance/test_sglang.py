@@ -28,6 +28,7 @@ class TestSglangConformance(BackendConformance):
             "admin_unload_lora",
             "admin_sleep",
             "admin_wake",
+            "post_generate_stream",
         }
     )
     supports_routed_experts = True

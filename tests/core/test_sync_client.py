@@ -333,7 +333,7 @@ def _public(cls: type) -> dict[str, inspect.Signature]:
 @pytest.mark.parametrize(
     ("sync", "async_", "plain"),
     [
-        (SyncClient, Client, ["render", "parse_completion", "conversation", "__init__"]),
+        (SyncClient, Client, ["render", "parse_completion", "conversation", "stream", "__init__"]),
         (SyncAdmin, Admin, ["deadline"]),
         (SyncConversation, Conversation, []),
     ],
@@ -352,3 +352,17 @@ def test_every_async_method_has_a_blocking_mirror_with_its_signature(
         mirrored = inspect.signature(vars(sync)[name]).parameters
         original = inspect.signature(vars(async_)[name]).parameters
         assert list(mirrored.items())[1:] == list(original.items())[1:], name
+
+
+def test_a_stream_yields_deltas_synchronously_and_leaving_early_aborts_it(
+    client: SyncClient, server: VllmServer
+) -> None:
+    sampling = SamplingParams(max_tokens=6, temperature=0.0)
+    with client.stream(prompt_ids=[1, 2, 3], sampling=sampling) as stream:
+        deltas = list(stream)
+    whole = client.generate(prompt_ids=[1, 2, 3], sampling=sampling)
+    assert sum((d.completion_ids for d in deltas), ()) == stream.result.completion_ids == whole.completion_ids
+    with client.stream(prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=1800, ignore_eos=True)) as stream:
+        for _ in stream:
+            break
+    wait_until(lambda: client.admin.state()[0].in_flight == 0, "the engine dropping the stream left early")

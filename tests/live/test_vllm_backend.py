@@ -11,9 +11,11 @@ import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
+import httpx
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
+from stream_checks import check_partial_rollout_stream
 
 from backends_core import SAMPLING_FEATURES, Client, ClientConfig, LoraAdapter, SamplingParams
 from backends_core.cli import main
@@ -159,3 +161,22 @@ def test_the_synchronous_rollout_example_runs_against_real_vllm(vllm_dense_url: 
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)  # a hang guard
     assert (done.returncode, done.stderr) == (0, "")
     assert done.stdout.splitlines()[-1].startswith("20 steps, ")
+
+
+async def test_a_partial_rollout_stream_stopped_early_is_aborted_on_the_engine(
+    client: Client, vllm_dense_url: str
+) -> None:
+    """Judged by vLLM's own gauges (``vllm:num_requests_running`` + ``waiting`` on ``/metrics``)."""
+    async with httpx.AsyncClient(base_url=vllm_dense_url, timeout=60) as raw:
+
+        async def count() -> int:
+            metrics = (await raw.get("/metrics")).text
+            gauges = [
+                float(line.rsplit(" ", 1)[1])
+                for line in metrics.splitlines()
+                if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))
+            ]
+            assert gauges, "vLLM's /metrics has no vllm:num_requests_running gauge"
+            return round(sum(gauges))
+
+        await check_partial_rollout_stream(client, count)

@@ -7,7 +7,7 @@ distributions registered under the ``backends_core.backends`` entry-point group.
 
 from __future__ import annotations
 
-from backends_core.client import Client
+from backends_core.client import Client, GenerateStream
 from backends_core.config import AdminPolicy, ClientConfig, FleetPolicy, Limits, RetryPolicy, Timeouts
 from backends_core.errors import (
     AdminError,
@@ -41,7 +41,7 @@ from backends_core.multiturn import BridgeStats, Conversation, extend_prompt
 from backends_core.plugins import ENTRY_POINT_GROUP, BackendInfo, available_backends
 from backends_core.routed_experts import align_routed_experts, decode_routed_experts
 from backends_core.server import Refusal, Server, StatusHint, idempotent_requests
-from backends_core.sync_client import SyncAdmin, SyncClient, SyncConversation
+from backends_core.sync_client import SyncAdmin, SyncClient, SyncConversation, SyncGenerateStream
 from backends_core.types import (
     SAMPLING_FEATURES,
     Choice,
@@ -55,6 +55,7 @@ from backends_core.types import (
     RoutedExperts,
     SamplingParams,
     ServerState,
+    StreamDelta,
     Structured,
     TeacherLogprobs,
     TeacherRequest,
@@ -90,6 +91,7 @@ __all__ = [
     "FleetPolicy",
     "GenerateRequest",
     "GenerateResult",
+    "GenerateStream",
     "Grammar",
     "InvalidRequestError",
     "JsonSchema",
@@ -116,10 +118,12 @@ __all__ = [
     "ServerStatusError",
     "StaleServerError",
     "StatusHint",
+    "StreamDelta",
     "Structured",
     "SyncAdmin",
     "SyncClient",
     "SyncConversation",
+    "SyncGenerateStream",
     "SyncReport",
     "TeacherLogprobs",
     "TeacherRequest",

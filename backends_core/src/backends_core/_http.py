@@ -22,7 +22,7 @@ import contextvars
 import functools
 import io
 import ssl
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import aiohttp
@@ -33,7 +33,7 @@ from aiohttp.client_reqrep import ClientRequest
 from aiohttp.connector import Connection
 from aiohttp.tracing import Trace
 
-__all__ = ["AiohttpTransport"]
+__all__ = ["STREAMED", "AiohttpTransport"]
 
 #: The exchange of the request being sent in this task (set when its connection is handed out).
 _EXCHANGE: contextvars.ContextVar[_Exchange | None] = contextvars.ContextVar("backends_exchange", default=None)
@@ -41,6 +41,8 @@ _EXCHANGE: contextvars.ContextVar[_Exchange | None] = contextvars.ContextVar("ba
 _LARGE_BODY = 1 << 20
 #: Transfer codings an answer may use; any other (gzip, deflate) would reach httpx still encoded.
 _TRANSFER_CODINGS = frozenset({"chunked", "identity"})
+#: Request extension asking for an answer whose body is handed on as it arrives instead of read whole.
+STREAMED = "backends_core.streamed"
 #: Write timeout of the request being sent in this task (read when its exchange starts).
 _WRITE_TIMEOUT: contextvars.ContextVar[float | None] = contextvars.ContextVar("backends_write_timeout", default=None)
 
@@ -210,6 +212,8 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         _EXCHANGE.set(None)
         _WRITE_TIMEOUT.set(limits.get("write"))
         try:
+            if request.extensions.get(STREAMED):
+                return await self._streamed(session, request, headers, data, timeout)
             async with session.request(
                 request.method,
                 _url(str(request.url)),
@@ -253,6 +257,41 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             response._content = body
         return response
 
+    async def _streamed(
+        self,
+        session: aiohttp.ClientSession,
+        request: httpx.Request,
+        headers: list[tuple[str, str]],
+        data: Any,
+        timeout: aiohttp.ClientTimeout,  # noqa: ASYNC109
+    ) -> httpx.Response:
+        """The answer once its head arrived, its body handed on as it arrives (``Server.stream``)."""
+        answer = await session.request(
+            request.method,
+            _url(str(request.url)),
+            headers=headers,
+            data=data,
+            allow_redirects=False,
+            timeout=timeout,
+            server_hostname=request.extensions.get("sni_hostname"),
+        )
+        codings = answer.headers.getall("transfer-encoding", ())
+        if codings and not _tokens(codings) <= _TRANSFER_CODINGS:
+            answer.close()
+            error = httpx.RemoteProtocolError(f"unsupported Transfer-Encoding: {', '.join(codings)}", request=request)
+            setattr(error, "answer_started", True)  # noqa: B010  # read by server.answer_started
+            raise error
+        extensions: dict[str, Any] = {"http_version": b"HTTP/1.1"}
+        if answer.reason:
+            extensions["reason_phrase"] = answer.reason.encode()
+        return httpx.Response(
+            answer.status,
+            headers=answer.raw_headers,
+            stream=_StreamedBody(answer, request),
+            request=request,
+            extensions=extensions,
+        )
+
     @property
     def connections(self) -> int:
         """Open connections of the pool, in use or idle."""
@@ -278,6 +317,31 @@ def _url(url: str) -> yarl.URL:
     """The URL as aiohttp would parse it from the string, parsed once per URL (aiohttp re-parses a string on every
     request)."""
     return yarl.URL(url)
+
+
+class _StreamedBody(httpx.AsyncByteStream):
+    """An answer's body as aiohttp receives it. Closed after its end, the connection goes back to the pool; closed
+    before, the connection is closed (the server sees its client leave)."""
+
+    def __init__(self, answer: aiohttp.ClientResponse, request: httpx.Request) -> None:
+        self._answer = answer
+        self._request = request
+        self._ended = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._answer.content.iter_any():
+                yield chunk
+        except aiohttp.ClientError as exc:
+            # the whole request was written and its answer started: a cut here is a read failure
+            raise _mapped(exc, self._request, pool_full=False) from exc
+        self._ended = True
+
+    async def aclose(self) -> None:
+        if self._ended:
+            self._answer.release()
+        else:
+            self._answer.close()
 
 
 def _tokens(values: Iterable[str]) -> set[str]:

@@ -8,7 +8,7 @@ import logging
 import ssl
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -40,12 +40,13 @@ from backends_core.types import (
     GenerateResult,
     Message,
     SamplingParams,
+    StreamDelta,
     TeacherLogprobs,
     TeacherRequest,
     TokenizerCheck,
 )
 
-__all__ = ["Client"]
+__all__ = ["Client", "GenerateStream"]
 
 log = logging.getLogger("backends_core.client")
 
@@ -429,48 +430,67 @@ class Client:
         doubt, whatever a state check reads, until such a check passes.
         """
         self.driver.check_sampling(request.sampling)  # before a server is picked or asked anything
-        salt = self.config.fleet.salt_with_weight_version and request.cache_salt is None
         pinned = None if server is None else self.server_index(server)
         tried: set[int] = set()
         token = _SESSION.set(session)
         try:
             while True:
-                index = pinned if pinned is not None else self.balancer.pick(session=session, exclude=frozenset(tried))
+                index, sent = await self._route(request, pinned=pinned, session=session, tried=tried)
                 target = self.servers[index]
-                if self.versions.in_doubt(target):
-                    await self._look_up_version(target)
-                    stale = self._stale(index)
-                    if stale is not None:  # stays in doubt: looked at again after the cooldown
-                        self.balancer.take_out(index)
-                        tried.add(index)
-                        if pinned is not None or len(tried) == len(self.servers):
-                            raise stale
-                        log.warning("%s", stale)
-                        continue
-                    self.versions.trust(target)
-                sent = self._salted(request, target) if salt else request
                 self.balancer.acquire(index)
                 try:
                     results = await self.driver.generate(target, sent)
                 except RequestError as exc:
-                    down = isinstance(exc, TransportError)
-                    self.balancer.release(index, ok=False, reachable=not down)
-                    tried.add(index)
-                    if down:  # whatever comes back on this address is looked at again before it serves
-                        self.versions.forget(target)
-                    if exc.maybe_processed or pinned is not None or len(tried) == len(self.servers):
+                    if self._failed(index, exc, pinned=pinned, tried=tried):
                         raise
                     continue
                 except BaseException:
                     self.balancer.release(index, ok=False)
                     raise
-                self.balancer.release(index, ok=True)
-                served = results[-1].weight_version
-                if served is not None and served != self.versions.get(target):
-                    self.versions.set(target, served)  # it moved on: later requests get the new salt
+                self._served(index, results[-1])
                 return results
         finally:
             _SESSION.reset(token)
+
+    async def _route(
+        self, request: GenerateRequest, *, pinned: int | None, session: str | None, tried: set[int]
+    ) -> tuple[int, GenerateRequest]:
+        """The server for the next attempt at ``request`` (``pinned``, else the balancer's pick among those not
+        ``tried``) once its weights are known to be the fleet's, and the request as sent there (salted)."""
+        while True:
+            index = pinned if pinned is not None else self.balancer.pick(session=session, exclude=frozenset(tried))
+            target = self.servers[index]
+            if self.versions.in_doubt(target):
+                await self._look_up_version(target)
+                stale = self._stale(index)
+                if stale is not None:  # stays in doubt: looked at again after the cooldown
+                    self.balancer.take_out(index)
+                    tried.add(index)
+                    if pinned is not None or len(tried) == len(self.servers):
+                        raise stale
+                    log.warning("%s", stale)
+                    continue
+                self.versions.trust(target)
+            salt = self.config.fleet.salt_with_weight_version and request.cache_salt is None
+            return index, (self._salted(request, target) if salt else request)
+
+    def _failed(self, index: int, exc: RequestError, *, pinned: int | None, tried: set[int]) -> bool:
+        """Account for an attempt on server ``index`` that failed with ``exc``; whether ``exc`` must be raised
+        (it may have reached the engine, the server was pinned, or no server is left) rather than failed over."""
+        down = isinstance(exc, TransportError)
+        self.balancer.release(index, ok=False, reachable=not down)
+        tried.add(index)
+        if down:  # whatever comes back on this address is looked at again before it serves
+            self.versions.forget(self.servers[index])
+        return exc.maybe_processed or pinned is not None or len(tried) == len(self.servers)
+
+    def _served(self, index: int, result: GenerateResult) -> None:
+        """Account for an answered attempt on server ``index``."""
+        self.balancer.release(index, ok=True)
+        target = self.servers[index]
+        served = result.weight_version
+        if served is not None and served != self.versions.get(target):
+            self.versions.set(target, served)  # it moved on: later requests get the new salt
 
     def _salted(self, request: GenerateRequest, server: Server) -> GenerateRequest:
         """``request`` with a cache salt naming the weights ``server`` serves and any hot swap of its adapter."""
@@ -581,6 +601,70 @@ class Client:
         )
         return results[0]
 
+    def stream(
+        self,
+        *,
+        messages: Sequence[Message] | None = None,
+        prompt_ids: Sequence[int] | None = None,
+        sampling: SamplingParams | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        priority: int | None = None,
+        lora: str | None = None,
+        return_routed_experts: bool = False,
+        routed_experts_start: int = 0,
+        model: str | None = None,
+        server: int | str | None = None,
+        session: str | None = None,
+    ) -> GenerateStream:
+        """Generate one sample and see its tokens as the engine produces them::
+
+            async with client.stream(prompt_ids=ids, sampling=sampling) as s:
+                async for delta in s:  # StreamDelta: .completion_ids, .logprobs (float32)
+                    if should_stop(delta):
+                        break  # leaving the block aborts the request on the server
+            result = s.result  # after a full loop: what generate() would have returned
+
+        Takes :meth:`generate`'s arguments and follows its rules: the request is built and checked here (bad
+        input raises before anything is sent), the server is picked the same way (session stickiness, weight
+        version checks, salting), and a stream that failed before delivering anything fails over like
+        :meth:`generate`; once it delivered a delta it never does. Leaving the block before the stream's end
+        (``break``, an exception, cancellation) closes the stream, and the engine aborts the request.
+
+        :raises UnsupportedOperationError: the backend has no streaming (``post_generate_stream``).
+        :raises InvalidRequestError: bad arguments, ``sampling.n`` other than 1.
+        """
+        self.driver.require("post_generate_stream")
+        if sampling is not None and sampling.n != 1:
+            raise InvalidRequestError(f"stream returns one sample but sampling.n = {sampling.n}")
+        request = self._build_request(
+            messages=messages,
+            prompt_ids=prompt_ids,
+            sampling=sampling,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+            request_id=request_id,
+            cache_salt=cache_salt,
+            priority=priority,
+            lora=lora,
+            return_routed_experts=return_routed_experts,
+            routed_experts_start=routed_experts_start,
+            model=model,
+            session=session,
+        )
+        self.driver.check_sampling(request.sampling)  # before a server is picked or asked anything
+        remember = None
+        if session is not None and messages is not None and self.config.stateless.enabled:
+            plain = normalize_messages(messages)
+
+            def remember(result: GenerateResult) -> None:
+                self._turns.remember(session, plain, result)
+
+        pinned = None if server is None else self.server_index(server)
+        return GenerateStream(self, request, pinned=pinned, session=session, on_result=remember)
+
     async def teacher_logprobs(
         self,
         token_ids: Sequence[int],
@@ -657,3 +741,119 @@ class Client:
     ) -> Conversation:
         """Start a multi-turn conversation that reuses each turn's exact ids (see :class:`Conversation`)."""
         return Conversation(self, tools=tools, chat_template_kwargs=chat_template_kwargs, server=server)
+
+
+class GenerateStream:
+    """One streamed generation (:meth:`Client.stream`): an async context manager and, inside it, an async
+    iterator of :class:`~backends_core.types.StreamDelta`. Once the loop ran to its end, :attr:`result` holds the
+    :class:`~backends_core.types.GenerateResult`. Iterate it once."""
+
+    def __init__(
+        self,
+        client: Client,
+        request: GenerateRequest,
+        *,
+        pinned: int | None,
+        session: str | None,
+        on_result: Callable[[GenerateResult], None] | None = None,
+    ) -> None:
+        self._client = client
+        #: The request as built (before salting).
+        self.request = request
+        self._pinned = pinned
+        self._session = session
+        self._on_result = on_result
+        self._tried: set[int] = set()
+        self._index: int | None = None
+        self._events: AsyncIterator[StreamDelta | GenerateResult] | None = None
+        self._delivered = False
+        self._ended = False
+        self._result: GenerateResult | None = None
+
+    @property
+    def result(self) -> GenerateResult:
+        """The whole sample, as :meth:`Client.generate` returns it.
+
+        :raises InvalidRequestError: the stream has not run to its end (not iterated to the end, left early, or
+            failed).
+        """
+        if self._result is None:
+            raise InvalidRequestError(
+                "the stream has no result: iterate it to its end first (a stream left early or failed has none)"
+            )
+        return self._result
+
+    @property
+    def server(self) -> str | None:
+        """The base URL of the server generating it (``None`` before the first delta was asked for)."""
+        return None if self._index is None else self._client.servers[self._index].base_url
+
+    async def __aenter__(self) -> GenerateStream:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    def __aiter__(self) -> GenerateStream:
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        client = self._client
+        while not self._ended:
+            if self._events is None:
+                index, sent = await client._route(
+                    self.request, pinned=self._pinned, session=self._session, tried=self._tried
+                )
+                client.balancer.acquire(index)
+                self._index = index
+                self._events = client.driver.generate_stream(client.servers[index], sent)
+            assert self._index is not None
+            token = _SESSION.set(self._session)  # read when the request is sent (the session header)
+            try:
+                event = await anext(self._events)
+            except RequestError as exc:
+                await self._drop_events()
+                if self._delivered:  # it started: the engine had it, never re-sent
+                    client.balancer.release(self._index, ok=False, reachable=not isinstance(exc, TransportError))
+                    self._ended = True
+                    raise
+                if client._failed(self._index, exc, pinned=self._pinned, tried=self._tried):
+                    self._ended = True
+                    raise
+                continue
+            except BaseException:
+                await self._drop_events()
+                client.balancer.release(self._index, ok=False)
+                self._ended = True
+                raise
+            finally:
+                _SESSION.reset(token)
+            if isinstance(event, GenerateResult):
+                await self._drop_events()
+                self._ended = True
+                client._served(self._index, event)
+                self._result = event
+                if self._on_result is not None:
+                    self._on_result(event)
+                break
+            self._delivered = True
+            return event
+        raise StopAsyncIteration
+
+    async def _drop_events(self) -> None:
+        events, self._events = self._events, None
+        if events is not None:
+            await events.aclose()  # type: ignore[attr-defined]  # an async generator
+
+    async def aclose(self) -> None:
+        """Leave the stream: before its end, this closes it and the server aborts the request."""
+        if self._events is not None:
+            try:
+                await self._drop_events()
+            finally:
+                if not self._ended and self._index is not None:
+                    self._client.balancer.release(self._index, ok=False)
+                self._ended = True
+        self._ended = True

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -39,6 +39,7 @@ from backends_core.types import (
     PauseMode,
     SamplingParams,
     ServerState,
+    StreamDelta,
     TeacherLogprobs,
     TeacherRequest,
     TensorSpec,
@@ -213,6 +214,76 @@ class BackendDriver:
             completion_tokens=sum(len(r.completion_ids) for r in results),
         )
         return results
+
+    async def generate_stream(
+        self, server: Server, request: GenerateRequest
+    ) -> AsyncIterator[StreamDelta | GenerateResult]:
+        """``post_generate_stream``, checked: every delta as :func:`check_delta`, then the final result as
+        :meth:`generate`'s, and the deltas together must be that result's ids and logprobs. Yields the deltas,
+        then the result last. Closing it early closes the backend's stream (the server aborts the request)."""
+        self.require("post_generate_stream")
+        started = time.perf_counter()
+        url = server.base_url
+        events: AsyncIterator[StreamDelta | GenerateResult] = self.pm.hook.post_generate_stream(
+            server=server, request=request, config=self.config, options=self.options
+        )
+        ids: list[int] = []
+        logprobs: list[np.ndarray] = []
+        result: GenerateResult | None = None
+        try:
+            while True:
+                with self._parse_errors(server):
+                    try:
+                        event = await anext(events)
+                    except StopAsyncIteration:
+                        break
+                if result is not None:
+                    raise ResponseParseError("the stream went on after its final result", url=url)
+                if isinstance(event, StreamDelta):
+                    check_delta(event, where=f"stream delta {len(logprobs)}", url=url)
+                    ids.extend(event.completion_ids)
+                    logprobs.append(event.logprobs)
+                    yield event
+                elif isinstance(event, GenerateResult):
+                    check_result(event, where="stream result", url=url)
+                    if event.prompt_ids != request.prompt_ids:
+                        raise ResponseParseError("stream result: the prompt ids are not the ones sent", url=url)
+                    result = event
+                else:
+                    raise ResponseParseError(
+                        f"backend {self.backend!r} streamed a {type(event).__name__}, expected StreamDelta or "
+                        "GenerateResult",
+                        url=url,
+                    )
+            if result is None:
+                raise ResponseParseError("the stream ended without its final result", url=url)
+            if result.completion_ids != tuple(ids):
+                raise ResponseParseError(
+                    f"stream result: its {len(result.completion_ids)} completion ids are not the {len(ids)} the "
+                    "deltas carried",
+                    url=url,
+                )
+            streamed = np.concatenate(logprobs) if logprobs else np.zeros(0, np.float32)
+            if not np.array_equal(result.logprobs, streamed):
+                raise ResponseParseError("stream result: its logprobs are not the ones the deltas carried", url=url)
+        except GeneratorExit:  # the caller left early: not a failure of the server
+            self.emit("generate", "stream", url, started, None, closed_early=True, completion_tokens=len(ids))
+            raise
+        except BaseException as exc:
+            self.emit("generate", "stream", url, started, exc)
+            raise
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]  # an async generator
+        self.emit(
+            "generate",
+            "stream",
+            url,
+            started,
+            None,
+            prompt_tokens=len(request.prompt_ids),
+            completion_tokens=len(ids),
+        )
+        yield result
 
     @contextlib.contextmanager
     def _parse_errors(self, server: Server) -> Iterator[None]:
@@ -389,6 +460,22 @@ def check_result(result: GenerateResult, *, where: str, url: str | None) -> None
                 f"expected {expected} rows",
                 url=url,
             )
+
+
+def check_delta(delta: StreamDelta, *, where: str, url: str | None) -> None:
+    """Enforce what every backend promises about a streamed delta (as :func:`check_result` for a sample)."""
+    ids = delta.completion_ids
+    if not isinstance(ids, tuple) or not (set(map(type, ids)) <= {int} and (not ids or min(ids) >= 0)):
+        bad = next((t for t in ids if not (type(t) is int and t >= 0)), ids)
+        raise ResponseParseError(f"{where}: completion id {bad!r} is not a token id", url=url)
+    lp = delta.logprobs
+    if not isinstance(lp, np.ndarray) or lp.dtype != np.float32 or lp.ndim != 1:
+        raise ResponseParseError(f"{where}: logprobs must be a 1-D float32 array", url=url)
+    if lp.shape[0] != len(ids):
+        raise ResponseParseError(f"{where}: {lp.shape[0]} logprobs for {len(ids)} completion ids", url=url)
+    if lp.size and not np.isfinite(lp).all():
+        bad = int(np.flatnonzero(~np.isfinite(lp))[0])
+        raise ResponseParseError(f"{where}: logprob at position {bad} of the delta is {lp[bad]} (not finite)", url=url)
 
 
 def check_teacher(result: TeacherLogprobs, request: TeacherRequest, *, url: str | None) -> None:

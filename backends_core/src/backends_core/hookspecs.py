@@ -5,6 +5,7 @@ Call order for one generation::
     prepare_request (wrappers may rewrite) ──> render (messages -> ids; core default) ──>
     post_generate (async: payload -> server -> raw JSON) ──> parse_response (raw -> results)
 
+A streamed generation (``Client.stream``) calls ``post_generate_stream`` instead of the last two.
 ``teacher_logprobs`` and the ``admin_*`` family are called on demand. ``observe`` sees every finished call.
 
 Rules every hook follows:
@@ -24,7 +25,7 @@ Rules every hook follows:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
         Message,
         PauseMode,
         ServerState,
+        StreamDelta,
         TeacherLogprobs,
         TeacherRequest,
         TensorSpec,
@@ -88,6 +90,7 @@ __all__ = [
     "observe",
     "parse_response",
     "post_generate",
+    "post_generate_stream",
     "prepare_request",
     "reasoning_parsers",
     "render",
@@ -268,6 +271,36 @@ def reasoning_parsers() -> Mapping[str, ReasoningParserFactory] | None:
 
     :returns: ``{name: factory}``, or ``None`` for none.
     Raises: nothing (a bad answer is reported as a :class:`~backends_core.errors.ConfigError` by the core).
+
+    .. versionadded:: 0.2
+    """
+
+
+@hookspec(firstresult=True)
+def post_generate_stream(
+    server: Server, request: GenerateRequest, config: ClientConfig, options: Any
+) -> AsyncIterator[StreamDelta | GenerateResult] | None:
+    """Send ``request`` as a streamed generation and follow its answer as the engine produces it.
+
+    Called once per ``Client.stream`` call. Mode: an async generator doing I/O only through ``server.stream``
+    (the server's own streaming form), opened in its body so that closing the generator early closes the stream
+    and with it the connection, which makes the engine abort the request. Required: no (capability
+    ``post_generate_stream``). ``request.sampling.n`` is 1.
+
+    Yields one :class:`~backends_core.types.StreamDelta` per chunk that carries new completion ids (their
+    logprobs from the engine's own channel, one finite value per id), then, once the server ended the stream,
+    exactly one :class:`~backends_core.types.GenerateResult`: what :func:`parse_response` would have made of the
+    same generation answered whole (same ids and logprobs as the deltas together, routed experts, finish reason,
+    weight version...). Per-chunk mapping and the final assembly live in the backend's ``wire.py``.
+
+    :param server: the server chosen for this call.
+    :param request: as for :func:`post_generate`.
+    :param config: the client's configuration.
+    :param options: the validated backend options.
+    :returns: an async iterator of the deltas, then the result (an async generator function's call).
+    Raises: request errors from ``server.stream`` (before the first chunk, as :func:`post_generate` would; an error
+        the server reports inside the stream through ``ResponseStream.error``);
+        :class:`~backends_core.errors.ResponseParseError` naming the offending field of a chunk.
 
     .. versionadded:: 0.2
     """

@@ -30,15 +30,17 @@ import functools
 import json
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
 import httpx
 
+from backends_core._http import STREAMED
 from backends_core.config import RetryPolicy
 from backends_core.errors import NetworkError, RequestTimeout, ResponseParseError, ServerStatusError
 from backends_core.jsonio import dumps, loads, loads_lifting
+from backends_core.sse import ResponseStream
 
 __all__ = ["Plane", "Refusal", "Server", "StatusHint", "idempotent_requests"]
 
@@ -122,7 +124,7 @@ class Server:
         json_body: Any = None,
         params: Mapping[str, Any] | None = None,
         plane: Plane = "data",
-        expect: Literal["json", "text", "none"] = "json",
+        expect: Literal["json", "text", "none", "stream"] = "json",
         retry: bool = True,
         idempotent: bool | None = None,
         status_hint: StatusHint | None = None,
@@ -137,7 +139,8 @@ class Server:
         :param json_body: JSON-serialisable body, or ``None`` for no body.
         :param params: query parameters.
         :param plane: ``"data"`` or ``"admin"`` (separate connection pool and timeout).
-        :param expect: ``"json"`` decodes JSON, ``"text"`` returns text, ``"none"`` ignores the body.
+        :param expect: ``"json"`` decodes JSON, ``"text"`` returns text, ``"none"`` ignores the body, ``"stream"``
+            returns a :class:`~backends_core.sse.ResponseStream` over a 2xx body as it arrives (see :meth:`stream`).
         :param retry: allow the plane's retry policy (turn off for non-idempotent admin calls; an admin request
             declared safe to repeat by :func:`idempotent_requests` is retried anyway).
         :param idempotent: running the request twice is harmless (reads, scoring): retried on every status of
@@ -180,7 +183,24 @@ class Server:
         while True:
             attempt += 1
             try:
-                response = await _send(client, method, url, content, params, sent_headers, timeout)
+                if expect == "stream":
+                    built = client.build_request(
+                        method,
+                        url,
+                        content=content,
+                        params=params,
+                        headers=sent_headers,
+                        timeout=timeout or httpx.USE_CLIENT_DEFAULT,
+                    )
+                    built.extensions[STREAMED] = True
+                    response = await client.send(built, stream=True)
+                    if not response.is_success:
+                        try:
+                            await response.aread()
+                        finally:
+                            await response.aclose()
+                else:
+                    response = await _send(client, method, url, content, params, sent_headers, timeout)
             except httpx.TransportError as exc:
                 # the server reset the connection after its last 5xx, before answering this request
                 reset = isinstance(exc, httpx.ReadError | httpx.WriteError | httpx.RemoteProtocolError)
@@ -199,6 +219,14 @@ class Server:
             else:
                 self._reset_suspected.discard(plane)
             if response.is_success:
+                if expect == "stream":
+                    return ResponseStream(
+                        response,
+                        method=method,
+                        url=url,
+                        map_transport=_map_transport,
+                        redact=functools.partial(_redact, secrets=self.secrets),
+                    )
                 try:
                     return _decode(response, expect, url, large_strings)
                 except ResponseParseError as exc:
@@ -216,6 +244,32 @@ class Server:
             body = _redact(_error_body(response), self.secrets)
             hint = status_hint(response.status_code, body) if status_hint else None
             raise ServerStatusError(method=method, url=url, status_code=response.status_code, body=body, hint=hint)
+
+    @contextlib.asynccontextmanager
+    async def stream(
+        self,
+        method: str,
+        path: str,
+        *,
+        json_body: Any = None,
+        status_hint: StatusHint | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> AsyncIterator[ResponseStream]:
+        """Send one data-plane request whose answer is read as it arrives (a streamed generation); the block
+        gets the open :class:`~backends_core.sse.ResponseStream` and leaving it closes the stream (before the
+        body's end, its connection: the server sees its client leave).
+
+        Sent like :meth:`request` (same retries before an answer, same error for a non-2xx status, raised before
+        the block is entered); a connection lost mid-body raises :class:`NetworkError` from the stream.
+        """
+        answer = await self.request(
+            method, path, json_body=json_body, expect="stream", status_hint=status_hint, headers=headers
+        )
+        assert isinstance(answer, ResponseStream)
+        try:
+            yield answer
+        finally:
+            await answer.aclose()
 
 
 async def _send(

@@ -36,14 +36,14 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import httpx
 
-from backends_core.client import Client
+from backends_core.client import Client, GenerateStream
 from backends_core.config import ClientConfig
 from backends_core.errors import ClientClosedError, RunningEventLoopError
 from backends_core.fleet import Admin
 from backends_core.multiturn import BridgeStats, Conversation
-from backends_core.types import GenerateResult, Message, SamplingParams
+from backends_core.types import GenerateResult, Message, SamplingParams, StreamDelta
 
-__all__ = ["SyncAdmin", "SyncClient", "SyncConversation"]
+__all__ = ["SyncAdmin", "SyncClient", "SyncConversation", "SyncGenerateStream"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -292,6 +292,48 @@ class SyncConversation(_Mirror[Conversation]):
         return self._target.token_ids
 
 
+class SyncGenerateStream(_Mirror[GenerateStream]):
+    """One streamed generation of a :class:`SyncClient` (see :meth:`Client.stream
+    <backends_core.client.Client.stream>`): a context manager and, inside it, an iterator of
+    :class:`~backends_core.types.StreamDelta`; each delta is waited for on the client's loop. Leaving the block
+    early (``break``, an exception, an interrupt) closes the stream and the server aborts the request."""
+
+    def __init__(self, portal: _LoopThread, stream: GenerateStream) -> None:
+        self._portal = portal
+        self._target = stream
+
+    def __enter__(self) -> SyncGenerateStream:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __iter__(self) -> SyncGenerateStream:
+        return self
+
+    def __next__(self) -> StreamDelta:
+        try:
+            return self._portal.run("stream", self._target.__anext__)
+        except StopAsyncIteration:
+            raise StopIteration from None
+
+    def close(self) -> None:
+        """Leave the stream: before its end, this closes it and the server aborts the request."""
+        self._portal.run("stream.close", self._target.aclose)
+
+    @property
+    def result(self) -> GenerateResult:
+        """The whole sample, once the stream ran to its end (see ``GenerateStream.result``)."""
+        return self._target.result
+
+    @property
+    def server(self) -> str | None:
+        """The base URL of the server generating it."""
+        return self._target.server
+
+
 class SyncClient(_Mirror[Client]):
     """The :class:`~backends_core.client.Client` for synchronous code: same constructor, same methods, blocking.
 
@@ -404,3 +446,4 @@ class SyncClient(_Mirror[Client]):
     parse_completion = _on_loop(Client.parse_completion)
 
     conversation = _wrapping(Client.conversation, SyncConversation)
+    stream = _wrapping(Client.stream, SyncGenerateStream)

@@ -33,6 +33,7 @@ __all__ = [
     "RoutedExperts",
     "SamplingParams",
     "ServerState",
+    "StreamDelta",
     "Structured",
     "TeacherLogprobs",
     "TeacherRequest",
@@ -435,6 +436,19 @@ class GenerateResult:
     def token_ids(self) -> tuple[int, ...]:
         """Prompt followed by completion: the ids the next turn must start with."""
         return self.prompt_ids + self.completion_ids
+
+
+@attrs.frozen(kw_only=True)
+class StreamDelta:
+    """The tokens one chunk of a streamed generation added (see ``Client.stream``).
+
+    :ivar completion_ids: the new completion ids, in order.
+    :ivar logprobs: float32 ``[len(completion_ids)]``, the logprob of each new id from the engine's own channel
+        (checked like a result's: finite, one per id).
+    """
+
+    completion_ids: tuple[int, ...]
+    logprobs: npt.NDArray[np.float32] = attrs.field(eq=_array_eq)
 
 
 @attrs.frozen(kw_only=True)

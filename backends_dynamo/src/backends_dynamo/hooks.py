@@ -6,7 +6,7 @@ and options here. The admin hooks, the admin wire shapes and the client-side sta
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -18,6 +18,7 @@ from backends_core.types import (
     SAMPLING_FEATURES,
     GenerateRequest,
     GenerateResult,
+    StreamDelta,
     TeacherLogprobs,
     TeacherRequest,
 )
@@ -164,6 +165,38 @@ async def post_generate(
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
     return wire.Exchange(tuple(samples))
+
+
+@hookimpl
+async def post_generate_stream(
+    server: Server, request: GenerateRequest, config: ClientConfig, options: DynamoOptions
+) -> AsyncIterator[StreamDelta | GenerateResult]:
+    model = wire.served_name(request.lora, request.model, config.model)
+    wire.check_generation(request, fan_out=options.fan_out_n)
+    track = tracker(server)
+    rid = dynamo_request_id(request.request_id, 0)
+    path, body = wire.generation_payload(
+        request, model, transport=options.transport, metadata=options.extra_fields, stream=True
+    )
+    fold = wire.StreamFold(request, server.base_url)
+    flight = track.begin(rid, request.request_id)
+    try:
+        async with server.stream(
+            "POST", path, json_body=body, headers={REQUEST_ID_HEADER: rid}, status_hint=_hint
+        ) as stream:
+            async for raw in stream.json_events():
+                if isinstance(raw, dict) and "error" in raw:
+                    error = raw["error"]
+                    code = error.get("code") if isinstance(error, dict) else None
+                    raise stream.error(error, status_code=code if isinstance(code, int) else 500)
+                delta = fold.chunk(raw)
+                if delta is not None:
+                    yield delta
+    finally:
+        aborted, version = track.end(flight)
+    if fold.chunks:
+        _note_request_id(track, fold.chunks[0], rid)
+    yield fold.result(aborted=aborted, weight_version=version)
 
 
 @hookimpl

@@ -40,6 +40,8 @@ holds that chunk's new ids (the final chunk of the mocker carries ``[]``); ``eng
 ``stream_options.include_usage`` is set. :func:`fold` concatenates the deltas (text, OpenAI logprobs, ids) and
 keeps the last value of everything else, so :func:`parse_sample` reads a folded stream
 like any answer, including the check that the concatenated ids equal ``engine_data.completion_token_ids``.
+Streamed to the caller (``Client.stream``), :class:`StreamFold` reads the chunks one by one as they arrive (each
+chunk's new ids and their OpenAI logprobs become a delta) and folds them the same way at the end.
 
 Metadata. What Dynamo adds to an answer when asked (``nvext.extra_fields``): which worker served it, and timing.
 
@@ -75,6 +77,7 @@ from backends_core.types import (
     Regex,
     RoutedExperts,
     SamplingParams,
+    StreamDelta,
     TeacherLogprobs,
     TeacherRequest,
     TopLogprob,
@@ -101,6 +104,7 @@ __all__ = [
     "extra_fields_for",
     "f32",
     "finish_reason",
+    "StreamFold",
     "fold",
     "generation_payload",
     "nvext_of",
@@ -796,6 +800,49 @@ def fold(chunks: list[Any], url: str | None = None) -> dict[str, Any]:
     if nvext:
         body["nvext"] = nvext
     return body
+
+
+class StreamFold:
+    """The chunks of one streamed generation (``n`` 1) read as they arrive (:meth:`chunk`), then folded with
+    :func:`fold` into the answer :func:`parse_sample` reads (:meth:`result`)."""
+
+    def __init__(self, request: GenerateRequest, server_url: str | None) -> None:
+        self.request = request
+        self.server_url = server_url
+        self.chunks: list[Any] = []
+        self.finished = False
+
+    def chunk(self, raw: Any) -> StreamDelta | None:
+        """One chunk: its new ids (``nvext.completion_token_ids``) and their logprobs, or ``None`` without any."""
+        body = Node(raw, f"$[{len(self.chunks)}]", self.server_url)
+        self.chunks.append(raw)
+        choices = body.get("choices").items()
+        if not choices:
+            return None  # the usage chunk
+        if len(choices) != 1 or choices[0].get("index").integer() != 0:
+            raise body.get("choices").fail(f"expected the one choice of index 0, got {len(choices)} choice(s)")
+        if self.finished:
+            raise body.fail("a chunk with a choice after the one that finished")
+        choice = choices[0]
+        nvext = nvext_of(body)
+        if nvext.value is None or not nvext.has("completion_token_ids"):
+            raise nvext.fail("no nvext.completion_token_ids in the chunk (asked for in nvext.extra_fields)")
+        ids = nvext.get("completion_token_ids").token_ids()
+        self.finished = choice.get("finish_reason", required=False).value is not None
+        if not ids:
+            return None
+        chat = body.get("object").value == "chat.completion.chunk"
+        nodes = _openai_logprobs(choice, ids, chat=chat)
+        return StreamDelta(completion_ids=ids, logprobs=np.asarray([n.logprob() for n in nodes], dtype=np.float32))
+
+    def result(self, *, aborted: bool, weight_version: str | None) -> GenerateResult:
+        """The generation as :func:`parse_sample` reads it answered whole."""
+        if not self.finished:
+            raise ResponseParseError(
+                f"the stream ended after {len(self.chunks)} chunk(s) without a finish_reason", url=self.server_url
+            )
+        body = fold(self.chunks, self.server_url)
+        return parse_sample(Sample(body, aborted=aborted, weight_version=weight_version), self.request, self.server_url)
 
 
 # -- metadata asked for with extra_fields -----------------------------------------------------------------

@@ -25,7 +25,7 @@ is paused or memory is released. :func:`admin_health` and :func:`admin_ready` pa
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from backends_core import Server, StatusHint, hookimpl
@@ -39,6 +39,7 @@ from backends_core.types import (
     LoraAdapter,
     PauseMode,
     ServerState,
+    StreamDelta,
     TeacherLogprobs,
     TeacherRequest,
     TensorSpec,
@@ -111,6 +112,29 @@ async def post_generate(server: Server, request: GenerateRequest, options: Sglan
             f"LoRA adapter {request.lora!r} was unloaded from {server.base_url}; load it again first"
         )
     return await server.request("POST", "/generate", json_body=body)
+
+
+@hookimpl
+async def post_generate_stream(
+    server: Server, request: GenerateRequest, options: SglangOptions
+) -> AsyncIterator[StreamDelta | GenerateResult]:
+    if options.check_prompt_length:
+        await _check_length(server, len(request.prompt_ids), request.sampling.max_tokens)
+    if request.lora is not None and request.lora in server.cache.get(_UNLOADED, ()):
+        raise InvalidRequestError(
+            f"LoRA adapter {request.lora!r} was unloaded from {server.base_url}; load it again first"
+        )
+    fold = wire.StreamFold(request, server.base_url, options.routing)
+    async with server.stream("POST", "/generate", json_body=wire.stream_payload(request)) as stream:
+        async for raw in stream.json_events():
+            if isinstance(raw, dict) and "error" in raw:  # {"error": {"message", "type", "code", ...}}
+                error = raw["error"]
+                code = error.get("code") if isinstance(error, dict) else None
+                raise stream.error(error, status_code=code if isinstance(code, int) else 500)
+            delta = fold.event(raw)
+            if delta is not None:
+                yield delta
+    yield fold.result()
 
 
 @hookimpl

@@ -15,6 +15,12 @@ Generation and teacher scoring both use ``POST /generate`` with token ids:
   token and entry 0 is ``[null, id, text]``. (With ``logprob_start_len = k`` the list starts at position ``k``
   and entry ``k`` is null too, although that token has a logprob: never score from ``k > 0``.)
 
+Streaming (``"stream": true``): Server-Sent Events whose data is the same object, ``[DONE]`` last. By default each
+event is cumulative (``output_ids`` and the logprob lists hold everything so far); with the server flag
+``--incremental-streaming-output`` each holds only what is new. ``meta_info.completion_tokens`` counts everything
+so far in both forms, which tells them apart (:class:`StreamFold`). ``finish_reason`` is null until the last event,
+which also carries ``weight_versions`` and routed experts.
+
 Output logprobs are ``log_softmax(logits / temperature)`` on SGLang (not renormalised for top-k/top-p; raw at
 temperature 0); prompt logprobs are always raw. They are the engine's own numbers and are passed through.
 """
@@ -27,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from backends_core.errors import InvalidRequestError
+from backends_core.errors import InvalidRequestError, ResponseParseError
 from backends_core.jsonnode import Node
 from backends_core.types import (
     Choice,
@@ -37,6 +43,7 @@ from backends_core.types import (
     JsonSchema,
     Regex,
     SamplingParams,
+    StreamDelta,
     TeacherLogprobs,
     TeacherRequest,
     TopLogprob,
@@ -468,3 +475,87 @@ def succeeded(raw: Any, server_url: str, key: str = "success") -> bool:
 def token_list(raw: Any, server_url: str) -> list[int]:
     """The u32 ``tokens`` of a ``/v1/tokenize`` answer."""
     return list(Node(raw, "$", server_url).get("tokens").token_ids())
+
+
+# -- streaming ------------------------------------------------------------------------------------------------
+
+
+def stream_payload(request: GenerateRequest) -> dict[str, Any]:
+    """The body of a streamed ``POST /generate``."""
+    return {**generate_payload(request), "stream": True}
+
+
+#: ``meta_info`` lists that grow with the output (cumulative events) or hold the new part (incremental ones).
+_GROWING = ("output_token_logprobs", "output_top_logprobs")
+
+
+class StreamFold:
+    """The events of one streamed generation read one by one (:meth:`event`), cumulative or incremental, and
+    folded back into the answer ``/generate`` gives whole (:meth:`result`)."""
+
+    def __init__(self, request: GenerateRequest, server_url: str, geometry: experts.RoutingGeometry | None) -> None:
+        self.request = request
+        self.server_url = server_url
+        self.geometry = geometry
+        self.events = 0
+        self.ids: list[int] = []
+        self.lists: dict[str, list[Any]] = {name: [] for name in _GROWING}
+        self.meta: dict[str, Any] | None = None
+        self.finished = False
+
+    def event(self, raw: Any) -> StreamDelta | None:
+        """One event: its new ids and their logprobs (checked as in a whole answer), or ``None`` without any."""
+        body = Node(raw, f"$<event {self.events}>", self.server_url)
+        self.events += 1
+        if self.finished:
+            raise body.fail("an event after the one that finished")
+        meta = body.get("meta_info")
+        ids = [t.integer() for t in body.get("output_ids").items()]
+        total = meta.get("completion_tokens").integer()
+        seen = len(self.ids)
+        if len(ids) == total and ids[:seen] == self.ids:  # cumulative (or the first event: both read the same)
+            start = seen
+        elif seen + len(ids) == total:  # incremental
+            start = 0
+        else:
+            raise body.get("output_ids").fail(
+                f"{len(ids)} output ids with completion_tokens {total} after {seen} ids: neither everything so far "
+                "nor what is new"
+            )
+        new = tuple(ids[start:])
+        fields = meta.obj()
+        cut = {}
+        for name in _GROWING:
+            values = fields.get(name)
+            if values is None:
+                continue
+            items = meta.get(name).items()
+            if len(items) != len(ids):
+                raise meta.get(name).fail(f"{len(items)} entries for {len(ids)} output ids")
+            cut[name] = [item.value for item in items[start:]]
+        logprobs = np.zeros(0, np.float32)
+        if new:
+            logprobs = _completion_logprobs(
+                Node({"output_token_logprobs": cut.get("output_token_logprobs")}, meta.path, self.server_url), new
+            )
+        for name, values in cut.items():
+            self.lists[name] += values
+        self.ids += new
+        self.meta = dict(fields)
+        self.finished = fields.get("finish_reason") is not None
+        return StreamDelta(completion_ids=new, logprobs=logprobs) if new else None
+
+    def result(self) -> GenerateResult:
+        """The generation as :func:`parse_generate` reads it answered whole."""
+        if not self.finished or self.meta is None:
+            raise ResponseParseError(
+                f"the stream ended after {self.events} event(s) without a finish_reason", url=self.server_url
+            )
+        meta = dict(self.meta)
+        for name in _GROWING:
+            if name in meta and meta[name] is not None:
+                meta[name] = self.lists[name]
+        (result,) = parse_generate(
+            {"output_ids": self.ids, "meta_info": meta}, self.request, self.server_url, self.geometry
+        )
+        return result

@@ -16,6 +16,7 @@ __all__ = [
     "EngineRequest",
     "EngineRequestError",
     "EngineState",
+    "EngineStep",
     "FinishReason",
     "PauseMode",
     "TopLogprobs",
@@ -134,6 +135,20 @@ class EngineOutput:
     weight_version: str = DEFAULT_WEIGHT_VERSION
     weight_versions: tuple[WeightSpan, ...] = ()
     num_cached_tokens: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class EngineStep:
+    """Tokens a streamed request produced since the previous step it reported.
+
+    :ivar completion_ids: the new tokens.
+    :ivar logprobs: their raw logprobs (``None`` unless the request asked for logprobs).
+    :ivar top_logprobs: their top-k pairs (only when ``logprobs >= 1``).
+    """
+
+    completion_ids: tuple[int, ...]
+    logprobs: npt.NDArray[np.float32] | None = None
+    top_logprobs: TopLogprobs | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -8,6 +8,7 @@ server or in-process through ``httpx.ASGITransport`` (``MockTransport`` and
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -47,6 +48,9 @@ def asgi_app(handler: Handler) -> Callable[[Scope, Receive, Send], Awaitable[Non
         url = f"{scope.get('scheme', 'http')}://{host}{scope['path']}" + (f"?{query}" if query else "")
         request = httpx.Request(scope["method"], url, headers=scope.get("headers") or [], content=body)
         response = await handler(request)
+        if not isinstance(response.stream, httpx.ByteStream):  # produced as it goes: sent so
+            await _send_streamed(response, receive, send)
+            return
         content = await response.aread()
         headers = [
             (k.encode("latin1"), v.encode("latin1"))
@@ -58,3 +62,35 @@ def asgi_app(handler: Handler) -> Callable[[Scope, Receive, Send], Awaitable[Non
         await send({"type": "http.response.body", "body": content})
 
     return app
+
+
+async def _send_streamed(response: httpx.Response, receive: Receive, send: Send) -> None:
+    """Send each piece of ``response`` as it is produced; a client that disconnects stops it (the body is closed:
+    an emulator aborts its engine request then)."""
+    headers = [
+        (k.encode("latin1"), v.encode("latin1"))
+        for k, v in response.headers.items()
+        if k.lower() not in ("content-length", "transfer-encoding")
+    ]
+
+    async def pump() -> None:
+        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+        async for piece in response.aiter_raw():
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    sending = asyncio.ensure_future(pump())
+    watching = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({sending, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (sending, watching):
+            task.cancel()
+        await asyncio.gather(sending, watching, return_exceptions=True)
+        await response.aclose()
+    if sending.done() and not sending.cancelled() and sending.exception() is not None:
+        raise sending.exception()  # type: ignore[misc]

@@ -33,6 +33,7 @@ import pytest_asyncio
 from backends_core import (
     SAMPLING_FEATURES,
     AdminError,
+    BackendError,
     Choice,
     Client,
     ClientConfig,
@@ -49,9 +50,11 @@ from backends_core import (
     SamplingParams,
     ServerRefusedError,
     ServerStatusError,
+    StreamDelta,
     UnsupportedOperationError,
     available_backends,
 )
+from backends_core.client import GenerateStream
 from backends_core.driver import CAPABILITY_HOOKS, BackendDriver
 from backends_core.hookspecs import REQUIRED_HOOKS
 from backends_core.multiturn.rendering import encode, render_text
@@ -101,6 +104,14 @@ POLL_S = 0.005
 #: Pauses with mode "keep" an attempt may take to find the server holding its generation, when the server's admin
 #: plane lags its engine (a pause that lands before the generation reached the engine holds nothing yet).
 KEEP_PULSES = 20
+
+
+async def _drain(stream: GenerateStream) -> GenerateResult:
+    """Run a stream to its end; its result."""
+    async with stream:
+        async for _ in stream:
+            pass
+    return stream.result
 
 
 class Attempts:
@@ -244,7 +255,7 @@ class BackendConformance:
 
     @pytest.mark.asyncio
     async def test_missing_optional_operations_raise_unsupported(self, client: Client) -> None:
-        calls = {
+        calls: dict[str, Callable[[], Awaitable[Any]]] = {
             "teacher_logprobs": lambda: client.teacher_logprobs(PROMPT),
             "admin_health": client.admin.health,
             "admin_ready": client.admin.ready,
@@ -262,6 +273,7 @@ class BackendConformance:
             "admin_sleep": client.admin.sleep,
             "admin_wake": client.admin.wake,
             "admin_abort": client.admin.abort,
+            "post_generate_stream": lambda: _drain(client.stream(prompt_ids=PROMPT)),
         }
         assert set(calls) == CAPABILITY_HOOKS
         for name in sorted(CAPABILITY_HOOKS - set(self.expected_capabilities)):
@@ -1006,3 +1018,148 @@ def _first_new_text(tokenizer: Any, ids: tuple[int, ...]) -> tuple[int, str] | N
         ):
             return k, piece
     return None
+
+    # -- streaming --------------------------------------------------------------------------------------
+    #
+    # ``Client.stream`` over the backend's ``post_generate_stream`` (capability ``post_generate_stream``): the deltas
+    # together are the result, the result is what generate returns, a stream left early is aborted on the server,
+    # and a failure before the first delta is the error generate raises.
+
+    @pytest.mark.asyncio
+    async def test_stream_deltas_make_up_the_result_generate_returns(self, client: Client) -> None:
+        self.needs("post_generate_stream")
+        sampling = SamplingParams(max_tokens=12, temperature=0.0, seed=5, ignore_eos=True)
+        whole = await client.generate(prompt_ids=PROMPT, sampling=sampling)
+        async with client.stream(prompt_ids=PROMPT, sampling=sampling) as stream:
+            deltas = [delta async for delta in stream]
+        result = stream.result
+        assert deltas and all(isinstance(d, StreamDelta) and d.completion_ids for d in deltas)
+        for delta in deltas:
+            assert delta.logprobs.dtype == np.float32 and delta.logprobs.shape == (len(delta.completion_ids),)
+            assert np.isfinite(delta.logprobs).all()
+        assert sum((d.completion_ids for d in deltas), ()) == result.completion_ids
+        np.testing.assert_array_equal(np.concatenate([d.logprobs for d in deltas]), result.logprobs)
+        self.check_sample(result, PROMPT, 12)
+        assert result.completion_ids == whole.completion_ids
+        np.testing.assert_allclose(result.logprobs, whole.logprobs, atol=1e-4)
+        assert (result.finish_reason, result.stop_reason) == (whole.finish_reason, whole.stop_reason)
+        assert result.weight_version == whole.weight_version
+        assert result.usage is not None and whole.usage is not None
+        assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (
+            whole.usage.prompt_tokens,
+            whole.usage.completion_tokens,
+        )
+
+    @pytest.mark.asyncio
+    async def test_stream_from_messages_and_its_result_needs_the_whole_loop(self, client: Client) -> None:
+        self.needs("post_generate_stream")
+        async with client.stream(messages=MESSAGES, sampling=SamplingParams(max_tokens=6, seed=1)) as stream:
+            with pytest.raises(InvalidRequestError, match="no result"):
+                stream.result  # noqa: B018
+            ids = [t async for delta in stream for t in delta.completion_ids]
+        self.check_sample(stream.result, client.render(MESSAGES), 6)
+        assert tuple(ids) == stream.result.completion_ids
+
+    @pytest.mark.asyncio
+    @pytest.mark.parametrize("model_kind", ["moe"], indirect=True)
+    async def test_stream_routed_experts_arrive_with_the_result(
+        self, client: Client, request: pytest.FixtureRequest, live_url: str | None
+    ) -> None:
+        self.needs("post_generate_stream")
+        if not self.supports_routed_experts:
+            pytest.skip(f"{self.backend_name} does not return routed experts")
+        if live_url and not (self.live_moe or request.config.getoption("--backend-moe", default=False)):
+            pytest.skip("this live server has no routed experts")
+        sampling = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+        try:
+            stream = client.stream(prompt_ids=PROMPT, sampling=sampling, return_routed_experts=True)
+        except InvalidRequestError as exc:  # a transport whose streamed form carries no routing says so
+            pytest.skip(str(exc))
+        try:
+            async with stream:
+                async for _ in stream:
+                    pass
+        except InvalidRequestError as exc:
+            pytest.skip(str(exc))
+        whole = await client.generate(prompt_ids=PROMPT, sampling=sampling, return_routed_experts=True)
+        routed = stream.result.routed_experts
+        assert routed is not None and whole.routed_experts is not None
+        assert routed.start == whole.routed_experts.start
+        np.testing.assert_array_equal(routed.experts, whole.routed_experts.experts)
+
+    @pytest.mark.asyncio
+    async def test_leaving_a_stream_early_aborts_it_on_the_server(self, client: Client) -> None:
+        """The stream of a LONGEST-token generation is left after its first delta, and a CLOCK-token generation sent
+        after it is the clock: had the left one run on, it would still have most of its tokens to go when the
+        clock's generation ends, so the server reporting nothing in flight then proves the abort. A count still
+        above 0 after a second clock generation is evidence against (no count lags two generations); one that
+        reaches 0 only then says nothing (a lagging count), and the attempt is repeated (see Attempts)."""
+        self.needs("post_generate_stream")
+        if not self._observes_in_flight():
+            pytest.skip(f"{self.backend_name} does not report requests in flight")
+
+        async def in_flight() -> int:
+            (state,) = await client.admin.state()
+            return state.in_flight or 0
+
+        await left_stream_is_aborted(client, in_flight, idle=lambda: self._wait_idle(client))
+
+    @pytest.mark.asyncio
+    @pytest.mark.parametrize(
+        ("fault", "error"),
+        [
+            ("status_500", ServerStatusError),
+            ("refused", NetworkError),
+            ("timeout", RequestTimeout),
+            ("not_json", ResponseParseError),
+        ],
+    )
+    async def test_stream_failing_before_its_first_delta_raises_what_generate_raises(
+        self, faulty_client: Any, fault: str, error: type[Exception]
+    ) -> None:
+        self.needs("post_generate_stream")
+        async with faulty_client(fault) as client:
+            with pytest.raises(BackendError) as generated:
+                await client.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=2))
+            with pytest.raises(BackendError) as streamed:
+                await _drain(client.stream(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=2)))
+        assert type(streamed.value) is type(generated.value) and isinstance(streamed.value, error)
+        if fault == "status_500":
+            assert "engine exploded" in str(streamed.value)
+
+
+#: Tokens of the clock generation of the early-exit tests (far fewer than the left stream's LONGEST).
+CLOCK = 200
+
+
+async def left_stream_is_aborted(
+    client: Client, in_flight: Callable[[], Awaitable[int]], *, idle: Callable[[], Awaitable[None]]
+) -> None:
+    """Leave a LONGEST-token stream after its first delta and prove with CLOCK-token generations that the server
+    stopped it (see ``test_leaving_a_stream_early_aborts_it_on_the_server``). ``in_flight`` reads the server's
+    count of requests in flight; ``idle`` returns once it is 0 (with its own deadline)."""
+    attempts = Attempts("leaving a stream early")
+    long = SamplingParams(max_tokens=LONGEST, ignore_eos=True, temperature=1.0)
+    clock = SamplingParams(max_tokens=CLOCK, ignore_eos=True)
+    for attempt in range(1, CATCH_ATTEMPTS + 1):
+        await idle()
+        async with client.stream(prompt_ids=PROMPT, sampling=long) as stream:
+            async for delta in stream:
+                assert delta.completion_ids
+                break
+        counts = []
+        for _ in range(2):
+            ticked = await asyncio.wait_for(client.generate(prompt_ids=PROMPT, sampling=clock), FINISH_TIMEOUT_S)
+            assert len(ticked.completion_ids) == CLOCK
+            counts.append(await in_flight())
+            if counts[-1] == 0:
+                break
+        if counts[0] == 0:
+            return
+        if counts[-1] == 0:
+            attempts.inconclusive(f"attempt {attempt}: {counts[0]} in flight after one clock generation, 0 after two")
+            continue
+        await idle()
+        attempts.against(f"attempt {attempt}: still {counts} in flight after two clock generations")
+        break
+    attempts.verdict("a stream left early was still in flight when shorter generations sent after it ended")

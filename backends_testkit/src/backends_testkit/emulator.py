@@ -31,7 +31,7 @@ import functools
 import json
 import ssl as _ssl
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Literal
 
 import attrs
@@ -51,8 +51,10 @@ __all__ = [
     "HttpError",
     "Level",
     "Route",
+    "StreamedBody",
     "empty",
     "json_reply",
+    "sse_reply",
     "text_reply",
 ]
 
@@ -98,6 +100,48 @@ def text_reply(status: int, text: str, *, content_type: str | None = None) -> ht
     """A text answer; without ``content_type`` it carries none (as a bare ``Response(content=...)``)."""
     headers = {"content-type": content_type} if content_type else None
     return httpx.Response(status, content=text.encode(), headers=headers)
+
+
+class StreamedBody(httpx.AsyncByteStream):
+    """A body sent as it is produced (served with chunked transfer on a port). Closing it before its end (the client
+    left) closes the generators producing it, whose ``finally`` aborts the engine request.
+
+    :param chunks: the body's pieces.
+    :param sources: generators ``chunks`` reads from, closed with it.
+    """
+
+    def __init__(self, chunks: AsyncGenerator[bytes, None], *sources: AsyncGenerator[Any, None]) -> None:
+        self._chunks = chunks
+        self._sources = sources
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._chunks:
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()
+        for source in self._sources:
+            await source.aclose()
+
+
+def sse_reply(
+    events: AsyncGenerator[Any, None],
+    *,
+    done: bool = True,
+    content_type: str = "text/event-stream; charset=utf-8",
+    dumps: Callable[[Any], str] = json.dumps,
+) -> httpx.Response:
+    """A 200 answer streaming ``events`` as Server-Sent Events (``data: <json>``; a ``str`` event is sent as
+    is), then ``data: [DONE]`` when ``done``."""
+
+    async def body() -> AsyncGenerator[bytes, None]:
+        async for event in events:
+            data = event if isinstance(event, str) else dumps(event)
+            yield f"data: {data}\n\n".encode()
+        if done:
+            yield b"data: [DONE]\n\n"
+
+    return httpx.Response(200, headers={"content-type": content_type}, stream=StreamedBody(body(), events))
 
 
 def empty(status: int = 200) -> httpx.Response:

@@ -46,6 +46,7 @@ from backends_testkit._engine_types import (
     EngineRequest,
     EngineRequestError,
     EngineState,
+    EngineStep,
     FinishReason,
     PauseMode,
     TopLogprobs,
@@ -61,6 +62,8 @@ __all__ = [
     "EngineRequest",
     "EngineRequestError",
     "EngineState",
+    "EngineStep",
+    "EngineStream",
     "FinishReason",
     "PauseMode",
     "ReferenceEngine",
@@ -96,6 +99,8 @@ class _Sequence:
     versions: list[str] = attrs.Factory(list)
     text: str = ""  # the completion's decoded text, kept only while stop strings are looked for
     stop_from: int = 0  # where stop strings may start in ``text``: past the text of the first min_tokens tokens
+    #: set at every new token and at the end (streamed requests only)
+    progress: asyncio.Event | None = None
 
 
 class ReferenceEngine:
@@ -239,6 +244,16 @@ class ReferenceEngine:
             self._discard(seq)
             raise
 
+    def generate_stream(self, request: EngineRequest) -> EngineStream:
+        """Queue a request now and follow it as it runs: the :class:`EngineStream` reports an :class:`EngineStep`
+        with the tokens since the previous one whenever there are new ones, then the :class:`EngineOutput` once it
+        finished. Closing the stream before the end (the client left) aborts the request.
+
+        :raises EngineRequestError: when the request is invalid (nothing is queued then).
+        :raises EngineError: when the engine is closed.
+        """
+        return EngineStream(self, self._submit(request, stream=True))
+
     async def score(
         self,
         token_ids: tuple[int, ...] | list[int],
@@ -372,7 +387,7 @@ class ReferenceEngine:
 
     # -- internals: submission -----------------------------------------------------------------
 
-    def _submit(self, request: EngineRequest) -> _Sequence:
+    def _submit(self, request: EngineRequest, *, stream: bool = False) -> _Sequence:
         if self._closed:
             raise EngineError("the engine is closed")
         self._validate(request)
@@ -388,6 +403,7 @@ class ReferenceEngine:
             rng=np.random.Generator(np.random.PCG64(seed)),
             lora=self._loras[request.lora] if request.lora is not None else None,
             tokens=list(request.prompt_ids),
+            progress=asyncio.Event() if stream else None,
         )
         self._waiting.append(seq)
         self._kick()
@@ -543,6 +559,8 @@ class ReferenceEngine:
             logprobs = log_softmax(logits)
             seq.logprobs.append(float(logprobs[token]))
             seq.top.append(top_logprobs(logprobs, request.logprobs))
+        if seq.progress is not None:
+            seq.progress.set()
         if token in request.stop_token_ids or (not request.ignore_eos and token in self._eos_token_ids):
             self._finish(seq, "stop", stop_reason=token)
         elif (matched := self._stop_string(seq)) is not None:
@@ -628,6 +646,8 @@ class ReferenceEngine:
         )
         if not seq.future.done():
             seq.future.set_result(output)
+        if seq.progress is not None:
+            seq.progress.set()
         self._notify_drained()
 
     def _routed_rows(self, seq: _Sequence) -> npt.NDArray[np.int32] | None:
@@ -638,6 +658,56 @@ class ReferenceEngine:
         rows = np.concatenate(seq.routed) if seq.routed else np.zeros(shape, np.int32)
         end = len(request.prompt_ids) + len(seq.completion) - 1
         return np.ascontiguousarray(rows[request.routed_experts_start : end])
+
+
+class EngineStream:
+    """A queued request followed as it runs (:meth:`ReferenceEngine.generate_stream`); an async iterator of
+    :class:`EngineStep` then the final :class:`EngineOutput`. :meth:`aclose` before the end aborts the request."""
+
+    def __init__(self, engine: ReferenceEngine, seq: _Sequence) -> None:
+        self._engine = engine
+        self._seq = seq
+        self._reported = 0
+        self._ended = False
+
+    @property
+    def request_id(self) -> str:
+        return self._seq.request_id
+
+    def __aiter__(self) -> EngineStream:
+        return self
+
+    async def __anext__(self) -> EngineStep | EngineOutput:
+        seq = self._seq
+        progress = seq.progress
+        assert progress is not None
+        while not self._ended:
+            start, end = self._reported, len(seq.completion)
+            if end > start:
+                self._reported = end
+                logprobs = seq.request.logprobs is not None
+                return EngineStep(
+                    completion_ids=tuple(seq.completion[start:end]),
+                    logprobs=np.asarray(seq.logprobs[start:end], dtype=np.float32) if logprobs else None,
+                    top_logprobs=seq.top[start:end] if seq.request.logprobs else None,
+                )
+            if seq.future.done():
+                self._ended = True
+                return seq.future.result()
+            progress.clear()
+            try:
+                await progress.wait()
+            except asyncio.CancelledError:
+                await self.aclose()
+                raise
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        """Stop following; a request not finished yet is aborted."""
+        self._ended = True
+        if not self._seq.future.done():
+            self._engine._discard(self._seq)
+            self._seq.future.cancel()
 
 
 def _spans(versions: list[str]) -> tuple[WeightSpan, ...]:

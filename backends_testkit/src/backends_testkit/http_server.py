@@ -1,4 +1,5 @@
-"""Serve an emulator's async handler on a real TCP port (HTTP/1.1, keep-alive, Content-Length bodies).
+"""Serve an emulator's async handler on a real TCP port (HTTP/1.1, keep-alive, Content-Length bodies; a
+streamed answer, whose body is not an ``httpx.ByteStream``, with chunked transfer as it is produced).
 
 Emulators are written once as ``async def handle(request: httpx.Request) -> httpx.Response``; in-process
 tests wrap them in ``httpx.MockTransport``, and this module puts the very same handler on a socket, so the
@@ -55,6 +56,30 @@ def _encode_response(response: httpx.Response, body: bytes) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin1") + body
 
 
+async def _send_chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, response: httpx.Response) -> None:
+    """Send ``response`` with chunked transfer, each piece as the handler produces it. A client that left makes a
+    write fail; the body is closed either way (an emulator aborts its engine request then)."""
+    reason = HTTPStatus(response.status_code).phrase if response.status_code in HTTPStatus._value2member_map_ else ""
+    lines = [f"HTTP/1.1 {response.status_code} {reason}"]
+    for name, value in response.headers.items():
+        if name.lower() not in ("content-length", "transfer-encoding", "connection"):
+            lines.append(f"{name}: {value}")
+    lines += ["transfer-encoding: chunked", "connection: keep-alive"]
+    try:
+        writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin1"))
+        await writer.drain()
+        async for piece in response.aiter_raw():
+            if piece:
+                writer.write(b"%x\r\n%b\r\n" % (len(piece), piece))
+                await writer.drain()
+                if writer.is_closing() or reader.at_eof():
+                    raise ConnectionResetError("the client left")
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+    finally:
+        await response.aclose()
+
+
 @contextlib.asynccontextmanager
 async def serve(
     handler: Handler, *, host: str = "127.0.0.1", port: int = 0, ssl: _ssl.SSLContext | None = None
@@ -73,7 +98,12 @@ async def serve(
                     break
                 try:
                     response = await handler(request)
+                    if not isinstance(response.stream, httpx.ByteStream):  # produced as it goes: sent so
+                        await _send_chunked(reader, writer, response)
+                        continue
                     body = await response.aread()
+                except (ConnectionError, asyncio.IncompleteReadError):
+                    raise
                 except Exception as exc:  # an emulator bug becomes a 500, like a real server's
                     response = httpx.Response(500, json={"error": f"{type(exc).__name__}: {exc}"})
                     body = response.content

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Literal
 
 from backends_core import Server, StatusHint, hookimpl
@@ -17,6 +17,7 @@ from backends_core.types import (
     LoraAdapter,
     PauseMode,
     ServerState,
+    StreamDelta,
     TeacherLogprobs,
     TeacherRequest,
     TensorSpec,
@@ -96,6 +97,37 @@ async def post_generate(server: Server, request: GenerateRequest, config: Client
     # routed experts (base64, megabytes) stay in the raw body as memoryviews: never JSON-scanned nor copied
     lift = ("routed_experts",) if request.return_routed_experts else ()
     return await server.request("POST", path, json_body=body, status_hint=_route_hint(path), large_strings=lift)
+
+
+@hookimpl
+async def post_generate_stream(
+    server: Server, request: GenerateRequest, config: ClientConfig, options: VllmOptions
+) -> AsyncIterator[StreamDelta | GenerateResult]:
+    model = request.lora or request.model or config.model
+    if options.check_prompt_length:
+        await _check_length(server, request, model)
+    if options.transport == "generate" and request.sampling.top_logprobs >= wire.MAX_LOGPROBS:
+        raise InvalidRequestError(
+            f"top_logprobs {request.sampling.top_logprobs}: vLLM's generate route returns at most "
+            f"{wire.MAX_LOGPROBS - 1} alternatives besides the sampled token"
+        )
+    if options.transport == "completions" and request.return_routed_experts:
+        raise InvalidRequestError(
+            "vLLM's streamed /v1/completions carries no routed experts: stream with backend_options.transport "
+            "'generate', or use generate()"
+        )
+    path, body = wire.stream_payload(request, config.model, transport=options.transport)
+    fold = wire.StreamFold(request, server.base_url, transport=options.transport)
+    async with server.stream("POST", path, json_body=body, status_hint=_route_hint(path)) as stream:
+        async for raw in stream.json_events():
+            if isinstance(raw, dict) and "error" in raw:  # vLLM's error chunk: {"error": {"message", "code"...}}
+                error = raw["error"]
+                code = error.get("code") if isinstance(error, dict) else None
+                raise stream.error(error, status_code=code if isinstance(code, int) else 500)
+            delta = fold.chunk(raw)
+            if delta is not None:
+                yield delta
+    yield fold.result()
 
 
 @hookimpl

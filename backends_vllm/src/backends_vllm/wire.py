@@ -9,6 +9,12 @@ Two generation transports:
   ``return_tokens_as_token_ids`` makes the legacy logprob tokens ``"token_id:<id>"``; ``prompt_logprobs`` is
   per choice.
 
+Both stream with ``"stream": true`` (Server-Sent Events, ``[DONE]`` last): each chunk's one choice carries its new
+``token_ids`` and their logprobs, the chunk of the last token the finish and stop reasons (and on generate
+``weight_versions`` and routed experts), and with ``stream_options.include_usage`` a last chunk with no choices
+holds the usage. :class:`StreamFold` reads the chunks and folds them back into the body the route answers
+whole, which the route's parser then reads.
+
 Every sampling field is sent explicitly: vLLM's OpenAI routes fill omitted fields from the model's
 ``generation_config.json`` (temperature 0.6, top_k 20, top_p 0.95 on Qwen3-style models).
 Logprobs are checked against the ids they claim to belong to; NaN, infinities and vLLM's ``-9999``
@@ -34,6 +40,7 @@ from backends_core.types import (
     Regex,
     RoutedExperts,
     SamplingParams,
+    StreamDelta,
     TeacherLogprobs,
     TeacherRequest,
     TopLogprob,
@@ -44,6 +51,7 @@ from backends_core.types import (
 __all__ = [
     "COMPLETIONS_EXTRA",
     "GENERATE_EXTRA",
+    "StreamFold",
     "abort_id",
     "completions_payload",
     "flag",
@@ -54,6 +62,7 @@ __all__ = [
     "parse_completions",
     "parse_generate",
     "parse_prompt_logprobs",
+    "stream_payload",
     "teacher_payload",
     "text",
     "token_list",
@@ -621,3 +630,124 @@ def text(raw: Any, key: str, server_url: str) -> str:
 def integer(raw: Any, key: str, server_url: str) -> int:
     """An integer field of an admin answer (``{"server_load": 3}``)."""
     return Node(raw, "$", server_url).get(key).integer()
+
+
+# -- streaming ------------------------------------------------------------------------------------------------
+
+
+def stream_payload(request: GenerateRequest, model: str | None, *, transport: str) -> tuple[str, dict[str, Any]]:
+    """Path and body of a streamed generation on ``transport`` (with the usage chunk)."""
+    if transport == "generate":
+        path, body = "/inference/v1/generate", generate_payload(request, model)
+    else:
+        path, body = "/v1/completions", completions_payload(request, model)
+    body["stream"] = True
+    body["stream_options"] = {"include_usage": True}
+    return path, body
+
+
+class StreamFold:
+    """The chunks of one streamed generation (``n`` 1) read one by one (:meth:`chunk`) and folded back into the
+    body the route answers whole (:meth:`result`)."""
+
+    def __init__(self, request: GenerateRequest, server_url: str, *, transport: str) -> None:
+        self.request = request
+        self.server_url = server_url
+        self.transport = transport
+        self.chunks = 0
+        self.request_id: Any = None
+        self.ids: list[int] = []
+        #: generate: ``logprobs.content`` entries; completions: the legacy lists by name
+        self.entries: list[Any] = []
+        self.legacy: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        self.finish: dict[str, Any] | None = None
+        self.usage: Any = None
+
+    def chunk(self, raw: Any) -> StreamDelta | None:
+        """One chunk: its new ids and their logprobs (checked as in a whole answer), or ``None`` when it has
+        none (the usage chunk, a finish without a token)."""
+        body = Node(raw, f"$<chunk {self.chunks}>", self.server_url)
+        self.chunks += 1
+        rid = body.get("request_id" if self.transport == "generate" else "id").string()
+        if self.request_id is None:
+            self.request_id = rid
+        choices = body.get("choices").items()
+        if not choices:
+            usage = body.get("usage", required=False)
+            if usage.value is not None:
+                if self.usage is not None:
+                    raise usage.fail("a second usage chunk")
+                self.usage = usage.obj()
+            return None
+        if len(choices) != 1 or choices[0].get("index").integer() != 0:
+            raise body.get("choices").fail(f"expected the one choice of index 0, got {len(choices)} choice(s)")
+        if self.finish is not None:
+            raise body.fail("a chunk with a choice after the one that finished")
+        choice = choices[0]
+        ids_field = choice.get("token_ids")
+        if ids_field.value is None:
+            raise ids_field.fail("token_ids is null: the server ignored return_token_ids")
+        ids = _ids(ids_field)
+        logprobs = self._logprobs(choice, ids)
+        finish = choice.get("finish_reason", required=False).value
+        if finish is not None:
+            self.finish = {
+                "finish_reason": finish,
+                "stop_reason": choice.get("stop_reason", required=False).value,
+                "routed_experts": choice.get("routed_experts", required=False).value,
+                "weight_versions": choice.get("weight_versions", required=False).value,
+            }
+        elif choice.get("routed_experts", required=False).value is not None:
+            raise choice.get("routed_experts").fail("routed experts before the chunk that finished")
+        self.ids += ids
+        return StreamDelta(completion_ids=ids, logprobs=logprobs) if ids else None
+
+    def _logprobs(self, choice: Node, ids: tuple[int, ...]) -> Float32s:
+        k = self.request.sampling.top_logprobs
+        if self.transport == "generate":
+            if not ids and choice.get("logprobs", required=False).value is None:
+                return np.zeros(0, np.float32)
+            logprobs, _ = _logprobs(choice, ids, k)
+            self.entries += [entry.value for entry in choice.get("logprobs").get("content").items()]
+            return logprobs
+        legacy = choice.get("logprobs")
+        if legacy.value is None:
+            if not ids:
+                return np.zeros(0, np.float32)
+            raise legacy.fail("no logprobs in the chunk (logprobs was sent)")
+        tokens = legacy.get("tokens").items()
+        values = legacy.get("token_logprobs").items()
+        if not len(tokens) == len(values) == len(ids):
+            raise legacy.fail(f"{len(tokens)} tokens and {len(values)} logprobs for {len(ids)} token ids")
+        logprobs = np.empty(len(ids), dtype=np.float32)
+        for i, token in enumerate(ids):
+            claimed = _token_id_string(tokens[i])
+            if claimed != token:
+                raise tokens[i].fail(f"logprob entry is for token {claimed} but the chunk's id {i} is {token}")
+            logprobs[i] = values[i].logprob()
+        fields = legacy.obj()
+        for name in ("tokens", "token_logprobs", "text_offset"):
+            self.legacy[name] += fields.get(name) or []
+        if k:
+            self.legacy["top_logprobs"] += [row.value for row in legacy.get("top_logprobs").items()]
+        return logprobs
+
+    def result(self) -> GenerateResult:
+        """The generation as the route's parser reads it answered whole."""
+        if self.finish is None:
+            raise ResponseParseError(
+                f"the stream ended after {self.chunks} chunk(s) without a finish_reason", url=self.server_url
+            )
+        choice: dict[str, Any] = {"index": 0, "token_ids": self.ids, **self.finish}
+        if self.transport == "generate":
+            choice["logprobs"] = {"content": self.entries}
+            body = {"request_id": self.request_id, "choices": [choice], "usage": self.usage}
+            (result,) = parse_generate(body, self.request, self.server_url)
+        else:
+            legacy: dict[str, Any] = dict(self.legacy)
+            if not self.request.sampling.top_logprobs:
+                legacy["top_logprobs"] = None
+            choice["logprobs"] = legacy
+            body = {"id": self.request_id, "choices": [choice], "usage": self.usage}
+            (result,) = parse_completions(body, self.request, self.server_url)
+        return result

@@ -143,7 +143,9 @@ class Replay:
         content = None if body is None or method == "GET" else json.dumps(self.localize(body)).encode()
         headers = dict(request.get("headers") or {})
         sent = httpx.Request(method, base + url.path, content=content, headers=headers)
-        return await self.emulator.handle(sent), cap
+        response = await self.emulator.handle(sent)
+        await response.aread()  # a streamed answer's events, as produced
+        return response, cap
 
 
 @pytest_asyncio.fixture
@@ -214,7 +216,9 @@ async def emulator(tiny_models: TinyModels) -> AsyncIterator[DynamoEmulator]:
 
 
 async def post(emu: DynamoEmulator, path: str, body: Any, *, base: str = FRONTEND, **headers: str) -> httpx.Response:
-    return await emu.handle(httpx.Request("POST", base + path, json=body, headers=headers))
+    response = await emu.handle(httpx.Request("POST", base + path, json=body, headers=headers))
+    await response.aread()  # a streamed answer's events, as produced
+    return response
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -419,7 +420,11 @@ async def test_admin_key_guards_the_control_routes_only(make_emulator: Callable[
 
 async def test_unsupported_features_are_refused_not_ignored(make_emulator: Callable[..., SglangEmulator]) -> None:
     async with client_of(make_emulator()) as http:
-        for extra in ({"stream": True}, {"sampling_params": {"repetition_penalty": 1.2}}):
+        for extra in (
+            {"sampling_params": {"repetition_penalty": 1.2}},
+            {"stream": True, "sampling_params": {"n": 2}},
+            {"stream": True, "sampling_params": {"stop": ["x"]}},
+        ):
             response = await http.post("/generate", json={"input_ids": [1, 2], **extra})
             assert response.status_code == 400 and "emulator" in response.json()["error"]["message"]
         assert (await http.post("/v1/chat/completions", json={})).status_code == 404
@@ -433,3 +438,24 @@ async def test_the_emulator_is_also_an_asgi_app(make_emulator: Callable[..., Sgl
         flushed = await http.get("/flush_cache")
     assert answer.status_code == 200 and len(answer.json()["output_ids"]) <= 2
     assert flushed.status_code == 200 and flushed.text.startswith("Cache flushed.")
+
+
+async def test_a_stream_sends_cumulative_events_then_the_whole_answer(
+    make_emulator: Callable[..., SglangEmulator],
+) -> None:
+    """SGLang's default streaming form: each event holds everything so far, the last one is the whole answer."""
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    body |= {"return_logprob": True}
+    async with client_of(make_emulator()) as http:
+        whole = (await http.post("/generate", json=body)).json()
+        streamed = await http.post("/generate", json=body | {"stream": True})
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    events = [line[6:] for line in streamed.text.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [len(c["output_ids"]) for c in chunks] == [1, 2, 3, 4, 4]
+    assert all(c["meta_info"]["completion_tokens"] == len(c["output_ids"]) for c in chunks)
+    assert [c["meta_info"]["finish_reason"] for c in chunks[:-1]] == [None] * 4
+    assert chunks[-1]["output_ids"] == whole["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
+    assert len(chunks[-2]["meta_info"]["output_token_logprobs"]) == 4

@@ -287,7 +287,7 @@ async def test_unknown_fields_are_ignored_and_unimplemented_features_refused(eng
         ]
         neutral = {"prompt": PROMPT, "max_tokens": 1, "presence_penalty": 0.0, "repetition_penalty": 1, "stop": []}
         assert (await client.post("/v1/completions", json=neutral)).status_code == 200
-        for field, value in (("presence_penalty", 0.5), ("stream", True), ("structured_outputs", {"regex": "a"})):
+        for field, value in (("presence_penalty", 0.5), ("structured_outputs", {"regex": "a"})):
             response = await client.post("/v1/completions", json={"prompt": PROMPT, field: value})
             assert response.status_code == 400 and response.json()["error"]["param"] == field
             assert "does not implement" in response.json()["error"]["message"]
@@ -507,3 +507,29 @@ def engine_text(engine: ReferenceEngine, ids: list[int]) -> str:
     from tokenizers import Tokenizer
 
     return str(Tokenizer.from_file(str(engine.model_dir / "tokenizer.json")).decode(ids, skip_special_tokens=True))
+
+
+@pytest.mark.parametrize("route", ["/inference/v1/generate", "/v1/completions"])
+async def test_a_stream_sends_each_tokens_chunk_finish_on_the_last_then_usage_and_done(
+    engine: ReferenceEngine, route: str
+) -> None:
+    emulator = VllmEmulator(engine)
+    params: dict[str, Any] = {}
+    if route == "/v1/completions":
+        body: dict[str, Any] = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        body |= {"logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    else:
+        params = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+        body = {"token_ids": PROMPT, "sampling_params": params}
+    two = body | {"n": 2} if route == "/v1/completions" else body | {"sampling_params": params | {"n": 2}}
+    async with client_for(emulator) as client:
+        refused = await client.post(route, json=two | {"stream": True})
+        streamed = await client.post(route, json=body | {"stream": True, "stream_options": {"include_usage": True}})
+    assert refused.status_code == 400 and "streams one prompt with n = 1" in refused.json()["error"]["message"]
+    events = [line[6:] for line in streamed.text.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    *tokens, usage = chunks
+    assert [len(c["choices"][0]["token_ids"]) for c in tokens] == [1, 1, 1, 1]
+    assert [c["choices"][0]["finish_reason"] for c in tokens] == [None, None, None, "length"]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4

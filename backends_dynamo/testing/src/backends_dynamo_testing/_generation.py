@@ -5,6 +5,9 @@ fields, empty messages / prompt, more than 32 stop token ids, ``max_tokens`` 0, 
 the model (404; 503 while the worker sleeps), out-of-vocabulary ids ("Invalid request"). The request id is the
 ``x-dynamo-request-id`` header when it is a UUID (else a new one): answers are ``chatcmpl-<uuid>`` /
 ``cmpl-<uuid>`` and the worker's ``abort_request`` takes the bare UUID. Aborted requests finish with ``stop``.
+A streamed request of one prompt and one sample streams each token's chunk as the engine produces it (the last
+token's chunk, which carries the finish reason and the engine record, once the engine finished); a client that
+leaves aborts it. Several prompts or samples stream once all finished.
 The reference engine has no penalties: non-neutral ones are refused (400) rather than ignored.
 """
 
@@ -14,17 +17,18 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
 import attrs
 import httpx
+import numpy as np
 
 from backends_dynamo_testing import _shapes
 from backends_dynamo_testing._deployment import Deployment
 from backends_dynamo_testing._schema import CHAT_FIELDS, COMPLETION_FIELDS, HttpError, check_nvext, check_top_level
-from backends_testkit.emulator import json_reply
-from backends_testkit.engine import EngineError, EngineOutput, EngineRequest
+from backends_testkit.emulator import json_reply, sse_reply
+from backends_testkit.engine import EngineError, EngineOutput, EngineRequest, EngineStep, EngineStream
 
 __all__ = ["Generation"]
 
@@ -93,6 +97,17 @@ class Generation:
         if not isinstance(body, Mapping):
             raise HttpError(400, f"{_DESERIALIZE}expected a JSON object")
         ask = self._parse(body, raw, chat=chat, rid=_request_uuid(request))
+        if ask.stream and ask.n == 1 and len(ask.prompts) == 1:
+            (engine_request,) = self._engine_requests(ask)
+            try:
+                steps = self.d.engine.generate_stream(engine_request)
+            except EngineError as exc:
+                raise HttpError(400, str(exc)) from exc
+            return sse_reply(
+                self._live(ask, engine_request, steps, started),
+                content_type="text/event-stream",  # the frontend's, without a charset
+                dumps=lambda c: json.dumps(c, separators=(",", ":")),
+            )
         outputs = await self._run(ask)
         if ask.stream:
             return httpx.Response(
@@ -378,6 +393,44 @@ class Generation:
                 chunk["nvext"] = nvext
             chunks.append(chunk)
         return chunks
+
+    async def _live(
+        self, ask: _Ask, request: EngineRequest, steps: EngineStream, started: float
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """The chunks of one generation as the engine produces its tokens (the last token's chunk waits for the
+        engine's end: it carries the finish reason)."""
+        assert request.request_id is not None
+        self.d.requests.add(request.request_id)
+        ids: list[int] = []
+        logprobs: list[float] = []
+        rows: list[Any] = []
+        sent = 0
+        try:
+            async for event in steps:
+                if isinstance(event, EngineStep):
+                    ids += event.completion_ids
+                    logprobs += [] if event.logprobs is None else event.logprobs.tolist()
+                    rows += event.top_logprobs or []
+                    so_far = EngineOutput(
+                        request_id=request.request_id,
+                        prompt_ids=request.prompt_ids,
+                        completion_ids=tuple(ids),
+                        finish_reason="length",
+                        logprobs=np.asarray(logprobs, dtype=np.float32) if event.logprobs is not None else None,
+                        top_logprobs=rows or None,
+                    )
+                    chunks = self._chunks(ask, 0, so_far, started)[:-1]
+                else:
+                    chunks = self._chunks(ask, 0, event, started)
+                    if ask.include_usage:
+                        head = self._header(ask, started, chunk=True)
+                        chunks.append({"id": head.pop("id"), "choices": [], **head, "usage": self._usage(ask, [event])})
+                for chunk in chunks[sent:]:
+                    yield chunk
+                sent = len(chunks)
+        finally:
+            await steps.aclose()
+            self.d.requests.discard(request.request_id)
 
     def _stream(self, ask: _Ask, outputs: list[EngineOutput], started: float) -> str:
         chunks = [c for index, out in enumerate(outputs) for c in self._chunks(ask, index, out, started)]

@@ -26,7 +26,7 @@ import asyncio
 import base64
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import attrs
@@ -35,7 +35,14 @@ import numpy as np
 from backends_sglang_testing._protocol import GenerateInput, Job
 from backends_sglang_testing._replies import message_error
 from backends_sglang_testing._text import Text
-from backends_testkit.engine import EngineOutput, EngineRequest, EngineRequestError, ReferenceEngine
+from backends_testkit.engine import (
+    EngineOutput,
+    EngineRequest,
+    EngineRequestError,
+    EngineStep,
+    EngineStream,
+    ReferenceEngine,
+)
 
 __all__ = ["Generation", "Limits"]
 
@@ -170,7 +177,8 @@ class Generation:
                 self._in_flight.discard(rid)
 
     async def generate(self, gen: GenerateInput) -> Any:
-        """Run every prompt × ``n`` sample concurrently; return SGLang's JSON answer."""
+        """Run every prompt × ``n`` sample concurrently; return SGLang's JSON answer (or, for ``stream``, an
+        async generator of its events)."""
         started = time.monotonic()
         prepared = []
         for job in gen.jobs:
@@ -178,6 +186,17 @@ class Generation:
             max_new = self._admit(job, ids, gen)
             requests = [self._engine_request(job, ids, max_new, gen, j) for j in range(job.sampling.n)]
             prepared.append((job, ids, requests))
+        if gen.stream:
+            if len(prepared) != 1 or len(prepared[0][2]) != 1:
+                raise message_error("the SGLang emulator streams one prompt with n = 1")
+            job, ids, (request,) = prepared[0]
+            if job.sampling.stop:
+                raise message_error("the SGLang emulator does not stream with stop strings")
+            try:
+                steps = self.engine.generate_stream(request)
+            except EngineRequestError as exc:
+                raise message_error(str(exc)) from exc
+            return self._stream(job, ids, request, steps, gen, started)
         tasks = [asyncio.ensure_future(self._run(r)) for _, _, requests in prepared for r in requests]
         try:
             outputs = await asyncio.gather(*tasks)
@@ -192,6 +211,48 @@ class Generation:
                 objects.append(self._answer(job, ids, outputs[index], gen, started))
                 index += 1
         return objects if gen.batch or len(objects) > 1 else objects[0]
+
+    async def _stream(
+        self,
+        job: Job,
+        ids: Sequence[int],
+        request: EngineRequest,
+        steps: EngineStream,
+        gen: GenerateInput,
+        started: float,
+    ) -> AsyncGenerator[Any, None]:
+        """SGLang's default (cumulative) stream: every event holds the output so far, ``finish_reason`` null until
+        the last, which is the whole answer."""
+        rid = request.request_id
+        assert rid is not None
+        self._in_flight.add(rid)
+        completion: list[int] = []
+        logprobs: list[float] = []
+        rows: list[Any] = []
+        with_text = gen.return_text_in_logprobs
+        try:
+            async for event in steps:
+                if isinstance(event, EngineStep):
+                    completion += event.completion_ids
+                    if event.logprobs is not None:
+                        logprobs += event.logprobs.tolist()
+                    rows += event.top_logprobs or []
+                    meta: dict[str, Any] = {"id": rid, "finish_reason": None, "prompt_tokens": len(ids)}
+                    meta.update(weight_version=self.engine.weight_version, num_retractions=0, reasoning_tokens=0)
+                    meta.update(completion_tokens=len(completion), cached_tokens=0)
+                    if job.return_logprob:
+                        meta["output_token_logprobs"] = [
+                            self._triple(lp, t, with_text) for lp, t in zip(logprobs, completion, strict=True)
+                        ]
+                        if job.top_logprobs_num:
+                            meta["output_top_logprobs"] = [self._top(r, job.top_logprobs_num, with_text) for r in rows]
+                    meta.update(cached_tokens_details=None, dp_rank=None, response_sent_to_client_ts=time.time())
+                    yield {"output_ids": list(completion), "meta_info": meta}
+                    continue
+                yield self._answer(job, ids, event, gen, started)
+        finally:
+            await steps.aclose()
+            self._in_flight.discard(rid)
 
     # -- answers ----------------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@
    failures are ``400 {"error": {"message": ...}}``.
 3. Sampling-parameter ranges, with SGLang's limits, same form.
 
-The result is one :class:`Job` per prompt. Features the emulator does not implement (streaming, sessions,
+The result is one :class:`Job` per prompt. Features the emulator does not implement (sessions,
 grammars, penalties other than neutral, hidden states, multimodal input) are refused with a 400 naming them,
 never silently ignored.
 """
@@ -139,6 +139,7 @@ class GenerateInput:
     return_routed_experts: bool
     routed_experts_start_len: int
     return_prompt_token_ids: bool
+    stream: bool = False
 
 
 # -- 1. the schema gate ---------------------------------------------------------------------------------
@@ -298,8 +299,6 @@ def parse_generate(body: Any) -> GenerateInput:
     for key in _UNSUPPORTED_TOP:
         if body.get(key) is not None:
             raise message_error(f"the SGLang emulator does not support {key}")
-    if body.get("stream"):
-        raise message_error("the SGLang emulator does not support stream")
     if body.get("return_hidden_states"):
         raise message_error("the SGLang emulator does not support return_hidden_states")
     prompts, batch = _prompts(body)
@@ -337,4 +336,5 @@ def parse_generate(body: Any) -> GenerateInput:
         return_routed_experts=bool(body.get("return_routed_experts") or False),
         routed_experts_start_len=int(body.get("routed_experts_start_len") or 0),
         return_prompt_token_ids=bool(body.get("return_prompt_token_ids") or False),
+        stream=bool(body.get("stream") or False),
     )

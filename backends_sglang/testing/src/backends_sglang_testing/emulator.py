@@ -22,7 +22,7 @@ emulator at once). Everything else SGLang serves (OpenAI routes, sessions, strea
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any, NoReturn
 
 import httpx
@@ -34,7 +34,7 @@ from backends_sglang_testing._protocol import parse_generate
 from backends_sglang_testing._replies import contract_error, empty, json_reply, validation_error
 from backends_sglang_testing._text import Text
 from backends_sglang_testing._weights import WeightSource, WeightStore
-from backends_testkit.emulator import GET, GET_POST, POST, EmulatorBase, Level, Route
+from backends_testkit.emulator import GET, GET_POST, POST, EmulatorBase, Level, Route, sse_reply
 from backends_testkit.engine import ReferenceEngine
 
 __all__ = ["SglangEmulator"]
@@ -186,7 +186,10 @@ class SglangEmulator(EmulatorBase):
     # -- data and read-only routes ----------------------------------------------------------------------
 
     async def _generate(self, body: Any) -> httpx.Response:
-        return json_reply(200, await self.generation.generate(parse_generate(body)))
+        answer = await self.generation.generate(parse_generate(body))
+        if isinstance(answer, AsyncGenerator):
+            return sse_reply(answer, dumps=lambda value: json.dumps(value, separators=(",", ":")))
+        return json_reply(200, answer)
 
     async def _health(self, body: Any) -> httpx.Response:
         state = self.engine.state()

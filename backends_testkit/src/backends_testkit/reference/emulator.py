@@ -12,7 +12,7 @@ import asyncio
 import base64
 import io
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -20,8 +20,8 @@ import numpy as np
 
 from backends_core.errors import RenderError
 from backends_core.multiturn.rendering import encode, load_tokenizer, render_text
-from backends_testkit.emulator import GET, POST, EmulatorBase, Route
-from backends_testkit.engine import EngineError, EngineOutput, EngineRequest, ReferenceEngine
+from backends_testkit.emulator import GET, POST, EmulatorBase, Route, sse_reply
+from backends_testkit.engine import EngineError, EngineOutput, EngineRequest, EngineStep, ReferenceEngine
 
 __all__ = ["ReferenceEmulator"]
 
@@ -53,6 +53,7 @@ _GENERATE_FIELDS = {
     "lora",
     "return_routed_experts",
     "routed_experts_start",
+    "stream",
 }
 
 
@@ -209,6 +210,12 @@ class ReferenceEmulator(EmulatorBase):
             )
             for i in range(n)
         ]
+        stream = body.get("stream", False)
+        _check_type("stream", stream, bool)
+        if stream:
+            if n != 1:
+                raise BadRequest("stream needs sampling.n = 1")
+            return sse_reply(self._stream(requests[0], rid, len(ids), top, start), done=False)
         outputs = await asyncio.gather(*(self.engine.generate(r) for r in requests))
         first = outputs[0]
         return _json(
@@ -221,6 +228,36 @@ class ReferenceEmulator(EmulatorBase):
                 "samples": [self._sample(out, top, start) for out in outputs],
             },
         )
+
+    def _stream(
+        self, request: EngineRequest, rid: str | None, prompt_tokens: int, top: int, start: int
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        steps = self.engine.generate_stream(request)  # queued now: a refusal is a 400 before streaming
+
+        async def events() -> AsyncGenerator[dict[str, Any], None]:
+            try:
+                async for step in steps:
+                    if isinstance(step, EngineStep):
+                        assert step.logprobs is not None
+                        yield {"output_ids": list(step.completion_ids), "output_logprobs": step.logprobs.tolist()}
+                        continue
+                    finish = self._sample(step, top, start)
+                    del finish["output_ids"], finish["output_logprobs"]
+                    yield {
+                        "finish": {
+                            "request_id": rid if rid is not None else step.request_id,
+                            "weight_version": step.weight_version,
+                            "prompt_tokens": prompt_tokens,
+                            "cached_tokens": step.num_cached_tokens,
+                            **finish,
+                        }
+                    }
+            except EngineError as exc:
+                yield {"error": str(exc)}
+            finally:
+                await steps.aclose()
+
+        return events()
 
     @staticmethod
     def _sample(out: EngineOutput, top: int, start: int) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from backends_core import Server
@@ -15,6 +15,7 @@ from backends_core.types import (
     LoraAdapter,
     PauseMode,
     ServerState,
+    StreamDelta,
     TeacherLogprobs,
     TeacherRequest,
 )
@@ -30,6 +31,21 @@ def sampling_features() -> frozenset[str]:
 @hookimpl
 async def post_generate(server: Server, request: GenerateRequest, config: ClientConfig) -> Any:
     return await server.request("POST", "/generate", json_body=wire.generate_payload(request, config.model))
+
+
+@hookimpl
+async def post_generate_stream(
+    server: Server, request: GenerateRequest, config: ClientConfig
+) -> AsyncIterator[StreamDelta | GenerateResult]:
+    state = wire.StreamState()
+    async with server.stream("POST", "/generate", json_body=wire.stream_payload(request, config.model)) as stream:
+        async for raw in stream.json_events():
+            if isinstance(raw, dict) and "error" in raw:
+                raise stream.error(raw)
+            delta = wire.stream_event(raw, state, server.base_url)
+            if delta is not None:
+                yield delta
+    yield wire.finish_stream(state, request, server.base_url)
 
 
 @hookimpl

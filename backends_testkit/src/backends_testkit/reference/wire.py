@@ -7,12 +7,16 @@ Requests::
                     "cache_salt", "priority", "lora", "return_routed_experts", "routed_experts_start"}
     POST /score    {"model", "input_ids", "top_logprobs", "lora"}
 
-Responses::
-
     /generate -> {"request_id", "weight_version", "prompt_tokens", "cached_tokens",
                   "samples": [{"output_ids", "output_logprobs", "top_logprobs": [[[id, logprob], ...], ...] | null,
                                "finish_reason", "stop_reason", "routed_experts": base64 .npy | null,
                                "routed_experts_start", "weight_versions": [{"version", "start", "end"}]}]}
+    /generate, streamed -> data: {"output_ids": [new ids], "output_logprobs": [their logprobs]}  (per step)
+                           data: {"finish": {"request_id", "weight_version", "prompt_tokens", "cached_tokens",
+                                             "finish_reason", "stop_reason", "top_logprobs", "routed_experts",
+                                             "routed_experts_start", "weight_versions"}}  (last; the sample
+                                             without its ids and logprobs)
+                           data: {"error": message}  (a failure once streaming)
     /score    -> {"logprobs": [null, float, ...], "top_logprobs": [null, [[id, logprob], ...], ...] | null,
                   "weight_version"}
 """
@@ -30,6 +34,7 @@ from backends_core.routed_experts import align_routed_experts, decode_routed_exp
 from backends_core.types import (
     GenerateRequest,
     GenerateResult,
+    StreamDelta,
     TeacherLogprobs,
     TeacherRequest,
     TopLogprob,
@@ -187,6 +192,73 @@ def parse_generate(raw: Any, request: GenerateRequest, server_url: str) -> list[
             )
         )
     return results
+
+
+@attrs.frozen
+class WireStreamStep:
+    output_ids: list[int]
+    output_logprobs: list[float]
+
+
+#: Keys of the final event that belong to the response rather than to its one sample.
+_RESPONSE_KEYS = ("request_id", "weight_version", "prompt_tokens", "cached_tokens")
+
+
+@attrs.define
+class StreamState:
+    """What a streamed generation delivered so far: the ids and logprobs of its steps and its final event."""
+
+    output_ids: list[int] = attrs.Factory(list)
+    output_logprobs: list[float] = attrs.Factory(list)
+    finish: dict[str, Any] | None = None
+    events: int = 0
+
+
+def stream_payload(request: GenerateRequest, model: str | None) -> dict[str, Any]:
+    """The JSON body of a streamed ``POST /generate``."""
+    return {**generate_payload(request, model), "stream": True}
+
+
+def stream_event(raw: Any, state: StreamState, server_url: str) -> StreamDelta | None:
+    """One event of a streamed generation: a step becomes a delta (and is kept for :func:`finish_stream`); the
+    final event is kept. An ``error`` event is for the caller to raise (see the hook)."""
+    where = f"stream event {state.events}"
+    state.events += 1
+    if not isinstance(raw, dict):
+        raise ResponseParseError(f"{where}: expected a JSON object, got {type(raw).__name__} @ $", url=server_url)
+    if state.finish is not None:
+        raise ResponseParseError(f"{where}: an event after the final one @ $", url=server_url)
+    if "finish" in raw:
+        finish = raw["finish"]
+        if not isinstance(finish, dict):
+            raise ResponseParseError(f"{where}: expected an object @ $.finish", url=server_url)
+        state.finish = finish
+        return None
+    step = structure_response(converter, raw, WireStreamStep, url=server_url)
+    if len(step.output_logprobs) != len(step.output_ids):
+        raise ResponseParseError(
+            f"{where}: {len(step.output_logprobs)} output_logprobs for {len(step.output_ids)} output_ids @ $",
+            url=server_url,
+        )
+    state.output_ids += step.output_ids
+    state.output_logprobs += step.output_logprobs
+    return StreamDelta(
+        completion_ids=tuple(step.output_ids), logprobs=np.asarray(step.output_logprobs, dtype=np.float32)
+    )
+
+
+def finish_stream(state: StreamState, request: GenerateRequest, server_url: str) -> GenerateResult:
+    """The result of a streamed generation: its steps' ids and logprobs with the final event's fields, read by
+    :func:`parse_generate` as the same sample answered whole."""
+    if state.finish is None:
+        raise ResponseParseError("the stream ended without its final event ($.finish)", url=server_url)
+    finish = state.finish
+    sample = {k: v for k, v in finish.items() if k not in _RESPONSE_KEYS}
+    sample["output_ids"], sample["output_logprobs"] = state.output_ids, state.output_logprobs
+    body = {k: finish[k] for k in _RESPONSE_KEYS if k in finish}
+    body["samples"] = [sample]
+    (result,) = parse_generate(body, request, server_url)
+    return result
 
 
 def score_payload(request: TeacherRequest, model: str | None) -> dict[str, Any]:

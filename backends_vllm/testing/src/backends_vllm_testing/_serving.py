@@ -8,7 +8,11 @@ Behaviour reproduced from the vLLM 0.32 captures:
   ``generation_config.json`` (the trap); ``/inference/v1/generate`` never does, and an omitted
   ``max_tokens`` there fills the context;
 * ``n`` samples with a seed use ``seed + i``; EOS stops report ``stop_reason: null``, other stop ids the id;
-* logprob shapes and orderings as described in :mod:`._formatting`.
+* logprob shapes and orderings as described in :mod:`._formatting`;
+* ``stream: true`` (one prompt, ``n`` 1): Server-Sent Events as vLLM sends them, one chunk per engine step with its
+  new ``token_ids`` and logprobs, the finish reason (and ``weight_versions``, routed experts on generate) on the
+  chunk of the last token, a usage chunk with ``stream_options.include_usage``, then ``[DONE]``; a client that
+  leaves aborts the engine request.
 """
 
 from __future__ import annotations
@@ -19,13 +23,13 @@ import json
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from backends_testkit.engine import EngineOutput, EngineRequest, ReferenceEngine
+from backends_testkit.engine import EngineOutput, EngineRequest, EngineStep, EngineStream, ReferenceEngine
 from backends_vllm_testing._errors import HttpError, bad_request, not_found
 from backends_vllm_testing._formatting import Detokenizer, Position, npy_base64
 from backends_vllm_testing._protocol import COMPLETION_REQUEST, GENERATE_REQUEST, NEUTRAL, SAMPLING_PARAMS
@@ -418,7 +422,7 @@ class Serving:
             return [list(p) for p in prompt]
         return [list(prompt)]
 
-    async def completions(self, body: Any) -> dict[str, Any]:
+    async def completions(self, body: Any) -> dict[str, Any] | AsyncGenerator[dict[str, Any], None]:
         values, ignored = COMPLETION_REQUEST(body, ("body",))
         self._ignored("/v1/completions", ignored)
         self._neutral(values)
@@ -436,6 +440,15 @@ class Serving:
         echo_k = s.logprobs if echo else None
         prompt_k = s.prompt_logprobs if s.prompt_logprobs is not None else echo_k
         rid = values["request_id"] or _random_id()
+        if values["stream"]:
+            self._stream_shape(len(prompts), s)
+            server_id = f"cmpl-{rid}-0"
+            (request,) = self._requests(
+                server_id, prompts[0], s, max_tokens=limits[0], lora=lora, routing_start=starts[0], prompt_k=None
+            )
+            return self._completions_stream(
+                server_id, f"cmpl-{rid}", model_name, prompts[0], request, s, values, self._follow(server_id, request)
+            )
         runs = [
             self._run(
                 f"cmpl-{rid}-{i}",
@@ -526,7 +539,7 @@ class Serving:
 
     # -- /inference/v1/generate --------------------------------------------------------------------------
 
-    async def generate(self, body: Any) -> dict[str, Any]:
+    async def generate(self, body: Any) -> dict[str, Any] | AsyncGenerator[dict[str, Any], None]:
         values, ignored = GENERATE_REQUEST(body, ("body",))
         self._ignored("/inference/v1/generate", ignored)
         params, ignored_params = SAMPLING_PARAMS(values["sampling_params"], ("body", "sampling_params"))
@@ -559,6 +572,11 @@ class Serving:
             routing_start=start,
             prompt_k=s.prompt_logprobs,
         )
+        if values["stream"]:
+            self._stream_shape(1, s)
+            return self._generate_stream(
+                server_id, prompt, requests[0], s, mode, params, values, self._follow(server_id, requests[0])
+            )
         outputs = await self._run(server_id, requests)
         first = outputs[0]
         prompt_positions = self._prompt_positions(first)
@@ -607,3 +625,189 @@ class Serving:
             logprobs = {"content": content}
         choice["logprobs"] = logprobs
         return choice
+
+    # -- streaming ---------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _stream_shape(prompts: int, s: _Sampling) -> None:
+        if prompts != 1 or s.n != 1:
+            raise bad_request(
+                f"The vLLM emulator streams one prompt with n = 1 (got {prompts} prompt(s), n = {s.n}).", "stream"
+            )
+
+    def _follow(self, server_id: str, request: EngineRequest) -> EngineStream:
+        """The engine request queued now (a refusal is an error before streaming), tracked for abort."""
+        stream = self.engine.generate_stream(request)
+        self.engine_requests.append(request)
+        assert request.request_id is not None
+        self.in_flight.setdefault(server_id, []).append(request.request_id)
+        return stream
+
+    def _forget(self, server_id: str, request: EngineRequest) -> None:
+        left = [i for i in self.in_flight.get(server_id, []) if i != request.request_id]
+        if left:
+            self.in_flight[server_id] = left
+        else:
+            self.in_flight.pop(server_id, None)
+
+    def _step_positions(self, step: EngineStep) -> list[Position]:
+        rows = step.top_logprobs or []
+        if self.exact_ranks or step.logprobs is None:
+            return [Position(row) for row in rows]
+        return [Position(row, fb) for row, fb in zip(rows, step.logprobs.tolist(), strict=False)]
+
+    @staticmethod
+    async def _steps(
+        steps: EngineStream,
+    ) -> AsyncGenerator[tuple[list[int], EngineStep | None, EngineOutput | None], None]:
+        """``(ids, step, output)`` as vLLM reports them: the last step's tokens come with the output (the chunk of
+        the last token carries the finish reason); an output without tokens left (an abort) comes alone."""
+        held: EngineStep | None = None
+        try:
+            async for event in steps:
+                if isinstance(event, EngineStep):
+                    if held is not None:
+                        yield list(held.completion_ids), held, None
+                    held = event
+                    continue
+                yield (list(held.completion_ids) if held else []), held, event
+                return
+        finally:
+            await steps.aclose()
+
+    async def _generate_stream(
+        self,
+        server_id: str,
+        prompt: Sequence[int],
+        request: EngineRequest,
+        s: _Sampling,
+        mode: str,
+        params: Mapping[str, Any],
+        values: Mapping[str, Any],
+        steps: EngineStream,
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        first = True
+        generated = 0
+        options = values["stream_options"] or {}
+        try:
+            async for ids, step, out in self._steps(steps):
+                generated += len(ids)
+                choice: dict[str, Any] = {
+                    "index": 0,
+                    "finish_reason": out.finish_reason if out else None,
+                    "stop_reason": self._stop_reason(out, s) if out else None,
+                    "token_ids": ids,
+                    "routed_experts": self._routed(out) if out else None,
+                    "sampling_mask": None,
+                    "weight_versions": [
+                        {"version": w.version, "start": w.start, "end": w.end} for w in out.weight_versions
+                    ]
+                    if out
+                    else None,
+                }
+                if mode == "text":
+                    choice["text"] = self.detok.text(ids, skip_special_tokens=params["skip_special_tokens"])
+                logprobs = None
+                if s.logprobs is not None and step is not None:
+                    positions = self._step_positions(step)
+                    k = s.logprobs or 0
+                    content = (
+                        self.detok.text_content(ids, positions, k, s.logprob_token_ids)
+                        if mode == "text"
+                        else self.detok.generate_content(ids, positions, k, s.logprob_token_ids)
+                    )
+                    logprobs = {"content": content}
+                elif s.logprobs is not None:
+                    logprobs = {"content": []}
+                choice["logprobs"] = logprobs
+                chunk: dict[str, Any] = {"request_id": server_id, "usage": None}
+                if first and values["return_token_ids"]:
+                    chunk["prompt_token_ids"] = list(prompt)
+                first = False
+                chunk["output_mode"] = mode
+                chunk["choices"] = [choice]
+                yield chunk
+            if options.get("include_usage"):
+                yield {
+                    "request_id": server_id,
+                    "usage": self._usage_sent(len(prompt), generated),
+                    "output_mode": mode,
+                    "choices": [],
+                }
+        finally:
+            await steps.aclose()
+            self._forget(server_id, request)
+
+    async def _completions_stream(
+        self,
+        server_id: str,
+        response_id: str,
+        model_name: str,
+        prompt: Sequence[int],
+        request: EngineRequest,
+        s: _Sampling,
+        values: Mapping[str, Any],
+        steps: EngineStream,
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        created = int(time.time())
+        first = True
+        generated = 0
+        offset = 0
+        options = values["stream_options"] or {}
+        return_ids = bool(values["return_token_ids"])
+        try:
+            async for ids, step, out in self._steps(steps):
+                generated += len(ids)
+                text = self.detok.text(ids, skip_special_tokens=values["skip_special_tokens"])
+                logprobs = None
+                if s.logprobs is not None or s.logprob_token_ids:
+                    positions = self._step_positions(step) if step is not None else []
+                    logprobs = self.detok.legacy(
+                        ids,
+                        [*positions],
+                        s.logprobs or 0,
+                        extra=s.logprob_token_ids,
+                        as_token_ids=bool(values["return_tokens_as_token_ids"]),
+                    )
+                    logprobs["text_offset"] = [offset + o for o in logprobs["text_offset"]]
+                offset += len(text)
+                yield {
+                    "id": response_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model_name,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "text": text,
+                            "logprobs": logprobs,
+                            "finish_reason": out.finish_reason if out else None,
+                            "stop_reason": self._stop_reason(out, s) if out else None,
+                            "prompt_token_ids": list(prompt) if first and return_ids else None,
+                            "token_ids": ids if return_ids else None,
+                        }
+                    ],
+                }
+                first = False
+            if options.get("include_usage"):
+                yield {
+                    "id": response_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model_name,
+                    "choices": [],
+                    "usage": self._usage_sent(len(prompt), generated),
+                    "system_fingerprint": self.fingerprint,
+                }
+        finally:
+            await steps.aclose()
+            self._forget(server_id, request)
+
+    @staticmethod
+    def _usage_sent(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        """The usage of a stream's last chunk (vLLM leaves out the null details there)."""
+        return {
+            "prompt_tokens": prompt_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens,
+        }

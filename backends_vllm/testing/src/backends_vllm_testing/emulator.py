@@ -12,8 +12,8 @@ Routes: ``GET /health /ping /version /load /v1/models``, ``POST /tokenize /detok
 ``POST /inference/v1/generate /inference/v1/abort_requests`` (403 without scale-out), the LoRA routes, and in
 dev mode ``/pause /resume /is_paused /abort_requests /reset_prefix_cache /sleep /wake_up /is_sleeping
 /collective_rpc /weight_info /update_weight_version /get_world_size`` and the weight-transfer routes. Not
-emulated: streaming (``stream: true`` is a 400 saying so), chat completions, render / derender; ``/metrics`` has only
-the running / waiting request gauges.
+emulated: chat completions, render / derender (streaming: one prompt, ``n`` 1, see :mod:`._serving`);
+``/metrics`` has only the running / waiting request gauges.
 
 Where real vLLM on CPU fails (the weight-transfer routes answer 500 "not configured"), the emulator by default
 implements a plausible successful protocol instead and records it on :attr:`VllmEmulator.weight_transfer`;
@@ -26,13 +26,14 @@ import json
 import time
 import uuid
 from collections import deque
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
 import httpx
 
-from backends_testkit.emulator import EmulatorBase, Handler, Route
+from backends_testkit.emulator import EmulatorBase, Handler, Route, sse_reply
 from backends_testkit.engine import EngineError, EngineRequest, EngineRequestError, ReferenceEngine
 from backends_vllm_testing._errors import (
     HttpError,
@@ -333,11 +334,11 @@ class VllmEmulator(EmulatorBase):
             )
 
     async def _completions(self, request: httpx.Request) -> httpx.Response:
-        return json_response(200, await self._serving.completions(self._body(request)))
+        return _answer(await self._serving.completions(self._body(request)))
 
     async def _generate(self, request: httpx.Request) -> httpx.Response:
         self._require_scale_out(request.url.path)
-        return json_response(200, await self._serving.generate(self._body(request)))
+        return _answer(await self._serving.generate(self._body(request)))
 
     async def _inference_abort(self, request: httpx.Request) -> httpx.Response:
         self._require_scale_out(request.url.path)
@@ -533,3 +534,14 @@ def _check_update_info(info: dict[str, Any]) -> None:
     for key, value in (("dtype_names", dtypes), ("shapes", shapes)):
         if len(value) != len(names):
             raise worker_error(f"`{key}` should be of the same size as `names`: got {len(value)} and {len(names)}")
+
+
+def _answer(answer: dict[str, Any] | AsyncGenerator[dict[str, Any], None]) -> httpx.Response:
+    """A generation route's answer: JSON, or a stream of Server-Sent Events."""
+    if isinstance(answer, dict):
+        return json_response(200, answer)
+    return sse_reply(answer, dumps=_compact)
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
