@@ -484,7 +484,7 @@ def test_logprob_entries_naming_their_token_as_a_string_parse_with_the_id_checke
     wrong["choices"][0]["logprobs"]["content"][3]["token"] = "token_id:7"
     with pytest.raises(
         ResponseParseError,
-        match=r"logprob entry is for token 7 but completion id 3 is .* @ \$\.choices\[0\]\.logprobs\.content\[3\]\.token",
+        match=r"for token 7 but completion id 3 is .* @ \$\.choices\[0\]\.logprobs\.content\[3\]\.token",
     ):
         wire.parse_generate(wrong, request_of("generate_tokens_logprobs"), "http://v")
     wrong["choices"][0]["logprobs"]["content"][3]["token"] = "hello"
