@@ -306,7 +306,7 @@ def routed_experts(nvext: Node, request: GenerateRequest, ids: tuple[int, ...]) 
             "MoE models started with --enable-return-routed-experts (vLLM's CPU build cannot)"
         )
     if isinstance(field.value, str):  # a bare base64 payload: only a .npy file carries its own shape
-        experts = decode_routed_experts(field.value, field=field.path)
+        experts = decode_routed_experts(field.value, field=field.path, url=field.url)
         start = 0
     else:
         shape = [n.integer() for n in field.get("shape").items()]
@@ -318,6 +318,7 @@ def routed_experts(nvext: Node, request: GenerateRequest, ids: tuple[int, ...]) 
             top_k=shape[2],
             dtype=_dtype(field.get("dtype")),
             field=f"{field.path}.data",
+            url=field.url,
         )
         if list(experts.shape) != shape:
             raise field.fail(f"data decodes to shape {list(experts.shape)}, the answer says {shape}")
@@ -328,6 +329,7 @@ def routed_experts(nvext: Node, request: GenerateRequest, ids: tuple[int, ...]) 
         server_start=start,
         wanted_start=request.routed_experts_start,
         field=field.path,
+        url=field.url,
     )
 
 

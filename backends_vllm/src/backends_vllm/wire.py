@@ -187,27 +187,23 @@ def _routed(choice: Node, request: GenerateRequest, completion: tuple[int, ...])
             "--enable-return-routed-experts (MoE models only)"
         )
     server_start = request.routed_experts_start
-    try:
-        if isinstance(field.value, Mapping):
-            experts, server_start = _routed_object(field)
-            needed = len(request.prompt_ids) + len(completion) - 1 - server_start
-            if experts.shape[0] != needed:
-                raise field.fail(
-                    f"{experts.shape[0]} rows from start {server_start}; the sequence routed from there has {needed}"
-                )
-        else:
-            experts = decode_routed_experts(field.value, field=field.path)
-        return align_routed_experts(
-            experts,
-            total_tokens=len(request.prompt_ids) + len(completion),
-            server_start=server_start,
-            wanted_start=request.routed_experts_start,
-            field=field.path,
-        )
-    except ResponseParseError as exc:
-        if exc.url is None:  # the decoder does not know the server: name it like every other parse error
-            raise ResponseParseError(exc.detail, url=field.url) from exc
-        raise
+    if isinstance(field.value, Mapping):
+        experts, server_start = _routed_object(field)
+        needed = len(request.prompt_ids) + len(completion) - 1 - server_start
+        if experts.shape[0] != needed:
+            raise field.fail(
+                f"{experts.shape[0]} rows from start {server_start}; the sequence routed from there has {needed}"
+            )
+    else:
+        experts = decode_routed_experts(field.value, field=field.path, url=field.url)
+    return align_routed_experts(
+        experts,
+        total_tokens=len(request.prompt_ids) + len(completion),
+        server_start=server_start,
+        wanted_start=request.routed_experts_start,
+        field=field.path,
+        url=field.url,
+    )
 
 
 def _routed_object(field: Node) -> tuple[npt.NDArray[np.integer[Any]], int]:
@@ -227,7 +223,9 @@ def _routed_object(field: Node) -> tuple[npt.NDArray[np.integer[Any]], int]:
     rows, layers, top_k = shape
     if layers == 0 or top_k == 0:
         raise field.get("shape").fail(f"expected at least one layer and one expert per token, got {shape}")
-    experts = decode_routed_experts(data.value, num_layers=layers, top_k=top_k, dtype=dtype, field=data.path)
+    experts = decode_routed_experts(
+        data.value, num_layers=layers, top_k=top_k, dtype=dtype, field=data.path, url=data.url
+    )
     if experts.shape[0] != rows:
         raise data.fail(f"decodes to {experts.shape[0]} rows but shape says {rows}")
     return experts, start
