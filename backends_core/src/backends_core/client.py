@@ -532,6 +532,61 @@ class Client:
         )
         return results[0]
 
+    async def generate_group(
+        self,
+        *,
+        n: int,
+        messages: Sequence[Message] | None = None,
+        prompt_ids: Sequence[int] | None = None,
+        sampling: SamplingParams | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        priority: int | None = None,
+        lora: str | None = None,
+        return_routed_experts: bool = False,
+        routed_experts_start: int = 0,
+        model: str | None = None,
+        server: int | str | None = None,
+        session: str | None = None,
+    ) -> list[GenerateResult]:
+        """A group of ``n`` samples of one prompt (GRPO and its kin): one rendering, one server (its prefix cache
+        holds the prompt once), identical prompt ids in every result.
+
+        Sample ``i`` is drawn with seed ``sampling.seed + i`` on every backend, so it equals what
+        :meth:`generate` with that seed returns (where the engine is deterministic), whether the backend asks the
+        engine for ``n`` samples at once or sends ``n`` single requests to the same server; with
+        ``sampling.seed=None`` the samples are unseeded. Other arguments as in :meth:`generate`; ``sampling.n``
+        must be 1 (the group size is ``n``).
+
+        :raises InvalidRequestError: ``n`` is not a positive int, or ``sampling.n`` is not 1 (nothing is sent).
+        """
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InvalidRequestError(f"generate_group needs n >= 1 (an int), got {n!r}")
+        sampling = sampling or SamplingParams()
+        if sampling.n != 1:
+            raise InvalidRequestError(
+                f"generate_group takes the group size as n= ({n}); sampling.n must stay 1, got {sampling.n}"
+            )
+        results = await self.generate_samples(
+            messages=messages,
+            prompt_ids=prompt_ids,
+            sampling=attrs.evolve(sampling, n=n),
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+            request_id=request_id,
+            cache_salt=cache_salt,
+            priority=priority,
+            lora=lora,
+            return_routed_experts=return_routed_experts,
+            routed_experts_start=routed_experts_start,
+            model=model,
+            server=server,
+            session=session,
+        )
+        return results
+
     async def teacher_logprobs(
         self,
         token_ids: Sequence[int],

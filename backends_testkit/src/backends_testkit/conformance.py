@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, ClassVar, NoReturn, TypeVar
 
+import attrs
 import httpx
 import numpy as np
 import pytest
@@ -780,3 +781,36 @@ class BackendConformance:
             client, "abort(request_ids)", abort, request_id="conformance-abort"
         )
         assert result.finish_reason == "abort" and counts[0] in (1, -1)
+
+    # -- groups (generate_group) ----------------------------------------------------------------------
+    # A group is n samples of one prompt on one server; sample i is drawn with seed + i whether the backend asks
+    # the engine for n samples or sends n single requests, so it equals generate() with that seed.
+
+    @pytest.mark.asyncio
+    async def test_group_sample_i_is_generate_with_seed_plus_i(self, client: Client) -> None:
+        if not self.deterministic_seeds:
+            pytest.skip(f"{self.backend_name}: seeded sampling is not reproducible on this server")
+        sampling = SamplingParams(max_tokens=6, temperature=1.0, seed=40, ignore_eos=True)
+        group = await client.generate_group(prompt_ids=PROMPT, n=4, sampling=sampling)
+        assert len(group) == 4
+        for i, sample in enumerate(group):
+            self.check_sample(sample, PROMPT, 6)
+            alone = await client.generate(prompt_ids=PROMPT, sampling=attrs.evolve(sampling, seed=40 + i))
+            assert sample.completion_ids == alone.completion_ids, f"sample {i} is not the sample of seed {40 + i}"
+            np.testing.assert_allclose(sample.logprobs, alone.logprobs, atol=1e-5)
+
+    @pytest.mark.asyncio
+    async def test_group_from_messages_shares_one_rendering_and_one_server(self, client: Client) -> None:
+        group = await client.generate_group(messages=MESSAGES, n=3, sampling=SamplingParams(max_tokens=4))
+        prompt = client.render(MESSAGES)
+        assert len(group) == 3
+        for sample in group:
+            self.check_sample(sample, prompt, 4)
+        assert len({sample.server for sample in group}) == 1
+
+    @pytest.mark.asyncio
+    async def test_group_sizes_are_checked_before_sending(self, client: Client) -> None:
+        with pytest.raises(InvalidRequestError, match="n >= 1"):
+            await client.generate_group(prompt_ids=PROMPT, n=0)
+        with pytest.raises(InvalidRequestError, match=r"sampling\.n must stay 1"):
+            await client.generate_group(prompt_ids=PROMPT, n=2, sampling=SamplingParams(n=2))
