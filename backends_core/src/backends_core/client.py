@@ -29,7 +29,7 @@ from backends_core.errors import (
 )
 from backends_core.fleet import Admin, ServedVersions
 from backends_core.multiturn import BridgeStats, Conversation
-from backends_core.multiturn.messages import as_plain, normalize_messages
+from backends_core.multiturn.messages import as_plain, check_content_parts, normalize_messages
 from backends_core.multiturn.rendering import load_tokenizer
 from backends_core.multiturn.turn_cache import TurnCache
 from backends_core.server import Server
@@ -278,6 +278,7 @@ class Client:
             raise InvalidRequestError("give exactly one of messages= or prompt_ids=")
         if messages is not None:
             plain = [as_plain(m) for m in messages]
+            check_content_parts(plain)
             ids = None
             if session is not None and self.config.stateless.enabled:
                 ids = self._reuse_turns(session, plain, tools=tools, chat_template_kwargs=chat_template_kwargs)
@@ -619,6 +620,7 @@ class Client:
         :raises UnsupportedOperationError: the backend's server has no tokenize route.
         """
         plain = [as_plain(m) for m in messages]
+        check_content_parts(plain)
         kwargs = dict(chat_template_kwargs or {})
         local = self.render(
             plain, tools=tools, chat_template_kwargs=kwargs, add_generation_prompt=add_generation_prompt

@@ -69,7 +69,6 @@ from backends_core.types import (
     FinishReason,
     GenerateRequest,
     GenerateResult,
-    Message,
     RoutedExperts,
     SamplingParams,
     TeacherLogprobs,
@@ -830,23 +829,12 @@ def _ids(name: str, ids: Sequence[int]) -> None:
         raise InvalidRequestError(f"{name} has token id {bad[0]}; Dynamo's token ids are u32 (< {U32})")
 
 
-def _text_only(messages: Sequence[Message] | None) -> None:
-    for i, message in enumerate(messages or ()):
-        content = message.get("content")
-        if isinstance(content, list):
-            kinds = {part.get("type") for part in content if isinstance(part, Mapping)}
-            if kinds - {"text"}:
-                raise InvalidRequestError(
-                    f"messages[{i}] has {sorted(str(k) for k in kinds - {'text'})} content: multimodal inputs cannot "
-                    "be sent token-in to Dynamo (nvext.token_data carries text token ids only)"
-                )
-
-
 def check_generation(request: GenerateRequest, *, fan_out: bool) -> None:
     """Refuse a generation Dynamo would reject or mishandle.
 
     :raises InvalidRequestError: more than 32 stop token ids, ``n > 1`` without fan-out (Dynamo refuses ``n > 1``
-        with completion ids), non-u32 ids, a priority outside i32, a seed that overflows i64, multimodal content.
+        with completion ids), non-u32 ids, a priority outside i32, a seed that overflows i64. (Content parts that
+        are not text never get here: the client refuses them before rendering.)
     """
     s = request.sampling
     if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
@@ -864,7 +852,6 @@ def check_generation(request: GenerateRequest, *, fan_out: bool) -> None:
         raise InvalidRequestError(f"priority {request.priority} does not fit nvext.agent_hints.priority (i32)")
     if s.seed is not None and not (s.seed >= -_I64 and s.seed + s.n - 1 < _I64):
         raise InvalidRequestError(f"seed {s.seed} (+ n - 1) does not fit an i64")
-    _text_only(request.messages)
 
 
 def check_teacher(request: TeacherRequest) -> None:

@@ -814,3 +814,53 @@ class BackendConformance:
             await client.generate_group(prompt_ids=PROMPT, n=0)
         with pytest.raises(InvalidRequestError, match=r"sampling\.n must stay 1"):
             await client.generate_group(prompt_ids=PROMPT, n=2, sampling=SamplingParams(n=2))
+
+    # -- content parts --------------------------------------------------------------------------------
+    # OpenAI content parts reach the chat template as the engine's chat route hands them over (the texts joined
+    # with "\n" for templates that read content as a string, like the tiny models'): never an empty turn. Parts
+    # that are not text are refused before anything is sent.
+
+    PARTS: ClassVar[list[dict[str, Any]]] = [
+        {"role": "system", "content": [{"type": "text", "text": "You are terse."}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Name three"}, {"type": "input_text", "text": "colors."}],
+        },
+    ]
+    JOINED: ClassVar[list[dict[str, Any]]] = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name three\ncolors."},
+    ]
+
+    @pytest.mark.asyncio
+    async def test_content_parts_render_as_their_joined_text(self, client: Client) -> None:
+        prompt = client.render(self.PARTS)
+        assert prompt == client.render(self.JOINED)
+        assert "colors" in client.tokenizer.decode(prompt)
+        sampling = SamplingParams(max_tokens=4, temperature=0.0)
+        from_parts = await client.generate(messages=self.PARTS, sampling=sampling)
+        self.check_sample(from_parts, prompt, 4)
+        if self.deterministic_seeds:
+            from_text = await client.generate(messages=self.JOINED, sampling=sampling)
+            assert from_parts.completion_ids == from_text.completion_ids
+
+    #: The server's tokenize route renders content parts as the client does (SGLang's joins text parts with " ").
+    tokenize_joins_parts_like_vllm: ClassVar[bool] = True
+
+    @pytest.mark.asyncio
+    async def test_content_parts_render_as_the_servers_chat_route_renders_them(self, client: Client) -> None:
+        self.needs("tokenize_messages")
+        if not self.tokenize_joins_parts_like_vllm:
+            pytest.skip(f"{self.backend_name}'s chat route joins content parts otherwise (see its README)")
+        check = await client.check_tokenizer(self.PARTS)
+        assert check.match, (check.first_difference, check.local_token, check.server_token)
+        assert "colors" in client.tokenizer.decode(list(check.server_ids))
+
+    @pytest.mark.asyncio
+    async def test_a_media_part_is_refused_before_sending(self, client: Client) -> None:
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        messages = [*self.JOINED[:1], {"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]
+        with pytest.raises(InvalidRequestError, match=r"messages\[1\]\.content\[1\] is a part of type 'image_url'"):
+            await client.generate(messages=messages, sampling=SamplingParams(max_tokens=2))
+        with pytest.raises(InvalidRequestError, match=r"messages\[1\]\.content\[1\]"):
+            await client.generate_group(messages=messages, n=2, sampling=SamplingParams(max_tokens=2))
