@@ -48,6 +48,9 @@ class DynamoOptions:
     :param stream: send ``stream: true`` and fold the server-sent events into one answer (same result; the
         engine data comes on the final chunk).
     :param extra_fields: metadata ``nvext.extra_fields`` to request as well (``worker_id``, ``timing``).
+    :param check_prompt_length: refuse, before sending, a generation whose prompt + ``max_tokens`` exceeds the
+        model's ``context_window`` in the frontend's ``GET /v1/models`` (read once per frontend and model; a
+        window of 0, as the mocker reports, is unknown and checks nothing).
     """
 
     transport: Transport = "chat"
@@ -58,6 +61,7 @@ class DynamoOptions:
     fan_out_n: bool = True
     stream: bool = False
     extra_fields: tuple[MetadataField, ...] = attrs.field(default=(), converter=_unique)
+    check_prompt_length: bool = True
 
     def workers(self, base_url: str, admin_url: str) -> tuple[str, ...]:
         """System URLs of the workers behind the frontend at ``base_url``."""

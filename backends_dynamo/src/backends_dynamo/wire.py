@@ -93,6 +93,7 @@ __all__ = [
     "check_teacher",
     "completion_ids",
     "completion_logprobs",
+    "context_windows",
     "engine_data",
     "extra_fields_for",
     "f32",
@@ -813,6 +814,18 @@ def timing(raw: Any, url: str | None = None) -> Timing | None:
 
 _I32 = 2**31
 _I64 = 2**63
+
+
+def context_windows(raw: Any, server_url: str) -> dict[str, int]:
+    """``{model: context_window}`` of a frontend's ``GET /v1/models`` answer (0 when the worker did not say, as the
+    mocker does; adapters carry their base model's window)."""
+    windows = {}
+    for entry in Node(raw, "$", server_url).get("data").items():
+        window = entry.get("context_window", required=False).optional_integer()
+        if window is not None and window < 0:
+            raise entry.get("context_window").fail(f"context_window must be >= 0, got {window}")
+        windows[entry.get("id").string() or ""] = window or 0
+    return windows
 
 
 def served_name(*candidates: str | None) -> str:
