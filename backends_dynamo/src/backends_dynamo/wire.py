@@ -64,6 +64,7 @@ import numpy.typing as npt
 from backends_core.converters import make_converter, structure_response
 from backends_core.errors import InvalidRequestError, ResponseParseError
 from backends_core.jsonnode import U32, Node
+from backends_core.multiturn.messages import part_texts
 from backends_core.routed_experts import ALLOWED_DTYPES, align_routed_experts, decode_routed_experts
 from backends_core.types import (
     FinishReason,
@@ -488,6 +489,16 @@ def teacher_payload(request: TeacherRequest, model: str, *, transport: str) -> t
     return path, body
 
 
+def _text_parts(message: Mapping[str, Any]) -> dict[str, Any]:
+    """``message`` with content parts as ``{"type": "text"}`` parts, the one text type the 1.6.1 frontend's chat route
+    deserializes (``input_text`` and its kin are a 400 there; the client renders them all alike)."""
+    out = dict(message)
+    content = out.get("content")
+    if isinstance(content, list | tuple):
+        out["content"] = [{"type": "text", "text": t} for t in part_texts(content, "content")]
+    return out
+
+
 def tokenize_payload(
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None,
@@ -497,7 +508,7 @@ def tokenize_payload(
     """Path and body that make the frontend render and tokenize ``messages`` with its own chat template: a one-token
     chat request whose ``engine_data.prompt_token_ids`` are the ids the worker received (1.6.1 has no
     ``/tokenize``)."""
-    body: dict[str, Any] = {"model": model, "messages": [dict(m) for m in messages]}
+    body: dict[str, Any] = {"model": model, "messages": [_text_parts(m) for m in messages]}
     if tools:
         body["tools"] = [dict(t) for t in tools]
     if chat_template_kwargs:

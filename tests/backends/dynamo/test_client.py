@@ -56,7 +56,7 @@ def echo_id(body: dict[str, Any], prefix: str = "chatcmpl") -> Any:
 def config(**more: Any) -> ClientConfig:
     """A client config; the scripted deployments answer no ``/v1/models``, so the length check is off unless a
     test turns it on (``test_overlong_prompts_are_refused_before_sending``)."""
-    options = more.pop("backend_options", {"worker_urls": list(WORKERS), "check_prompt_length": False})
+    options = {"check_prompt_length": False, **more.pop("backend_options", {"worker_urls": list(WORKERS)})}
     return ClientConfig(backend="dynamo", base_url=FRONTEND, model="tiny-qwen3", backend_options=options, **more)
 
 
@@ -151,7 +151,7 @@ async def test_overlong_prompts_are_refused_before_sending(deployment: Deploymen
     models = vllm("frontend_models_after_lora")["response"]  # tiny-qwen3 and tiny-lora, context_window 2048
     deployment.add(FRONTEND, "GET", "/v1/models", json_body=models)
     deployment.call(FRONTEND, "POST", "/v1/chat/completions", echo_id(ANSWER))
-    checked = {"worker_urls": list(WORKERS)}
+    checked = {"worker_urls": list(WORKERS), "check_prompt_length": True}
     async with client(deployment, backend_options=checked) as c:
         with pytest.raises(
             InvalidRequestError, match=r"2044 tokens \+ max_tokens 5 = 2049 exceeds the context_window 2048"
@@ -174,7 +174,7 @@ async def test_a_window_of_zero_is_unknown_and_checks_nothing(deployment: Deploy
     assert models["data"][0]["context_window"] == 0
     deployment.add(FRONTEND, "GET", "/v1/models", json_body=models)
     deployment.call(FRONTEND, "POST", "/v1/chat/completions", echo_id(ANSWER))
-    async with client(deployment, backend_options={"worker_urls": list(WORKERS)}) as c:
+    async with client(deployment, backend_options={"worker_urls": list(WORKERS), "check_prompt_length": True}) as c:
         await c.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=4000))
         await c.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=4000))
     assert [s.path for s in deployment.sent].count("/v1/models") == 1
