@@ -178,3 +178,17 @@ def test_rollout_runs_groups_one_line_per_sample(servers, tiny_models, capsys, t
         capsys,
     )
     assert code == 0 and json.loads(out)["completion_ids"] == group_a[1]["completion_ids"]  # sample 1: seed 7 + 1
+
+
+def test_rollout_groups_keep_each_samples_routed_experts(servers, tiny_models, capsys, tmp_path) -> None:
+    convs = tmp_path / "in.jsonl"
+    convs.write_text(json.dumps({"id": "m", "messages": [{"role": "user", "content": "q"}], "n": 2}))
+    out_path = tmp_path / "out.jsonl"
+    argv = ["rollout", str(convs), str(out_path), "--max-tokens", "3", "--routed-experts"]
+    assert run([*argv, *flags(servers, tiny_models, moe=True)], capsys)[0] == 0
+    rows = [json.loads(line) for line in out_path.read_text().splitlines()]
+    routed = np.load(tmp_path / "out.routed_experts.npz")
+    assert sorted(routed.files) == ["m/0", "m/1"]
+    for row in rows:
+        rows_expected = len(row["prompt_ids"]) + len(row["completion_ids"]) - 1
+        assert routed[f"m/{row['sample']}"].shape == (rows_expected, 2, 2)
