@@ -154,3 +154,41 @@ def test_demo_without_the_test_kit_exits_2_with_the_install_hint(monkeypatch, ca
     monkeypatch.setitem(sys.modules, "backends_testkit.demo", None)  # what an install without the kit sees
     assert main(["demo"]) == 2
     assert 'pip install "backends-core[testing]"' in capsys.readouterr().err
+
+
+def test_rollout_runs_groups_one_line_per_sample(servers, tiny_models, capsys, tmp_path) -> None:
+    convs = tmp_path / "in.jsonl"
+    lines = [
+        {"id": "a", "messages": [{"role": "user", "content": "qa"}]},
+        {"id": "b", "messages": [{"role": "user", "content": "qb"}], "n": 2},
+        {"id": "c", "messages": [{"role": "user", "content": "qc"}], "n": 0},
+    ]
+    convs.write_text("\n".join(json.dumps(line) for line in lines))
+    out_path = tmp_path / "out.jsonl"
+    argv = ["rollout", str(convs), str(out_path), "--max-tokens", "4", "--n", "3", "--seed", "7"]
+    code, _ = run([*argv, *flags(servers, tiny_models)], capsys)
+    assert code == 1  # line c's group size is refused; the others ran
+    rows = [json.loads(line) for line in out_path.read_text().splitlines()]
+    assert [(r["id"], r.get("sample")) for r in rows] == [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1), ("c", None)]
+    assert "n must be an int >= 1, got 0" in rows[-1]["error"]
+    group_a = rows[:3]
+    assert len({tuple(r["prompt_ids"]) for r in group_a}) == 1 and len({r["server"] for r in group_a}) == 1
+    code, out = run(
+        ["generate", "--prompt", "qa", "--max-tokens", "4", "--seed", "8", "--json", *flags(servers, tiny_models)],
+        capsys,
+    )
+    assert code == 0 and json.loads(out)["completion_ids"] == group_a[1]["completion_ids"]  # sample 1: seed 7 + 1
+
+
+def test_rollout_groups_keep_each_samples_routed_experts(servers, tiny_models, capsys, tmp_path) -> None:
+    convs = tmp_path / "in.jsonl"
+    convs.write_text(json.dumps({"id": "m", "messages": [{"role": "user", "content": "q"}], "n": 2}))
+    out_path = tmp_path / "out.jsonl"
+    argv = ["rollout", str(convs), str(out_path), "--max-tokens", "3", "--routed-experts"]
+    assert run([*argv, *flags(servers, tiny_models, moe=True)], capsys)[0] == 0
+    rows = [json.loads(line) for line in out_path.read_text().splitlines()]
+    routed = np.load(tmp_path / "out.routed_experts.npz")
+    assert sorted(routed.files) == ["m/0", "m/1"]
+    for row in rows:
+        rows_expected = len(row["prompt_ids"]) + len(row["completion_ids"]) - 1
+        assert routed[f"m/{row['sample']}"].shape == (rows_expected, 2, 2)

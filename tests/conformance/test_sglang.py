@@ -33,3 +33,4 @@ class TestSglangConformance(BackendConformance):
     )
     supports_routed_experts = True
     expected_sampling_features = SAMPLING_FEATURES
+    tokenize_joins_parts_like_vllm = False  # its chat route joins text parts with " ", the client with "\n"

@@ -106,6 +106,9 @@ def test_two_generate_calls_in_a_row_from_plain_code(client: SyncClient) -> None
     assert first.logprobs.dtype == np.float32 and np.allclose(first.logprobs, second.logprobs)
     samples = client.generate_samples(prompt_ids=list(first.prompt_ids), sampling=SamplingParams(max_tokens=3, n=2))
     assert len(samples) == 2 and all(s.prompt_ids == first.prompt_ids for s in samples)
+    group = client.generate_group(prompt_ids=list(first.prompt_ids), n=2, sampling=SamplingParams(max_tokens=3, seed=4))
+    alone = client.generate(prompt_ids=list(first.prompt_ids), sampling=SamplingParams(max_tokens=3, seed=5))
+    assert len(group) == 2 and group[1].completion_ids == alone.completion_ids  # sample i is seed + i
     teacher = client.teacher_logprobs(first.token_ids)
     assert np.allclose(teacher.logprobs[len(first.prompt_ids) :], first.logprobs, atol=1e-4)
     assert client.check_tokenizer(HELLO).match

@@ -244,29 +244,44 @@ def _rollout(args: argparse.Namespace) -> int:
         progress = Progress("rollout", len(records))
         routed: dict[str, np.ndarray] = {}
 
-        async def one(n: int, record: dict[str, Any]) -> dict[str, Any]:
+        async def one(n: int, record: dict[str, Any]) -> list[dict[str, Any]]:
             key = str(record.get("id", n))
+            size = record.get("n", args.n)
             sampling = SamplingParams(
-                **{"max_tokens": args.max_tokens, "temperature": args.temperature, **record.get("sampling", {})}
+                **{
+                    "max_tokens": args.max_tokens,
+                    "temperature": args.temperature,
+                    "seed": args.seed,
+                    "top_logprobs": args.top_logprobs,
+                    **record.get("sampling", {}),
+                }
             )
             async with limit:
                 try:
-                    result = await client.generate(
+                    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                        raise InvalidRequestError(f"line {n}: n must be an int >= 1, got {size!r}")
+                    results = await client.generate_group(
                         messages=record["messages"],
                         tools=record.get("tools"),
+                        n=size,
                         sampling=sampling,
                         return_routed_experts=args.routed_experts,
                         session=key,
                     )
                 except (BackendError, KeyError) as exc:
-                    return {"id": key, "error": f"{type(exc).__name__}: {exc}"}
+                    return [{"id": key, "error": f"{type(exc).__name__}: {exc}"}]
                 finally:
                     progress.step()
-            if result.routed_experts is not None:
-                routed[key] = np.asarray(result.routed_experts.experts)
-            return _result_record(result, id=key)
+            rows = []
+            for i, result in enumerate(results):
+                extra: dict[str, Any] = {"id": key} if size == 1 else {"id": key, "sample": i}
+                if result.routed_experts is not None:
+                    routed[key if size == 1 else f"{key}/{i}"] = np.asarray(result.routed_experts.experts)
+                rows.append(_result_record(result, **extra))
+            return rows
 
-        rows = await asyncio.gather(*(one(n, r) for n, r in records))
+        groups = await asyncio.gather(*(one(n, r) for n, r in records))
+        rows = [row for group in groups for row in group]
         progress.close()
         _write_jsonl(args.output, rows)
         if routed:
@@ -426,8 +441,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rollout", help="JSONL of conversations in, JSONL of results out (+ .npz routed experts)")
     _client_flags(p)
     _sampling_flags(p)
-    p.add_argument("input", help='JSONL: {"id"?, "messages": [...], "tools"?, "sampling"?: {...}} per line')
-    p.add_argument("output", help="JSONL of results (ids, logprobs, finish reasons)")
+    p.add_argument("input", help='JSONL: {"id"?, "messages": [...], "tools"?, "sampling"?: {...}, "n"?} per line')
+    p.add_argument(
+        "output",
+        help='JSONL of results (ids, logprobs, finish reasons); a group gives one line per sample with "sample": i',
+    )
+    p.add_argument(
+        "--n",
+        type=int,
+        default=1,
+        help="group size: samples per conversation (generate_group; sample i seeded with --seed + i), "
+        'overridden by a line\'s "n"',
+    )
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument(
         "--routed-experts", action="store_true", help="ask for MoE routing; saved to OUTPUT.routed_experts.npz"

@@ -30,7 +30,7 @@ from backends_core.errors import (
 from backends_core.fleet import Admin, ServedVersions
 from backends_core.multiturn import BridgeStats, Conversation
 from backends_core.multiturn.extension import end_of_turn_stop_ids
-from backends_core.multiturn.messages import as_plain, normalize_messages
+from backends_core.multiturn.messages import as_plain, check_content_parts, normalize_messages
 from backends_core.multiturn.rendering import load_tokenizer
 from backends_core.multiturn.turn_cache import TurnCache
 from backends_core.parsing import CompletionParser
@@ -305,6 +305,7 @@ class Client:
             raise InvalidRequestError("give exactly one of messages= or prompt_ids=")
         if messages is not None:
             plain = [as_plain(m) for m in messages]
+            check_content_parts(plain)
             ids = None
             if session is not None and self.config.stateless.enabled:
                 ids = self._reuse_turns(session, plain, tools=tools, chat_template_kwargs=chat_template_kwargs)
@@ -601,6 +602,61 @@ class Client:
         )
         return results[0]
 
+    async def generate_group(
+        self,
+        *,
+        n: int,
+        messages: Sequence[Message] | None = None,
+        prompt_ids: Sequence[int] | None = None,
+        sampling: SamplingParams | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        priority: int | None = None,
+        lora: str | None = None,
+        return_routed_experts: bool = False,
+        routed_experts_start: int = 0,
+        model: str | None = None,
+        server: int | str | None = None,
+        session: str | None = None,
+    ) -> list[GenerateResult]:
+        """A group of ``n`` samples of one prompt (GRPO and its kin): one rendering, one server (its prefix cache
+        holds the prompt once), identical prompt ids in every result.
+
+        Sample ``i`` is drawn with seed ``sampling.seed + i`` on every backend, so it equals what
+        :meth:`generate` with that seed returns (where the engine is deterministic), whether the backend asks the
+        engine for ``n`` samples at once or sends ``n`` single requests to the same server; with
+        ``sampling.seed=None`` the samples are unseeded. Other arguments as in :meth:`generate`; ``sampling.n``
+        must be 1 (the group size is ``n``).
+
+        :raises InvalidRequestError: ``n`` is not a positive int, or ``sampling.n`` is not 1 (nothing is sent).
+        """
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InvalidRequestError(f"generate_group needs n >= 1 (an int), got {n!r}")
+        sampling = sampling or SamplingParams()
+        if sampling.n != 1:
+            raise InvalidRequestError(
+                f"generate_group takes the group size as n= ({n}); sampling.n must stay 1, got {sampling.n}"
+            )
+        results = await self.generate_samples(
+            messages=messages,
+            prompt_ids=prompt_ids,
+            sampling=attrs.evolve(sampling, n=n),
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
+            request_id=request_id,
+            cache_salt=cache_salt,
+            priority=priority,
+            lora=lora,
+            return_routed_experts=return_routed_experts,
+            routed_experts_start=routed_experts_start,
+            model=model,
+            server=server,
+            session=session,
+        )
+        return results
+
     def stream(
         self,
         *,
@@ -697,6 +753,7 @@ class Client:
         :raises UnsupportedOperationError: the backend's server has no tokenize route.
         """
         plain = [as_plain(m) for m in messages]
+        check_content_parts(plain)
         kwargs = dict(chat_template_kwargs or {})
         local = self.render(
             plain, tools=tools, chat_template_kwargs=kwargs, add_generation_prompt=add_generation_prompt

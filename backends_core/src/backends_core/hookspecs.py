@@ -178,7 +178,9 @@ async def post_generate(server: Server, request: GenerateRequest, config: Client
 
     :param server: the server chosen for this call.
     :param request: prompt ids, sampling and per-request fields; every sampling field must be sent
-        explicitly.
+        explicitly. With ``sampling.n > 1`` and a seed, sample ``i`` must be drawn with seed ``seed + i`` (what
+        ``Client.generate_group`` promises): ask the engine for ``n`` samples when it seeds them that way, else
+        send ``n`` single requests to ``server``.
     :param config: the client's configuration (``model`` is the default served model name).
     :param options: the validated backend options.
     :returns: the decoded response body, handed to :func:`parse_response` unchanged.

@@ -48,6 +48,7 @@ def decode_routed_experts(
     dtype: str | np.dtype[Any] = "int32",
     num_experts: int | None = None,
     field: str = "routed_experts",
+    url: str | None = None,
 ) -> npt.NDArray[np.integer[Any]]:
     """Decode a base64 routing payload into ``[tokens, layers, top_k]``.
 
@@ -61,19 +62,34 @@ def decode_routed_experts(
     :param dtype: dtype of raw payloads.
     :param num_experts: when given, every id must be in ``[0, num_experts)``.
     :param field: name used in error messages.
+    :param url: the server the payload came from, named by every error.
     :raises ResponseParseError: bad base64, unsupported dtype, byte count not matching the shape, ids out
         of range.
     """
+    try:
+        return _decode(payload, num_layers, top_k, np.dtype(dtype), num_experts, field)
+    except ResponseParseError as exc:
+        if url is None or exc.url is not None:
+            raise
+        raise ResponseParseError(exc.detail, url=url) from exc
+
+
+def _decode(
+    payload: str | bytes | memoryview,
+    num_layers: int | None,
+    top_k: int | None,
+    dtype: np.dtype[Any],
+    num_experts: int | None,
+    field: str,
+) -> npt.NDArray[np.integer[Any]]:
     if not isinstance(payload, str | bytes | memoryview):
         raise ResponseParseError(f"{field} must be a base64 string, got {type(payload).__name__}")
     try:
         raw = _b64decode(payload)
     except (binascii.Error, ValueError) as exc:
         raise ResponseParseError(f"{field} is not valid base64: {exc}") from exc
-    if raw.startswith(_NPY_MAGIC):
-        array = _from_npy(raw, field)
-    else:
-        array = _from_raw(raw, np.dtype(dtype), num_layers, top_k, field)
+    npy = raw.startswith(_NPY_MAGIC)
+    array = _from_npy(raw, field) if npy else _from_raw(raw, dtype, num_layers, top_k, field)
     if array.ndim != 3:
         raise ResponseParseError(f"{field} must have 3 dimensions [tokens, layers, top_k], got shape {array.shape}")
     if num_layers is not None and array.shape[1] != num_layers:
@@ -142,6 +158,7 @@ def align_routed_experts(
     server_start: int,
     wanted_start: int,
     field: str = "routed_experts",
+    url: str | None = None,
 ) -> RoutedExperts:
     """Check routing rows against the sequence and trim them to ``wanted_start``.
 
@@ -153,6 +170,7 @@ def align_routed_experts(
     :param total_tokens: ``len(prompt_ids) + len(completion_ids)``.
     :param server_start: the start the server was asked to honour.
     :param wanted_start: the start the caller wants.
+    :param url: the server the rows came from, named by every error.
     :raises ResponseParseError: the row count fits neither reading, or rows before ``wanted_start`` are missing.
     """
     rows = experts.shape[0]
@@ -163,8 +181,11 @@ def align_routed_experts(
     else:
         raise ResponseParseError(
             f"{field} has {rows} rows; a sequence of {total_tokens} tokens routed from position {server_start} "
-            f"needs {total_tokens - 1 - server_start}"
+            f"needs {total_tokens - 1 - server_start}",
+            url=url,
         )
     if wanted_start < first:
-        raise ResponseParseError(f"{field} starts at position {first}, after the requested start {wanted_start}")
+        raise ResponseParseError(
+            f"{field} starts at position {first}, after the requested start {wanted_start}", url=url
+        )
     return RoutedExperts(experts=experts[wanted_start - first :], start=wanted_start)

@@ -439,6 +439,7 @@ class SyncClient(_Mirror[Client]):
 
     generate = _blocking(Client.generate)
     generate_samples = _blocking(Client.generate_samples)
+    generate_group = _blocking(Client.generate_group)
     send = _blocking(Client.send)
     teacher_logprobs = _blocking(Client.teacher_logprobs)
     check_tokenizer = _blocking(Client.check_tokenizer)

@@ -137,6 +137,35 @@ async def _send(
     return wire.Sample(raw, aborted=aborted, weight_version=version)
 
 
+_WINDOWS = "dynamo.context_windows"  # Server.cache: {model: context_window} from the frontend's /v1/models
+
+
+async def _context_window(server: Server, model: str) -> int:
+    """``model``'s ``context_window`` on ``server`` (0: unknown), from ``GET /v1/models``: read once per frontend and
+    read again when ``model`` is not listed (an adapter loaded since).
+
+    :raises InvalidRequestError: the frontend does not serve ``model``.
+    """
+    windows: dict[str, int] | None = server.cache.get(_WINDOWS)
+    if windows is None or model not in windows:
+        raw = await server.request("GET", "/v1/models", status_hint=_hint)
+        windows = server.cache[_WINDOWS] = wire.context_windows(raw, server.base_url)
+    if model not in windows:
+        raise InvalidRequestError(f"model {model!r} is not served by {server.base_url} (it serves {sorted(windows)})")
+    return windows[model]
+
+
+async def _check_length(server: Server, request: GenerateRequest, model: str) -> None:
+    """What the frontend refuses with its ``context_length`` 400: prompt + ``max_tokens`` above the window."""
+    window = await _context_window(server, model)
+    needed = len(request.prompt_ids) + request.sampling.max_tokens
+    if window and needed > window:
+        raise InvalidRequestError(
+            f"prompt of {len(request.prompt_ids)} tokens + max_tokens {request.sampling.max_tokens} = {needed} exceeds "
+            f"the context_window {window} of {model!r} on {server.base_url}"
+        )
+
+
 @hookimpl
 def sampling_features(options: DynamoOptions) -> frozenset[str]:
     """Stop strings (matched by the frontend's detokenizer; not together with ``ignore_eos``, which makes 1.6.1
@@ -156,6 +185,8 @@ async def post_generate(
 ) -> wire.Exchange:
     model = wire.served_name(request.lora, request.model, config.model)
     wire.check_generation(request, fan_out=options.fan_out_n)
+    if options.check_prompt_length:
+        await _check_length(server, request, model)
     tasks = [asyncio.ensure_future(_send(server, request, i, model, options)) for i in range(request.sampling.n)]
     try:
         samples = await asyncio.gather(*tasks)

@@ -52,6 +52,9 @@ class DynamoOptions:
         turns ``guided_*`` into vLLM structured outputs; the mocker ignores it). Off by default: the frontend
         accepts ``guided_*`` whatever the worker, so the backend cannot tell, and refuses ``structured``
         rather than let it be dropped.
+    :param check_prompt_length: refuse, before sending, a generation whose prompt + ``max_tokens`` exceeds the
+        model's ``context_window`` in the frontend's ``GET /v1/models`` (read once per frontend and model; a
+        window of 0, as the mocker reports, is unknown and checks nothing).
     """
 
     transport: Transport = "chat"
@@ -63,6 +66,7 @@ class DynamoOptions:
     stream: bool = False
     extra_fields: tuple[MetadataField, ...] = attrs.field(default=(), converter=_unique)
     structured_output: bool = False
+    check_prompt_length: bool = True
 
     def workers(self, base_url: str, admin_url: str) -> tuple[str, ...]:
         """System URLs of the workers behind the frontend at ``base_url``."""

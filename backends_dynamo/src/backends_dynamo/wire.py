@@ -66,6 +66,7 @@ import numpy.typing as npt
 from backends_core.converters import make_converter, structure_response
 from backends_core.errors import InvalidRequestError, ResponseParseError, UnsupportedOperationError
 from backends_core.jsonnode import U32, Node
+from backends_core.multiturn.messages import part_texts
 from backends_core.routed_experts import ALLOWED_DTYPES, align_routed_experts, decode_routed_experts
 from backends_core.types import (
     Choice,
@@ -73,7 +74,6 @@ from backends_core.types import (
     GenerateRequest,
     GenerateResult,
     JsonSchema,
-    Message,
     Regex,
     RoutedExperts,
     SamplingParams,
@@ -100,6 +100,7 @@ __all__ = [
     "check_teacher",
     "completion_ids",
     "completion_logprobs",
+    "context_windows",
     "engine_data",
     "extra_fields_for",
     "f32",
@@ -313,7 +314,7 @@ def routed_experts(nvext: Node, request: GenerateRequest, ids: tuple[int, ...]) 
             "MoE models started with --enable-return-routed-experts (vLLM's CPU build cannot)"
         )
     if isinstance(field.value, str):  # a bare base64 payload: only a .npy file carries its own shape
-        experts = decode_routed_experts(field.value, field=field.path)
+        experts = decode_routed_experts(field.value, field=field.path, url=field.url)
         start = 0
     else:
         shape = [n.integer() for n in field.get("shape").items()]
@@ -325,6 +326,7 @@ def routed_experts(nvext: Node, request: GenerateRequest, ids: tuple[int, ...]) 
             top_k=shape[2],
             dtype=_dtype(field.get("dtype")),
             field=f"{field.path}.data",
+            url=field.url,
         )
         if list(experts.shape) != shape:
             raise field.fail(f"data decodes to shape {list(experts.shape)}, the answer says {shape}")
@@ -335,6 +337,7 @@ def routed_experts(nvext: Node, request: GenerateRequest, ids: tuple[int, ...]) 
         server_start=start,
         wanted_start=request.routed_experts_start,
         field=field.path,
+        url=field.url,
     )
 
 
@@ -535,6 +538,16 @@ def teacher_payload(request: TeacherRequest, model: str, *, transport: str) -> t
     return path, body
 
 
+def _text_parts(message: Mapping[str, Any]) -> dict[str, Any]:
+    """``message`` with content parts as ``{"type": "text"}`` parts, the one text type the 1.6.1 frontend's chat route
+    deserializes (``input_text`` and its kin are a 400 there; the client renders them all alike)."""
+    out = dict(message)
+    content = out.get("content")
+    if isinstance(content, list | tuple):
+        out["content"] = [{"type": "text", "text": t} for t in part_texts(content, "content")]
+    return out
+
+
 def tokenize_payload(
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None,
@@ -544,7 +557,7 @@ def tokenize_payload(
     """Path and body that make the frontend render and tokenize ``messages`` with its own chat template: a one-token
     chat request whose ``engine_data.prompt_token_ids`` are the ids the worker received (1.6.1 has no
     ``/tokenize``)."""
-    body: dict[str, Any] = {"model": model, "messages": [dict(m) for m in messages]}
+    body: dict[str, Any] = {"model": model, "messages": [_text_parts(m) for m in messages]}
     if tools:
         body["tools"] = [dict(t) for t in tools]
     if chat_template_kwargs:
@@ -906,6 +919,18 @@ _I32 = 2**31
 _I64 = 2**63
 
 
+def context_windows(raw: Any, server_url: str) -> dict[str, int]:
+    """``{model: context_window}`` of a frontend's ``GET /v1/models`` answer (0 when the worker did not say, as the
+    mocker does; adapters carry their base model's window)."""
+    windows = {}
+    for entry in Node(raw, "$", server_url).get("data").items():
+        window = entry.get("context_window", required=False).optional_integer()
+        if window is not None and window < 0:
+            raise entry.get("context_window").fail(f"context_window must be >= 0, got {window}")
+        windows[entry.get("id").string() or ""] = window or 0
+    return windows
+
+
 def served_name(*candidates: str | None) -> str:
     """The first given model name (LoRA adapter, per-request model, ``ClientConfig.model``)."""
     for name in candidates:
@@ -920,24 +945,13 @@ def _ids(name: str, ids: Sequence[int]) -> None:
         raise InvalidRequestError(f"{name} has token id {bad[0]}; Dynamo's token ids are u32 (< {U32})")
 
 
-def _text_only(messages: Sequence[Message] | None) -> None:
-    for i, message in enumerate(messages or ()):
-        content = message.get("content")
-        if isinstance(content, list):
-            kinds = {part.get("type") for part in content if isinstance(part, Mapping)}
-            if kinds - {"text"}:
-                raise InvalidRequestError(
-                    f"messages[{i}] has {sorted(str(k) for k in kinds - {'text'})} content: multimodal inputs cannot "
-                    "be sent token-in to Dynamo (nvext.token_data carries text token ids only)"
-                )
-
-
 def check_generation(request: GenerateRequest, *, fan_out: bool) -> None:
     """Refuse a generation Dynamo would reject or mishandle.
 
     :raises UnsupportedOperationError: stop strings with ``ignore_eos`` (the frontend would ignore the strings).
     :raises InvalidRequestError: more than 32 stop token ids, ``n > 1`` without fan-out (Dynamo refuses ``n > 1``
-        with completion ids), non-u32 ids, a priority outside i32, a seed that overflows i64, multimodal content.
+        with completion ids), non-u32 ids, a priority outside i32, a seed that overflows i64. (Content parts that
+        are not text never get here: the client refuses them before rendering.)
     """
     s = request.sampling
     stop_ids = s.stop_token_ids or ()
@@ -962,7 +976,6 @@ def check_generation(request: GenerateRequest, *, fan_out: bool) -> None:
         raise InvalidRequestError(f"priority {request.priority} does not fit nvext.agent_hints.priority (i32)")
     if s.seed is not None and not (s.seed >= -_I64 and s.seed + s.n - 1 < _I64):
         raise InvalidRequestError(f"seed {s.seed} (+ n - 1) does not fit an i64")
-    _text_only(request.messages)
 
 
 def check_teacher(request: TeacherRequest) -> None:

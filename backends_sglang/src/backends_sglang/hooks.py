@@ -111,6 +111,8 @@ async def post_generate(server: Server, request: GenerateRequest, options: Sglan
         raise InvalidRequestError(
             f"LoRA adapter {request.lora!r} was unloaded from {server.base_url}; load it again first"
         )
+    if request.sampling.n > 1 and request.sampling.seed is not None:
+        return await _fan_out(server, request)
     return await server.request("POST", "/generate", json_body=body)
 
 
@@ -135,6 +137,22 @@ async def post_generate_stream(
             if delta is not None:
                 yield delta
     yield fold.result()
+
+
+async def _fan_out(server: Server, request: GenerateRequest) -> list[Any]:
+    """``n`` seeded samples as ``n`` single requests to one server, sample ``i`` with seed ``seed + i``: SGLang's
+    own ``n`` gives every sample the request's one seed (identical samples once sampling is deterministic)."""
+    tasks = [
+        asyncio.ensure_future(server.request("POST", "/generate", json_body=wire.generate_payload(one)))
+        for one in wire.single_samples(request)
+    ]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 @hookimpl

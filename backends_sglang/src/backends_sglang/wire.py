@@ -31,6 +31,7 @@ import itertools
 import json
 from typing import Any
 
+import attrs
 import numpy as np
 
 from backends_core.errors import InvalidRequestError, ResponseParseError
@@ -187,6 +188,30 @@ def sampling_params(s: SamplingParams, *, max_new_tokens: int | None = None) -> 
             )
         params[key] = value
     return params
+
+
+_I64 = 2**63
+
+
+def single_samples(request: GenerateRequest) -> list[GenerateRequest]:
+    """``request`` (``n`` samples, seeded) as ``n`` requests of one sample, sample ``i`` with seed ``seed + i``
+    and, when the caller named the request, the id ``<request_id>_<i>`` (SGLang's own name for sample ``i``; it
+    refuses two requests with one id).
+
+    :raises InvalidRequestError: ``seed + n - 1`` does not fit SGLang's signed 64-bit ``sampling_seed``.
+    """
+    s = request.sampling
+    assert s.seed is not None
+    if not (s.seed >= -_I64 and s.seed + s.n - 1 < _I64):
+        raise InvalidRequestError(f"seed {s.seed} (+ n - 1 = {s.n - 1}) does not fit SGLang's 64-bit sampling_seed")
+    return [
+        attrs.evolve(
+            request,
+            sampling=attrs.evolve(s, n=1, seed=s.seed + i),
+            request_id=None if request.request_id is None else f"{request.request_id}_{i}",
+        )
+        for i in range(s.n)
+    ]
 
 
 def routed_start(request: GenerateRequest) -> int:

@@ -985,40 +985,6 @@ class BackendConformance:
         )
         assert result.completion_ids == (favoured,) * 3
 
-
-class _Counting(httpx.AsyncBaseTransport):
-    """Passes requests to ``inner`` and records each one that gets there."""
-
-    def __init__(self, inner: httpx.AsyncBaseTransport, sent: list[httpx.Request]) -> None:
-        self.inner, self.sent = inner, sent
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        self.sent.append(request)
-        return await self.inner.handle_async_request(request)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
-def _first_new_text(tokenizer: Any, ids: tuple[int, ...]) -> tuple[int, str] | None:
-    """``(k, text)``: the first token ``k - 1`` (from the second on) whose decoded text is printable, not
-    whitespace, and new (absent from the text before it), so a stop on ``text`` ends the completion after ``k``
-    tokens exactly."""
-    for k in range(2, len(ids) + 1):
-        before = tokenizer.decode(list(ids[: k - 1]), skip_special_tokens=True)
-        after = tokenizer.decode(list(ids[:k]), skip_special_tokens=True)
-        piece = after[len(before) :]
-        if (
-            after.startswith(before)
-            and piece.strip()
-            and piece.isprintable()
-            and "\ufffd" not in after
-            and piece not in before
-            and after.find(piece) == len(before)
-        ):
-            return k, piece
-    return None
-
     # -- streaming --------------------------------------------------------------------------------------
     #
     # ``Client.stream`` over the backend's ``post_generate_stream`` (capability ``post_generate_stream``): the deltas
@@ -1126,6 +1092,123 @@ def _first_new_text(tokenizer: Any, ids: tuple[int, ...]) -> tuple[int, str] | N
         assert type(streamed.value) is type(generated.value) and isinstance(streamed.value, error)
         if fault == "status_500":
             assert "engine exploded" in str(streamed.value)
+
+    # -- groups (generate_group) ----------------------------------------------------------------------
+    # A group is n samples of one prompt on one server; sample i is drawn with seed + i whether the backend asks
+    # the engine for n samples or sends n single requests, so it equals generate() with that seed.
+
+    @pytest.mark.asyncio
+    async def test_group_sample_i_is_generate_with_seed_plus_i(self, client: Client) -> None:
+        if not self.deterministic_seeds:
+            pytest.skip(f"{self.backend_name}: seeded sampling is not reproducible on this server")
+        sampling = SamplingParams(max_tokens=6, temperature=1.0, seed=40, ignore_eos=True)
+        group = await client.generate_group(prompt_ids=PROMPT, n=4, sampling=sampling)
+        assert len(group) == 4
+        for i, sample in enumerate(group):
+            self.check_sample(sample, PROMPT, 6)
+            alone = await client.generate(prompt_ids=PROMPT, sampling=attrs.evolve(sampling, seed=40 + i))
+            assert sample.completion_ids == alone.completion_ids, f"sample {i} is not the sample of seed {40 + i}"
+            np.testing.assert_allclose(sample.logprobs, alone.logprobs, atol=1e-5)
+
+    @pytest.mark.asyncio
+    async def test_group_from_messages_shares_one_rendering_and_one_server(self, client: Client) -> None:
+        group = await client.generate_group(messages=MESSAGES, n=3, sampling=SamplingParams(max_tokens=4))
+        prompt = client.render(MESSAGES)
+        assert len(group) == 3
+        for sample in group:
+            self.check_sample(sample, prompt, 4)
+        assert len({sample.server for sample in group}) == 1
+
+    @pytest.mark.asyncio
+    async def test_group_sizes_are_checked_before_sending(self, client: Client) -> None:
+        with pytest.raises(InvalidRequestError, match="n >= 1"):
+            await client.generate_group(prompt_ids=PROMPT, n=0)
+        with pytest.raises(InvalidRequestError, match=r"sampling\.n must stay 1"):
+            await client.generate_group(prompt_ids=PROMPT, n=2, sampling=SamplingParams(n=2))
+
+    # -- content parts --------------------------------------------------------------------------------
+    # OpenAI content parts reach the chat template as the engine's chat route hands them over (the texts joined
+    # with "\n" for templates that read content as a string, like the tiny models'): never an empty turn. Parts
+    # that are not text are refused before anything is sent.
+
+    PARTS: ClassVar[list[dict[str, Any]]] = [
+        {"role": "system", "content": [{"type": "text", "text": "You are terse."}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Name three"}, {"type": "input_text", "text": "colors."}],
+        },
+    ]
+    JOINED: ClassVar[list[dict[str, Any]]] = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name three\ncolors."},
+    ]
+
+    @pytest.mark.asyncio
+    async def test_content_parts_render_as_their_joined_text(self, client: Client) -> None:
+        prompt = client.render(self.PARTS)
+        assert prompt == client.render(self.JOINED)
+        assert "colors" in client.tokenizer.decode(prompt)
+        sampling = SamplingParams(max_tokens=4, temperature=0.0)
+        from_parts = await client.generate(messages=self.PARTS, sampling=sampling)
+        self.check_sample(from_parts, prompt, 4)
+        if self.deterministic_seeds:
+            from_text = await client.generate(messages=self.JOINED, sampling=sampling)
+            assert from_parts.completion_ids == from_text.completion_ids
+
+    #: The server's tokenize route renders content parts as the client does (SGLang's joins text parts with " ").
+    tokenize_joins_parts_like_vllm: ClassVar[bool] = True
+
+    @pytest.mark.asyncio
+    async def test_content_parts_render_as_the_servers_chat_route_renders_them(self, client: Client) -> None:
+        self.needs("tokenize_messages")
+        if not self.tokenize_joins_parts_like_vllm:
+            pytest.skip(f"{self.backend_name}'s chat route joins content parts otherwise (see its README)")
+        check = await client.check_tokenizer(self.PARTS)
+        assert check.match, (check.first_difference, check.local_token, check.server_token)
+        assert "colors" in client.tokenizer.decode(list(check.server_ids))
+
+    @pytest.mark.asyncio
+    async def test_a_media_part_is_refused_before_sending(self, client: Client) -> None:
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        messages = [*self.JOINED[:1], {"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]
+        with pytest.raises(InvalidRequestError, match=r"messages\[1\]\.content\[1\] is a part of type 'image_url'"):
+            await client.generate(messages=messages, sampling=SamplingParams(max_tokens=2))
+        with pytest.raises(InvalidRequestError, match=r"messages\[1\]\.content\[1\]"):
+            await client.generate_group(messages=messages, n=2, sampling=SamplingParams(max_tokens=2))
+
+
+class _Counting(httpx.AsyncBaseTransport):
+    """Passes requests to ``inner`` and records each one that gets there."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, sent: list[httpx.Request]) -> None:
+        self.inner, self.sent = inner, sent
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.sent.append(request)
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def _first_new_text(tokenizer: Any, ids: tuple[int, ...]) -> tuple[int, str] | None:
+    """``(k, text)``: the first token ``k - 1`` (from the second on) whose decoded text is printable, not
+    whitespace, and new (absent from the text before it), so a stop on ``text`` ends the completion after ``k``
+    tokens exactly."""
+    for k in range(2, len(ids) + 1):
+        before = tokenizer.decode(list(ids[: k - 1]), skip_special_tokens=True)
+        after = tokenizer.decode(list(ids[:k]), skip_special_tokens=True)
+        piece = after[len(before) :]
+        if (
+            after.startswith(before)
+            and piece.strip()
+            and piece.isprintable()
+            and "\ufffd" not in after
+            and piece not in before
+            and after.find(piece) == len(before)
+        ):
+            return k, piece
+    return None
 
 
 #: Tokens of the clock generation of the early-exit tests (far fewer than the left stream's LONGEST).

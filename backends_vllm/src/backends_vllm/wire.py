@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from backends_core.errors import InvalidRequestError, ResponseParseError
 from backends_core.jsonnode import PLACEHOLDER_LOGPROB, Node
@@ -74,6 +75,8 @@ Float32s = np.ndarray[Any, np.dtype[np.float32]]
 _TOKEN_ID, _LOGPROB = operator.itemgetter("token_id"), operator.itemgetter("logprob")
 #: vLLM's default ``--max-logprobs``.
 MAX_LOGPROBS = 20
+#: ``dtype`` names of the object form of routed experts (what prime-rl's vLLM server keeps from vLLM's capture).
+_ROUTED_DTYPES = frozenset({"uint8", "uint16", "int16", "int32"})
 
 
 def _ids(body: Node) -> tuple[int, ...]:
@@ -283,14 +286,49 @@ def _routed(choice: Node, request: GenerateRequest, completion: tuple[int, ...])
             "routed experts were requested but the server sent none; start vLLM with "
             "--enable-return-routed-experts (MoE models only)"
         )
-    experts = decode_routed_experts(field.value, field=field.path)
+    server_start = request.routed_experts_start
+    if isinstance(field.value, Mapping):
+        experts, server_start = _routed_object(field)
+        needed = len(request.prompt_ids) + len(completion) - 1 - server_start
+        if experts.shape[0] != needed:
+            raise field.fail(
+                f"{experts.shape[0]} rows from start {server_start}; the sequence routed from there has {needed}"
+            )
+    else:
+        experts = decode_routed_experts(field.value, field=field.path, url=field.url)
     return align_routed_experts(
         experts,
         total_tokens=len(request.prompt_ids) + len(completion),
-        server_start=request.routed_experts_start,
+        server_start=server_start,
         wanted_start=request.routed_experts_start,
         field=field.path,
+        url=field.url,
     )
+
+
+def _routed_object(field: Node) -> tuple[npt.NDArray[np.integer[Any]], int]:
+    """Routing in the object form prime-rl's vLLM server sends: ``{"data": base64 of the C-order
+    little-endian array, "shape": [rows, layers, top_k], "start": first routed position, "dtype": "uint8" |
+    "uint16" | "int16" | "int32"}``. Returns the array and its start."""
+    shape = [d.integer() for d in field.get("shape").items()]
+    if len(shape) != 3 or min(shape) < 0:
+        raise field.get("shape").fail(f"expected [rows, layers, top_k], got {shape}")
+    dtype = field.get("dtype").string()
+    if dtype not in _ROUTED_DTYPES:
+        raise field.get("dtype").fail(f"unsupported dtype {dtype!r}; expected one of {sorted(_ROUTED_DTYPES)}")
+    start = field.get("start").integer()
+    if start < 0:
+        raise field.get("start").fail(f"start must be >= 0, got {start}")
+    data = field.get("data")
+    rows, layers, top_k = shape
+    if layers == 0 or top_k == 0:
+        raise field.get("shape").fail(f"expected at least one layer and one expert per token, got {shape}")
+    experts = decode_routed_experts(
+        data.value, num_layers=layers, top_k=top_k, dtype=dtype, field=data.path, url=data.url
+    )
+    if experts.shape[0] != rows:
+        raise data.fail(f"decodes to {experts.shape[0]} rows but shape says {rows}")
+    return experts, start
 
 
 def _usage(body: Node, completion_tokens: int, prompt_tokens: int) -> Usage:
@@ -361,14 +399,14 @@ def _logprobs(
     logprobs = np.empty(len(completion), dtype=np.float32)
     top: list[tuple[TopLogprob, ...]] = []
     for i, (token, entry) in enumerate(zip(completion, entries, strict=True)):
-        claimed = entry.get("token_id").integer()
+        claimed, where = _entry_token(entry)
         if claimed != token:
-            raise entry.get("token_id").fail(f"logprob entry is for token {claimed} but completion id {i} is {token}")
+            raise where.fail(f"logprob entry is for token {claimed} but completion id {i} is {token}")
         logprobs[i] = entry.get("logprob").logprob()
         if k:
             alts = [
                 TopLogprob(
-                    token_id=a.get("token_id").integer(),
+                    token_id=_entry_token(a)[0],
                     logprob=a.get("logprob").logprob(),
                     rank=a.get("rank", required=False).optional_integer(),
                 )
@@ -376,6 +414,16 @@ def _logprobs(
             ]
             top.append(_top_k(alts, k, entry.get("top_logprobs")))
     return logprobs, tuple(top) if k else None
+
+
+def _entry_token(entry: Node) -> tuple[int, Node]:
+    """The token id a logprob entry is for, and the field that says it: ``token_id``, or, in entries of vLLM's
+    older tokens route that carry only a string, ``"token": "token_id:<id>"``."""
+    if isinstance(entry.value, Mapping) and "token_id" not in entry.value and "token" in entry.value:
+        where = entry.get("token")
+        return _token_id_string(where), where
+    where = entry.get("token_id")
+    return where.integer(), where
 
 
 def _spans(choice: Node) -> tuple[WeightVersionSpan, ...]:

@@ -25,9 +25,7 @@ from backends_core import (
     ServerStatusError,
     UnsupportedOperationError,
 )
-from backends_core.types import GenerateRequest
 from backends_dynamo.admin import REQUEST_ID_HEADER, dynamo_request_id
-from backends_dynamo.wire import check_generation
 from backends_dynamo_testing import WORKER_URL, DynamoEmulator
 from backends_testkit.engine import ReferenceEngine
 from backends_testkit.tinymodel import TinyModels
@@ -56,7 +54,9 @@ def echo_id(body: dict[str, Any], prefix: str = "chatcmpl") -> Any:
 
 
 def config(**more: Any) -> ClientConfig:
-    options = more.pop("backend_options", {"worker_urls": list(WORKERS)})
+    """A client config; the scripted deployments answer no ``/v1/models``, so the length check is off unless a
+    test turns it on (``test_overlong_prompts_are_refused_before_sending``)."""
+    options = {"check_prompt_length": False, **more.pop("backend_options", {"worker_urls": list(WORKERS)})}
     return ClientConfig(backend="dynamo", base_url=FRONTEND, model="tiny-qwen3", backend_options=options, **more)
 
 
@@ -139,10 +139,45 @@ async def test_limits_are_refused_before_sending(deployment: Deployment) -> None
             await c.generate(prompt_ids=[1, 2**32])
         with pytest.raises(InvalidRequestError, match="i32"):
             await c.generate(prompt_ids=[1, 2], priority=2**31)
+        image = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {}}]}]
+        with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content\[1\] is a part of type 'image_url'"):
+            await c.generate(messages=image)
     assert deployment.sent == []
-    image = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {}}]}]
-    with pytest.raises(InvalidRequestError, match=r"\['image_url'\] content: multimodal"):
-        check_generation(GenerateRequest(prompt_ids=[1], messages=tuple(image)), fan_out=True)
+
+
+async def test_overlong_prompts_are_refused_before_sending(deployment: Deployment) -> None:
+    """The frontend answers 400 ``context_length`` when prompt + max_tokens exceeds the model's context_window
+    (2048 on the vLLM worker): the client refuses that first, reading the window once per frontend and model."""
+    models = vllm("frontend_models_after_lora")["response"]  # tiny-qwen3 and tiny-lora, context_window 2048
+    deployment.add(FRONTEND, "GET", "/v1/models", json_body=models)
+    deployment.call(FRONTEND, "POST", "/v1/chat/completions", echo_id(ANSWER))
+    checked = {"worker_urls": list(WORKERS), "check_prompt_length": True}
+    async with client(deployment, backend_options=checked) as c:
+        with pytest.raises(
+            InvalidRequestError, match=r"2044 tokens \+ max_tokens 5 = 2049 exceeds the context_window 2048"
+        ):
+            await c.generate(prompt_ids=[5] * 2044, sampling=SamplingParams(max_tokens=5))
+        with pytest.raises(InvalidRequestError, match="context_window 2048 of 'tiny-lora'"):
+            await c.generate(prompt_ids=[5] * 2048, lora="tiny-lora", sampling=SamplingParams(max_tokens=1))
+        await c.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=8))
+        with pytest.raises(
+            InvalidRequestError, match=r"'other' is not served by .* \(it serves \['tiny-lora', 'tiny-qwen3'\]\)"
+        ):
+            await c.generate(prompt_ids=PROMPT, model="other")
+    paths = [(s.method, s.path) for s in deployment.sent]
+    # one read, one more for the unknown model (an adapter may have been loaded since), one generation
+    assert paths == [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models")]
+
+
+async def test_a_window_of_zero_is_unknown_and_checks_nothing(deployment: Deployment) -> None:
+    models = capture("get_v1_models")["response"]  # the mocker: context_window 0
+    assert models["data"][0]["context_window"] == 0
+    deployment.add(FRONTEND, "GET", "/v1/models", json_body=models)
+    deployment.call(FRONTEND, "POST", "/v1/chat/completions", echo_id(ANSWER))
+    async with client(deployment, backend_options={"worker_urls": list(WORKERS), "check_prompt_length": True}) as c:
+        await c.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=4000))
+        await c.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=4000))
+    assert [s.path for s in deployment.sent].count("/v1/models") == 1
 
 
 @pytest.mark.parametrize(

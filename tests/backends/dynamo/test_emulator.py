@@ -231,6 +231,40 @@ async def test_deny_unknown_messages_are_the_binarys_own(emulator: DynamoEmulato
     assert response.status_code == 400 and response.json() == cap["response"]
 
 
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "actual"),
+    [(2044, 4, None), (2047, 1, None), (2044, 5, 2049), (2048, 1, 2048), (2038, 100, 2138)],
+)
+async def test_the_context_length_400_is_the_frontends(
+    emulator: DynamoEmulator, prompt: int, max_tokens: int, actual: int | None
+) -> None:
+    """As probed on 1.6.1 with the vLLM worker (context_window 2048): prompt + max_tokens above the window, or a
+    prompt that fills it, is a 400 with ``details`` (``actual`` is the prompt alone when the prompt fills it)."""
+    for path, body in (
+        ("/v1/completions", {"model": "tiny-qwen3", "prompt": [5] * prompt, "max_tokens": max_tokens}),
+        (
+            "/v1/chat/completions",
+            wire.generation_payload(
+                GenerateRequest(prompt_ids=[5] * prompt, sampling=SamplingParams(max_tokens=max_tokens)),
+                "tiny-qwen3",
+                transport="chat",
+            )[1],
+        ),
+    ):
+        response = await post(emulator, path, body)
+        if actual is None:
+            assert response.status_code == 200, response.text
+        else:
+            details = {"type": "context_length", "limit": 2048, "actual": actual}
+            assert response.status_code == 400
+            assert response.json() == {
+                "message": "Invalid request",
+                "type": "Bad Request",
+                "code": 400,
+                "details": details,
+            }
+
+
 async def test_an_abort_needs_the_bare_uuid_and_ends_with_stop(emulator: DynamoEmulator) -> None:
     rid = str(uuid.uuid4())
     body = {"model": "tiny-qwen3", "prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True, "logprobs": 0}

@@ -396,3 +396,97 @@ def test_in_flight_comes_from_the_request_gauges() -> None:
     assert wire.requests_in_flight(metrics, "http://v") == 0
     with pytest.raises(ResponseParseError, match="lacks vllm:num_requests_running"):
         wire.requests_in_flight("# nothing here\n", "http://v")
+
+
+# -- peers' forms: routed experts as an object, logprob entries naming their token as a string -------------
+
+
+def routed_object(routing: np.ndarray, start: int) -> dict[str, Any]:
+    """Routed experts as prime-rl's vLLM server sends them: base64 of the C-order array with its shape, start and
+    dtype beside it."""
+    data = base64.b64encode(np.ascontiguousarray(routing).tobytes()).decode()
+    return {"data": data, "shape": list(routing.shape), "start": start, "dtype": routing.dtype.name}
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int16", "int32"])
+def test_routed_experts_as_an_object_decode_from_their_own_start(dtype: str) -> None:
+    body = copy.deepcopy(capture("generate_tokens_logprobs")["response"]["body"])
+    ids = capture("generate_tokens_logprobs")["request"]["body"]["token_ids"]  # 16 prompt + 5 completion
+    routing = (np.arange(10 * 3 * 2).reshape(10, 3, 2) % 7).astype(dtype)
+    body["choices"][0]["routed_experts"] = routed_object(routing, start=10)
+    request = GenerateRequest(prompt_ids=ids, return_routed_experts=True, routed_experts_start=12)
+    (result,) = wire.parse_generate(body, request, "http://v")
+    assert result.routed_experts is not None and result.routed_experts.start == 12
+    np.testing.assert_array_equal(result.routed_experts.experts, routing[2:])  # trimmed from 10 to 12
+    assert result.routed_experts.experts.dtype == np.dtype(dtype)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"dtype": "float32"}, r"unsupported dtype 'float32'.* @ \$\.choices\[0\]\.routed_experts\.dtype"),
+        ({"shape": [10, 3]}, r"expected \[rows, layers, top_k\], got \[10, 3\]"),
+        ({"shape": [9, 3, 2]}, r"decodes to 10 rows but shape says 9"),
+        ({"start": 11}, r"10 rows from start 11; the sequence routed from there has 9"),
+        ({"data": "not base64!"}, r"routed_experts\.data is not valid base64"),
+        ({"start": None}, r"routed_experts\.start"),
+    ],
+)
+def test_a_bad_routed_experts_object_names_the_field_and_the_server(change: dict[str, Any], message: str) -> None:
+    body = copy.deepcopy(capture("generate_tokens_logprobs")["response"]["body"])
+    ids = capture("generate_tokens_logprobs")["request"]["body"]["token_ids"]
+    routing = np.zeros((10, 3, 2), np.uint8)
+    body["choices"][0]["routed_experts"] = {**routed_object(routing, start=10), **change}
+    request = GenerateRequest(prompt_ids=ids, return_routed_experts=True, routed_experts_start=10)
+    with pytest.raises(ResponseParseError, match=message) as caught:
+        wire.parse_generate(body, request, "http://v:8000")
+    assert caught.value.url == "http://v:8000" and "from http://v:8000" in str(caught.value)
+
+
+def test_a_routed_experts_decode_error_names_the_server() -> None:
+    body = copy.deepcopy(capture("generate_tokens_logprobs")["response"]["body"])
+    ids = capture("generate_tokens_logprobs")["request"]["body"]["token_ids"]
+    body["choices"][0]["routed_experts"] = "@@@"
+    request = GenerateRequest(prompt_ids=ids, return_routed_experts=True)
+    with pytest.raises(ResponseParseError, match="not valid base64") as caught:
+        wire.parse_generate(body, request, "http://v:8000")
+    assert caught.value.url == "http://v:8000"
+
+
+def string_token_body(top: bool) -> dict[str, Any]:
+    """The generate capture with its logprob entries as vLLM's older tokens route writes them: no ``token_id``,
+    only ``"token": "token_id:<id>"`` (alternatives likewise)."""
+    body = copy.deepcopy(capture("generate_tokens_logprobs")["response"]["body"])
+    for entry in body["choices"][0]["logprobs"]["content"]:
+        entry["token"] = f"token_id:{entry.pop('token_id')}"
+        for alt in entry.get("top_logprobs") or []:
+            alt["token"] = f"token_id:{alt.pop('token_id')}"
+        if not top:
+            entry["top_logprobs"] = []
+    return body
+
+
+def test_logprob_entries_naming_their_token_as_a_string_parse_with_the_id_checked() -> None:
+    reference, *_ = wire.parse_generate(
+        capture("generate_tokens_logprobs")["response"]["body"],
+        request_of("generate_tokens_logprobs", top_logprobs=1),
+        "http://v",
+    )
+    (result,) = wire.parse_generate(
+        string_token_body(True), request_of("generate_tokens_logprobs", top_logprobs=1), "http://v"
+    )
+    assert result.completion_ids == reference.completion_ids
+    np.testing.assert_array_equal(result.logprobs, reference.logprobs)
+    assert result.top_logprobs == reference.top_logprobs
+    (plain,) = wire.parse_generate(string_token_body(False), request_of("generate_tokens_logprobs"), "http://v")
+    np.testing.assert_array_equal(plain.logprobs, reference.logprobs)
+    wrong = string_token_body(False)
+    wrong["choices"][0]["logprobs"]["content"][3]["token"] = "token_id:7"
+    with pytest.raises(
+        ResponseParseError,
+        match=r"for token 7 but completion id 3 is .* @ \$\.choices\[0\]\.logprobs\.content\[3\]\.token",
+    ):
+        wire.parse_generate(wrong, request_of("generate_tokens_logprobs"), "http://v")
+    wrong["choices"][0]["logprobs"]["content"][3]["token"] = "hello"
+    with pytest.raises(ResponseParseError, match=r"expected 'token_id:<id>'"):
+        wire.parse_generate(wrong, request_of("generate_tokens_logprobs"), "http://v")

@@ -46,3 +46,22 @@ async def test_a_deliberately_different_chat_template_is_caught(
         check = await client.check_tokenizer(MESSAGES)
     assert not check.match and check.first_difference is not None
     assert check.local_ids[: check.first_difference] == check.server_ids[: check.first_difference]
+
+
+async def test_content_parts_one_part_matches_and_several_show_sglangs_space_join(
+    sglang_dense_url: str, tiny_models: TinyModels
+) -> None:
+    """SGLang's chat route joins the text parts of a message with " " where the client (and vLLM, and Dynamo)
+    joins them with "\\n": a one-part message renders alike, a two-part one differs exactly at the separator."""
+    config = ClientConfig(
+        backend="sglang", base_url=sglang_dense_url, model="tiny-qwen3", tokenizer=str(tiny_models.dense)
+    )
+    one = [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}]
+    two = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]
+    async with Client(config) as client:
+        single = await client.check_tokenizer(one)
+        double = await client.check_tokenizer(two)
+        spaced = client.render([{"role": "user", "content": "hello there"}])
+    assert single.match, single
+    assert not double.match and (double.local_token or "").startswith("\n")
+    assert list(double.server_ids) == spaced  # SGLang rendered "hello there"

@@ -4,6 +4,16 @@ Agent frameworks hand over dicts, Pydantic models, attrs or dataclass objects, s
 keys, missing vs empty content, and tool-call arguments as JSON strings with arbitrary spacing. Two histories
 that differ only in such ways are the same conversation; :func:`normalize_message` maps each to one canonical
 plain dict so comparison is exact and benign differences never break token reuse.
+
+Content given as OpenAI content parts (``[{"type": "text", "text": ...}, ...]``) is read the way vLLM's chat
+route reads it: the text part types (``text``, ``input_text``, ``output_text``, ``refusal``, ``thinking``) give
+their text, a text or refusal part without one is skipped, plain strings in the list are text; the normal form is
+the list of ``{"type": "text", "text": ...}`` parts. What the chat template then sees is decided per template in
+:func:`~backends_core.multiturn.rendering.render_text`: the texts joined with ``"\n"`` for templates that read
+content as a string (Qwen-style templates replace anything else with ``''``), the text parts themselves for
+templates that iterate over content. Image, audio, video and other parts are refused
+(:class:`~backends_core.errors.InvalidRequestError` naming the message and the part): token-in generation sends
+ids only, and no backend here runs an engine's multimodal processor. Nothing becomes a silently empty turn.
 """
 
 from __future__ import annotations
@@ -17,7 +27,70 @@ import attrs
 
 from backends_core.errors import InvalidRequestError
 
-__all__ = ["as_plain", "normal_forms", "normalize_message", "normalize_messages"]
+__all__ = [
+    "TEXT_PART_KEYS",
+    "as_plain",
+    "check_content_parts",
+    "normal_forms",
+    "normalize_message",
+    "normalize_messages",
+    "part_texts",
+]
+
+#: Content-part types whose text reaches the chat template, and the key holding the text (vLLM's text part types).
+TEXT_PART_KEYS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+#: Text part types vLLM skips when their text is missing.
+_SKIPPED_WHEN_EMPTY = frozenset({"text", "refusal"})
+
+
+def part_texts(content: Sequence[Any], where: str) -> list[str]:
+    """The texts of a content-part list, in order (plain strings in the list are text).
+
+    :param content: the message's ``content`` list.
+    :param where: how errors name the content (``messages[2].content``).
+    :raises InvalidRequestError: a part that is not text (image, audio, video, file...), or a malformed part.
+    """
+    texts = []
+    for j, part in enumerate(content):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        if not isinstance(part, Mapping):
+            raise InvalidRequestError(f"{where}[{j}] must be a content part object, got {type(part).__name__}")
+        kind = part.get("type")
+        if not isinstance(kind, str):
+            raise InvalidRequestError(f"{where}[{j}] has no string 'type' (a content part needs one): {part!r}")
+        key = TEXT_PART_KEYS.get(kind)
+        if key is None:
+            raise InvalidRequestError(
+                f"{where}[{j}] is a part of type {kind!r}: only text parts ({', '.join(sorted(TEXT_PART_KEYS))}) "
+                "can be sent: token-in generation carries prompt ids, and rendering them has no multimodal "
+                "processor for images, audio or video"
+            )
+        text = part.get(key)
+        if text is None and kind in _SKIPPED_WHEN_EMPTY:
+            continue
+        if not isinstance(text, str):
+            raise InvalidRequestError(
+                f"{where}[{j}] is a part of type {kind!r} whose {key!r} is not a string: {text!r}"
+            )
+        texts.append(text)
+    return texts
+
+
+def check_content_parts(messages: Sequence[Mapping[str, Any]]) -> None:
+    """Refuse, before anything is rendered or sent, any content part that cannot reach the template as text,
+    naming the message index and the part (:func:`part_texts`)."""
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list | tuple):
+            part_texts(content, f"messages[{i}].content")
 
 
 def as_plain(message: Any) -> dict[str, Any]:
@@ -97,6 +170,8 @@ def normalize_message(message: Any) -> dict[str, Any]:
     if not isinstance(plain.get("role"), str):
         raise InvalidRequestError(f"a message needs a string 'role', got {message!r}")
     plain.setdefault("content", "")
+    if isinstance(plain["content"], list):
+        plain["content"] = [{"type": "text", "text": t} for t in part_texts(plain["content"], "content")]
     calls = plain.get("tool_calls")
     if calls:
         normalized = []

@@ -158,11 +158,13 @@ class Generation:
         else:
             logprobs = _typed(body, "logprobs", (int,), None)
         options = body.get("stream_options") or {}
+        prompts = self._prompts(body, nvext, chat=chat)
+        self._check_context(prompts, max_tokens)
         return _Ask(
             chat=chat,
             model=body["model"],
             lora=lora,
-            prompts=self._prompts(body, nvext, chat=chat),
+            prompts=prompts,
             n=n,
             max_tokens=max_tokens,
             sampling={
@@ -186,6 +188,18 @@ class Generation:
             extra=extra | _annotated(nvext),
             uuid=rid,
         )
+
+    def _check_context(self, prompts: tuple[tuple[int, ...], ...], max_tokens: int | None) -> None:
+        """The frontend's ``context_length`` 400 (as captured on 1.6.1 with the vLLM worker): a prompt that leaves
+        no room for one token, or prompt + ``max_tokens`` beyond the model's ``context_window``."""
+        limit = self.d.engine.max_model_len
+        for prompt in prompts:
+            actual = len(prompt) if len(prompt) >= limit else len(prompt) + (max_tokens or 0)
+            if actual > limit or len(prompt) >= limit:
+                details = {"type": "context_length", "limit": limit, "actual": actual}
+                raise HttpError(
+                    400, "", body={"message": "Invalid request", "type": "Bad Request", "code": 400, "details": details}
+                )
 
     def _prompts(self, body: Mapping[str, Any], nvext: Mapping[str, Any], *, chat: bool) -> tuple[tuple[int, ...], ...]:
         """``nvext.token_data`` replaces the prompt; else the messages through the chat template, or the

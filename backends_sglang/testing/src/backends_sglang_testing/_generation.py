@@ -6,7 +6,8 @@ Reproduced from the 0.5.23 captures and notes:
   (400s), ``max_req_input_len`` (400), ``logprob_start_len`` below the prompt length; then ``max_new_tokens`` is
   **silently clipped** to ``max_req_len - prompt - 1`` as SGLang's scheduler does;
 * ``n > 1`` and batches answer a list (prompt-major), each sample with its own ``meta_info.id``
-  (``<rid>_<j>`` for samples of a caller's ``rid``);
+  (``<rid>_<j>`` for samples of a caller's ``rid``); every sample of ``n > 1`` is drawn with the request's one
+  ``sampling_seed`` (the tokenizer manager copies the request's sampling params into each sample);
 * logprob triples ``[logprob, token_id, text|null]``; prompt entries start at ``logprob_start_len`` and the entry
   at that position is null even when it has a logprob; ``-1`` gives an empty prompt list;
 * finish reasons ``{"type": "length", "length"}`` / ``{"type": "stop", "matched"}`` / ``{"type": "abort", ...}``,
@@ -148,7 +149,7 @@ class Generation:
             top_p=s.top_p,
             top_k=s.top_k,
             min_p=s.min_p,
-            seed=None if s.seed is None else s.seed + sample,
+            seed=s.seed,  # every sample of n > 1 gets the request's one seed: SGLang copies the sampling params
             stop_token_ids=s.stop_token_ids,
             stop=s.stop,
             logit_bias=s.logit_bias,

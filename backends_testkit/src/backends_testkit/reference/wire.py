@@ -149,13 +149,14 @@ def parse_generate(raw: Any, request: GenerateRequest, server_url: str) -> list[
         if request.return_routed_experts:
             if sample.routed_experts is None:
                 raise ResponseParseError(f"{where}.routed_experts is missing although it was requested", url=server_url)
-            experts = decode_routed_experts(sample.routed_experts, field=f"{where}.routed_experts")
+            experts = decode_routed_experts(sample.routed_experts, field=f"{where}.routed_experts", url=server_url)
             routed = align_routed_experts(
                 experts,
                 total_tokens=len(request.prompt_ids) + len(sample.output_ids),
                 server_start=sample.routed_experts_start,
                 wanted_start=request.routed_experts_start,
                 field=f"{where}.routed_experts",
+                url=server_url,
             )
         top = None
         k = request.sampling.top_logprobs

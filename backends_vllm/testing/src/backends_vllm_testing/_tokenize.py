@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from backends_core.multiturn.rendering import load_tokenizer
+from backends_core.errors import InvalidRequestError
+from backends_core.multiturn.rendering import content_format, load_tokenizer, template_messages
 from backends_vllm_testing._errors import bad_request
 from backends_vllm_testing._formatting import Detokenizer
 from backends_vllm_testing._serving import Serving
@@ -63,9 +64,13 @@ def _render(serving: Serving, values: Mapping[str, Any]) -> str:
     kwargs = dict(values["chat_template_kwargs"] or {})
     if values["chat_template"] is not None:
         kwargs["chat_template"] = values["chat_template"]
+    try:  # content parts as vLLM's chat route hands them to the template (text parts only on a text model)
+        messages = template_messages(values["messages"], content_format(tokenizer, values["tools"]))
+    except InvalidRequestError as exc:
+        raise bad_request(str(exc)) from None
     try:
         text = tokenizer.apply_chat_template(
-            values["messages"],
+            messages,
             tools=values["tools"],
             add_generation_prompt=values["add_generation_prompt"],
             continue_final_message=values["continue_final_message"],
