@@ -223,14 +223,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 timeout=timeout,
                 server_hostname=request.extensions.get("sni_hostname"),
             ) as answer:
-                codings = answer.headers.getall("transfer-encoding", ())
-                if codings and not _tokens(codings) <= _TRANSFER_CODINGS:
-                    answer.close()
-                    error = httpx.RemoteProtocolError(
-                        f"unsupported Transfer-Encoding: {', '.join(codings)}", request=request
-                    )
-                    setattr(error, "answer_started", True)  # noqa: B010  # read by server.answer_started
-                    raise error
+                _check_codings(answer, request)
                 body = await answer.read()
         except ValueError as exc:  # aiohttp refuses to build the request (header injection): nothing was sent
             if isinstance(exc, aiohttp.ClientError):
@@ -275,12 +268,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             timeout=timeout,
             server_hostname=request.extensions.get("sni_hostname"),
         )
-        codings = answer.headers.getall("transfer-encoding", ())
-        if codings and not _tokens(codings) <= _TRANSFER_CODINGS:
-            answer.close()
-            error = httpx.RemoteProtocolError(f"unsupported Transfer-Encoding: {', '.join(codings)}", request=request)
-            setattr(error, "answer_started", True)  # noqa: B010  # read by server.answer_started
-            raise error
+        _check_codings(answer, request)
         extensions: dict[str, Any] = {"http_version": b"HTTP/1.1"}
         if answer.reason:
             extensions["reason_phrase"] = answer.reason.encode()
@@ -310,6 +298,16 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+def _check_codings(answer: aiohttp.ClientResponse, request: httpx.Request) -> None:
+    """Refuse an answer in a transfer coding other than chunked (a gzip one would reach httpx still encoded)."""
+    codings = answer.headers.getall("transfer-encoding", ())
+    if codings and not _tokens(codings) <= _TRANSFER_CODINGS:
+        answer.close()
+        error = httpx.RemoteProtocolError(f"unsupported Transfer-Encoding: {', '.join(codings)}", request=request)
+        setattr(error, "answer_started", True)  # noqa: B010  # read by server.answer_started
+        raise error
 
 
 @functools.lru_cache(maxsize=4096)
