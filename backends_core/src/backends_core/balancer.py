@@ -1,6 +1,9 @@
 """Which server gets the next request: sticky-least-loaded with health tracking.
 
 * Requests without a session go to the healthy server with the fewest requests in flight (ties rotate).
+* A new session goes to the healthy server with the fewest requests in flight; ties go to the server that
+  holds the fewest sessions, then rotate. Only fresh picks move the rotation: the turns of a sticky session
+  do not, so however many turns each session sends, new sessions spread evenly.
 * A session (a conversation, an agent trajectory) sticks to its server, so its prefix cache keeps hitting,
   unless that server is down or carries more than ``slack`` requests above the least-loaded one: then the
   session moves, once, to the least-loaded server (not plain hashing, which pins sessions to a thrashing
@@ -12,7 +15,6 @@
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -65,41 +67,58 @@ class Balancer(Generic[S]):
         self.cooldown = cooldown
         self.max_sessions = max_sessions
         self._clock = clock
-        self._rotation = itertools.count()
+        self._rotation = 0
         self._sessions: OrderedDict[str, int] = OrderedDict()
+        #: How many remembered sessions stick to each server.
+        self.session_counts = [0] * len(self.servers)
 
-    def _least_loaded(self, *, exclude: frozenset[int] = frozenset()) -> int:
-        now = self._clock()
-        n = len(self.servers)
-        start = next(self._rotation) % n
-        order = [(start + i) % n for i in range(n) if (start + i) % n not in exclude]
+    def _candidates(self, exclude: frozenset[int], now: float) -> tuple[list[int], bool]:
+        """The servers a request may go to, and whether they are healthy (else all are down)."""
+        order = [i for i in range(len(self.servers)) if i not in exclude]
         if not order:
             raise LookupError("every server has been tried")
         healthy = [i for i in order if self.load[i].up(now)]
-        if healthy:
-            return min(healthy, key=lambda i: self.load[i].in_flight)
-        return min(order, key=lambda i: self.load[i].down_until)  # all down: probe the one back soonest
+        return (healthy, True) if healthy else (order, False)
+
+    def _least_loaded(self, *, exclude: frozenset[int], now: float, new_session: bool) -> int:
+        candidates, healthy = self._candidates(exclude, now)
+        if not healthy:  # all down: probe the one back soonest
+            return min(candidates, key=lambda i: self.load[i].down_until)
+        n = len(self.servers)
+        start = self._rotation % n
+        self._rotation += 1
+
+        def rank(i: int) -> tuple[int, int, int]:
+            sessions = self.session_counts[i] if new_session else 0
+            return (self.load[i].in_flight, sessions, (i - start) % n)
+
+        return min(candidates, key=rank)
 
     def pick(self, *, session: str | None = None, exclude: frozenset[int] = frozenset()) -> int:
         """Index of the server for the next request of ``session`` (or of no session)."""
-        best = self._least_loaded(exclude=exclude)
-        if session is None:
-            return best
         now = self._clock()
-        current = self._sessions.get(session)
-        if (
-            current is not None
-            and current not in exclude
-            and self.load[current].up(now)
-            and self.load[current].in_flight <= self.load[best].in_flight + self.slack
-        ):
-            self._sessions.move_to_end(session)
-            return current
-        self._sessions[session] = best
-        self._sessions.move_to_end(session)
-        while len(self._sessions) > self.max_sessions:
-            self._sessions.popitem(last=False)
+        if session is not None:
+            current = self._sessions.get(session)
+            if current is not None and current not in exclude and self.load[current].up(now):
+                candidates, _ = self._candidates(exclude, now)
+                lightest = min(self.load[i].in_flight for i in candidates)
+                if self.load[current].in_flight <= lightest + self.slack:
+                    self._sessions.move_to_end(session)
+                    return current
+        best = self._least_loaded(exclude=exclude, now=now, new_session=session is not None)
+        if session is not None:
+            self._stick(session, best)
         return best
+
+    def _stick(self, session: str, index: int) -> None:
+        previous = self._sessions.pop(session, None)
+        if previous is not None:
+            self.session_counts[previous] -= 1
+        self._sessions[session] = index
+        self.session_counts[index] += 1
+        while len(self._sessions) > self.max_sessions:
+            _, forgotten = self._sessions.popitem(last=False)
+            self.session_counts[forgotten] -= 1
 
     def session_server(self, session: str) -> int | None:
         """Where ``session`` currently sticks, if anywhere."""
