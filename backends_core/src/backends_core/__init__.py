@@ -20,6 +20,7 @@ from backends_core.errors import (
     ClientClosedError,
     ConfigError,
     InvalidRequestError,
+    MembershipError,
     NetworkError,
     ParserNotFoundError,
     RenderError,
@@ -37,6 +38,7 @@ from backends_core.errors import (
 from backends_core.events import Event
 from backends_core.fleet import ServerOutcome, ServerReport, SyncReport
 from backends_core.hookspecs import hookimpl
+from backends_core.membership import Fleet, Member
 from backends_core.multiturn import BridgeStats, Conversation, extend_prompt
 from backends_core.plugins import ENTRY_POINT_GROUP, BackendInfo, available_backends
 from backends_core.routed_experts import align_routed_experts, decode_routed_experts
@@ -88,6 +90,7 @@ __all__ = [
     "DistributedGroup",
     "ENTRY_POINT_GROUP",
     "Event",
+    "Fleet",
     "FleetPolicy",
     "GenerateRequest",
     "GenerateResult",
@@ -97,6 +100,8 @@ __all__ = [
     "JsonSchema",
     "Limits",
     "LoraAdapter",
+    "Member",
+    "MembershipError",
     "NetworkError",
     "ParserNotFoundError",
     "Refusal",

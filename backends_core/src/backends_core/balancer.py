@@ -11,6 +11,9 @@
 * A server whose request could not even be sent is taken out for ``cooldown`` seconds; after that it gets
   one probe request (half-open) and is back on its first success. In-flight counts are exact: every
   :meth:`Balancer.acquire` has a matching :meth:`Balancer.release`.
+* Membership is elastic (``client.fleet``): every server ever added keeps its index for good (requests in flight
+  hold it); only servers in the ``serving`` state are picked. A server ``joining`` is not picked until it is
+  admitted; a ``gone`` one is never picked again, and :attr:`Balancer.on_idle` hears when its last request ends.
 """
 
 from __future__ import annotations
@@ -18,13 +21,16 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Generic, TypeVar
+from typing import Generic, Literal, TypeVar
 
 import attrs
 
-__all__ = ["Balancer", "ServerLoad"]
+__all__ = ["Balancer", "MemberState", "ServerLoad"]
 
 S = TypeVar("S")
+
+#: Where a server stands in the fleet: picked, being caught up before it is picked, or removed.
+MemberState = Literal["serving", "joining", "gone"]
 
 
 @attrs.define
@@ -71,11 +77,44 @@ class Balancer(Generic[S]):
         self._sessions: OrderedDict[str, int] = OrderedDict()
         #: How many remembered sessions stick to each server.
         self.session_counts = [0] * len(self.servers)
+        #: Each server's membership: the one record of which servers are in the fleet.
+        self.states: list[MemberState] = ["serving"] * len(self.servers)
+        #: Called with the index of a ``gone`` server whose last request in flight just ended.
+        self.on_idle: Callable[[int], None] | None = None
+
+    def add(self, server: S, *, state: MemberState = "joining") -> int:
+        """A new server's index (it is never reused)."""
+        self.servers.append(server)
+        self.load.append(ServerLoad())
+        self.session_counts.append(0)
+        self.states.append(state)
+        return len(self.servers) - 1
+
+    def admit(self, index: int) -> None:
+        """Server ``index`` serves from now on."""
+        if self.states[index] == "joining":
+            self.states[index] = "serving"
+
+    def retire(self, index: int) -> None:
+        """Server ``index`` gets no new request; those in flight end as they would."""
+        self.states[index] = "gone"
+        if self.load[index].in_flight == 0 and self.on_idle is not None:
+            self.on_idle(index)
+
+    def serving(self) -> list[int]:
+        """Indices of the servers requests may go to."""
+        return [i for i, state in enumerate(self.states) if state == "serving"]
+
+    def exhausted(self, tried: set[int]) -> bool:
+        """Whether every serving server is in ``tried``."""
+        return all(i in tried for i in self.serving())
 
     def _candidates(self, exclude: frozenset[int], now: float) -> tuple[list[int], bool]:
         """The servers a request may go to, and whether they are healthy (else all are down)."""
-        order = [i for i in range(len(self.servers)) if i not in exclude]
+        order = [i for i in self.serving() if i not in exclude]
         if not order:
+            if not self.serving():
+                raise LookupError("no server is serving: every member is joining or gone")
             raise LookupError("every server has been tried")
         healthy = [i for i in order if self.load[i].up(now)]
         return (healthy, True) if healthy else (order, False)
@@ -99,7 +138,12 @@ class Balancer(Generic[S]):
         now = self._clock()
         if session is not None:
             current = self._sessions.get(session)
-            if current is not None and current not in exclude and self.load[current].up(now):
+            if (
+                current is not None
+                and current not in exclude
+                and self.states[current] == "serving"
+                and self.load[current].up(now)
+            ):
                 candidates, _ = self._candidates(exclude, now)
                 lightest = min(self.load[i].in_flight for i in candidates)
                 if self.load[current].in_flight <= lightest + self.slack:
@@ -131,6 +175,8 @@ class Balancer(Generic[S]):
         """Account for a finished request; ``reachable=False`` takes the server out for the cooldown."""
         load = self.load[index]
         load.in_flight -= 1
+        if load.in_flight == 0 and self.states[index] == "gone" and self.on_idle is not None:
+            self.on_idle(index)
         if ok:
             load.completed += 1
             load.failures = 0

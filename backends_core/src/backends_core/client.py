@@ -28,6 +28,7 @@ from backends_core.errors import (
     TransportError,
 )
 from backends_core.fleet import Admin, ServedVersions
+from backends_core.membership import Fleet
 from backends_core.multiturn import BridgeStats, Conversation
 from backends_core.multiturn.extension import end_of_turn_stop_ids
 from backends_core.multiturn.messages import as_plain, check_content_parts, normalize_messages
@@ -139,20 +140,21 @@ class Client:
         )
         # every server gets its own small admin pool: control calls never queue behind generation streams
         admin_limits = httpx.Limits(max_connections=lim.admin_max_connections, keepalive_expiry=lim.keepalive_expiry)
-        self._admin_clients = [
-            httpx.AsyncClient(
+        self._admin_clients: list[httpx.AsyncClient] = []
+        secrets = {k for k in (key, admin_key) if k}
+        fleet = config.fleet
+        elastic = len(config.servers) > 1 or fleet.discovery is not None
+
+        def make_server(base: str, admin: str, *, failover: bool = True) -> Server:
+            admin_client = httpx.AsyncClient(
                 **_transport_args(transport, admin_limits, tls),
                 verify=tls,
                 follow_redirects=False,
                 timeout=httpx.Timeout(t.admin, connect=t.connect),
                 limits=admin_limits,
             )
-            for _ in config.servers
-        ]
-        secrets = {k for k in (key, admin_key) if k}
-        #: One handle per configured server, in config order.
-        self.servers: list[Server] = [
-            Server(
+            self._admin_clients.append(admin_client)
+            return Server(
                 base_url=base,
                 admin_url=admin,
                 data_client=self._data,
@@ -160,17 +162,21 @@ class Client:
                 retry=config.retry,
                 admin_retry=config.admin.retry_policy(config.retry),
                 admin_timeout=t.admin,
-                failover=len(config.servers) > 1,
+                failover=failover,
                 secrets=set(secrets),
                 home_headers=home_headers,
                 admin_headers=admin_headers,
                 home=frozenset((base, admin)),
             )
-            for (base, admin), admin_client in zip(config.servers, self._admin_clients, strict=True)
-        ]
-        fleet = config.fleet
-        #: Sticky-least-loaded server choice with health tracking (see :mod:`backends_core.balancer`).
-        self.balancer: Balancer[Server] = Balancer(self.servers, slack=fleet.sticky_slack, cooldown=fleet.cooldown)
+
+        self._make_server = make_server
+        #: Sticky-least-loaded server choice with health tracking (see :mod:`backends_core.balancer`); it holds
+        #: the fleet's membership (which servers serve, join or are gone).
+        self.balancer: Balancer[Server] = Balancer(
+            [make_server(base, admin, failover=elastic) for base, admin in config.servers],
+            slack=fleet.sticky_slack,
+            cooldown=fleet.cooldown,
+        )
         #: The weight version this client last set on every server (the fleet's version).
         self.weight_version: str | None = None
         #: The weight version each server serves as far as this client knows; requests are salted with it.
@@ -191,9 +197,13 @@ class Client:
             on_version=self._remember_version,
             versions=self.versions,
             on_swap=self._swapped,
+            members=lambda: [self.servers[i] for i in self.balancer.serving()],
         )
+        #: Membership at run time: servers join (caught up first) and leave (drained).
+        self.fleet = Fleet(self)
 
     async def __aenter__(self) -> Client:
+        self.fleet.start()
         return self
 
     async def __aexit__(
@@ -202,15 +212,22 @@ class Client:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Close every connection pool."""
+        """Stop refreshing the membership and close every connection pool."""
+        await self.fleet.aclose()
         await self._data.aclose()
         for admin_client in self._admin_clients:
             await admin_client.aclose()
 
     @property
+    def servers(self) -> list[Server]:
+        """Every server this client has had, by index (indices stay valid when members join or leave): the
+        configured ones in config order, then the ones that joined. :attr:`base_urls` lists those serving."""
+        return self.balancer.servers
+
+    @property
     def base_urls(self) -> list[str]:
-        """The servers' base URLs, in config order."""
-        return [s.base_url for s in self.servers]
+        """The base URLs of the servers serving, in order of joining (the configured ones in config order)."""
+        return [self.servers[i].base_url for i in self.balancer.serving()]
 
     @property
     def backend(self) -> str:
@@ -257,15 +274,25 @@ class Client:
         return self._parser.parse(result)
 
     def server_index(self, which: int | str) -> int:
-        """Index of a server given by index or base URL."""
+        """Index of a serving server given by index or base URL.
+
+        :raises InvalidRequestError: no such server, or it is not serving (joining: not caught up yet; gone).
+        """
         if isinstance(which, int):
             if not 0 <= which < len(self.servers):
                 raise InvalidRequestError(f"server index {which} out of range (have {len(self.servers)})")
-            return which
-        for i, s in enumerate(self.servers):
-            if s.base_url == which.rstrip("/"):
-                return i
-        raise InvalidRequestError(f"no server {which!r} in this client (have {self.base_urls})")
+            index = which
+        else:
+            url = which.rstrip("/")
+            found = [i for i, s in enumerate(self.servers) if s.base_url == url]
+            if not found:
+                raise InvalidRequestError(f"no server {which!r} in this client (have {self.base_urls})")
+            index = next((i for i in found if self.balancer.states[i] == "serving"), found[-1])
+        state = self.balancer.states[index]
+        if state != "serving":
+            why = "it is joining and not caught up yet" if state == "joining" else "it left the fleet"
+            raise InvalidRequestError(f"server {self.servers[index].base_url} gets no requests: {why}")
+        return index
 
     def server(self, which: int | str | None = None, *, session: str | None = None) -> Server:
         """A server by index or base URL, or (``None``) the balancer's pick for ``session``."""
@@ -458,7 +485,10 @@ class Client:
     ) -> tuple[int, GenerateRequest]:
         """The server for the next attempt at ``request`` (``pinned``, else the balancer's pick among those not
         ``tried``) once its weights are known to be the fleet's, and the request as sent there (salted)."""
+        self.fleet.start()
         while True:
+            if pinned is not None and self.balancer.states[pinned] != "serving":
+                raise InvalidRequestError(f"server {self.servers[pinned].base_url} left the fleet")
             index = pinned if pinned is not None else self.balancer.pick(session=session, exclude=frozenset(tried))
             target = self.servers[index]
             if self.versions.in_doubt(target):
@@ -467,7 +497,7 @@ class Client:
                 if stale is not None:  # stays in doubt: looked at again after the cooldown
                     self.balancer.take_out(index)
                     tried.add(index)
-                    if pinned is not None or len(tried) == len(self.servers):
+                    if pinned is not None or self.balancer.exhausted(tried):
                         raise stale
                     log.warning("%s", stale)
                     continue
@@ -483,7 +513,7 @@ class Client:
         tried.add(index)
         if down:  # whatever comes back on this address is looked at again before it serves
             self.versions.forget(self.servers[index])
-        return exc.maybe_processed or pinned is not None or len(tried) == len(self.servers)
+        return exc.maybe_processed or pinned is not None or self.balancer.exhausted(tried)
 
     def _served(self, index: int, result: GenerateResult) -> None:
         """Account for an answered attempt on server ``index``."""
@@ -531,7 +561,11 @@ class Client:
         the one version every other server is known to serve. ``None`` when it matches or cannot be told."""
         expected = self.weight_version
         if expected is None:
-            others = {v for i, s in enumerate(self.servers) if i != index and (v := self.versions.get(s)) is not None}
+            others = {
+                v
+                for i in self.balancer.serving()
+                if i != index and (v := self.versions.get(self.servers[i])) is not None
+            }
             expected = others.pop() if len(others) == 1 else None
         target = self.servers[index]
         reported = self.versions.get(target)

@@ -12,7 +12,7 @@ import os
 import random
 import re
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -169,12 +169,42 @@ class FleetPolicy:
     :param session_header: header carrying the session key for external routers (empty: not sent).
     :param salt_with_weight_version: give requests without a ``cache_salt`` one derived from the weight
         version this client last set, so prefix-cache hits never cross a weight update.
+    :param discovery: where the fleet's members come from while the client runs (``client.fleet``):
+        ``"file:PATH"`` (one URL per line; blank lines and ``#`` comments skipped), ``"dns:HOST:PORT"`` (one
+        ``http://IP:PORT`` server per A record of HOST), or a callable returning the URLs (it may be async).
+        Servers it lists join (caught up first), servers it no longer lists leave (drained); ``None``: only
+        ``base_url`` and ``client.fleet.add`` / ``remove``.
+    :param refresh_interval: seconds between two refreshes of the membership (discovery, and catching up
+        servers whose catch-up failed); ``None``: only on ``client.fleet.refresh()``.
     """
 
     sticky_slack: int = attrs.field(default=8, validator=_at_least(0))
     cooldown: float = attrs.field(default=5.0, validator=_at_least(0))
     session_header: str = "X-Session-ID"
     salt_with_weight_version: bool = True
+    discovery: str | Callable[[], Any] | None = attrs.field(default=None, validator=lambda _i, _a, v: _discovery(v))
+    refresh_interval: float | None = attrs.field(default=30.0, validator=_positive_or_none("refresh_interval"))
+
+
+_DNS = re.compile(r"^dns:(?P<host>[A-Za-z0-9.-]+):(?P<port>[0-9]{1,5})$")
+
+
+def _discovery(value: Any) -> str | Callable[[], Any] | None:
+    """``value`` if it names a discovery source (see :class:`FleetPolicy`), else :class:`ConfigError`."""
+    if value is None:
+        return None
+    if callable(value):
+        source: Callable[[], Any] = value
+        return source
+    if isinstance(value, str):
+        if value.startswith("file:") and value[5:].strip():
+            return value
+        dns = _DNS.match(value)
+        if dns and 0 < int(dns["port"]) < 65536:
+            return value
+    raise ConfigError(
+        f"discovery must be 'file:PATH', 'dns:HOST:PORT' or a callable returning server URLs, got {value!r}"
+    )
 
 
 def _deadlines(value: Mapping[str, float]) -> dict[str, float]:
@@ -431,6 +461,17 @@ def _structure_verify(value: Any, _type: Any) -> bool | str:
     return value
 
 
+def _structure_discovery(value: Any, _type: Any) -> str | None:
+    if not isinstance(value, str):  # a file holds a source's name; callables are given in code
+        raise ConfigError(f"discovery must be 'file:PATH' or 'dns:HOST:PORT', got {value!r}")
+    return _discovery(value)  # type: ignore[return-value]  # a string stays a string
+
+
+def _structure_interval(value: Any, _type: Any) -> float | None:
+    _positive_or_none("refresh_interval")(None, None, value)
+    return None if value is None else float(value)
+
+
 def _make_converter() -> cattrs.Converter:
     conv = make_converter(forbid_extra_keys=True)
 
@@ -441,6 +482,16 @@ def _make_converter() -> cattrs.Converter:
 
     timeouts_fn = make_dict_structure_fn(Timeouts, conv, _cattrs_forbid_extra_keys=True)
     conv.register_structure_hook(Timeouts, timeouts_hook)
+    conv.register_structure_hook(
+        FleetPolicy,
+        make_dict_structure_fn(
+            FleetPolicy,
+            conv,
+            _cattrs_forbid_extra_keys=True,
+            discovery=override(struct_hook=_structure_discovery),
+            refresh_interval=override(struct_hook=_structure_interval),
+        ),
+    )
     conv.register_structure_hook(
         ClientConfig,
         make_dict_structure_fn(

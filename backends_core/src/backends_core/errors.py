@@ -14,6 +14,8 @@
     ├── UnsupportedOperationError (NotImplementedError)
     │                                             optional hook not implemented; ``.backend``, ``.operation``
     ├── InvalidRequestError (ValueError)          a caller's arguments are wrong (checked before sending)
+    │   └── MembershipError                       ``client.fleet``: no such member, already a member, or a
+    │                                             removal that would leave no serving server
     ├── RenderError (ValueError)                  messages could not be rendered to prompt ids
     ├── BridgeError                               multi-turn: the new prompt cannot be proven to extend the
     │                                             previous turn's exact ids; ``.reason``
@@ -59,6 +61,7 @@ __all__ = [
     "ClientClosedError",
     "ConfigError",
     "InvalidRequestError",
+    "MembershipError",
     "NetworkError",
     "ParserNotFoundError",
     "RenderError",
@@ -171,6 +174,11 @@ class UnsupportedOperationError(BackendError, NotImplementedError):
 
 class InvalidRequestError(BackendError, ValueError):
     """The caller's arguments are invalid; raised before anything is sent."""
+
+
+class MembershipError(InvalidRequestError):
+    """A fleet membership change that cannot be made (``client.fleet.add`` / ``remove``): the URL is not a
+    member, is one already, or its removal would leave no server to serve."""
 
 
 class RenderError(BackendError, ValueError):

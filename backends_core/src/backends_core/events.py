@@ -8,7 +8,7 @@ import attrs
 
 __all__ = ["Event"]
 
-EventKind = Literal["generate", "teacher_logprobs", "admin", "bridge"]
+EventKind = Literal["generate", "teacher_logprobs", "admin", "bridge", "fleet"]
 
 
 @attrs.frozen(kw_only=True)
@@ -16,7 +16,9 @@ class Event:
     """One finished operation.
 
     :ivar kind: the family of the operation.
-    :ivar operation: hook or bridge step name (``"post_generate"``, ``"admin_pause"``, ``"bridge"``).
+    :ivar operation: hook or bridge step name (``"post_generate"``, ``"admin_pause"``, ``"bridge"``); for
+        ``kind="fleet"`` (``client.fleet``): ``"join"``, ``"leave"``, ``"catch_up"`` (``detail["failures"]``
+        counts the failed ones) or ``"discover"``.
     :ivar backend: the backend's name.
     :ivar server: base URL of the server involved, if any.
     :ivar duration_s: wall time of the operation.

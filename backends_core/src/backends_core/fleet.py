@@ -37,10 +37,12 @@ __all__ = [
     "IDEMPOTENT_OPERATIONS",
     "Admin",
     "AdminOutcomes",
+    "FleetRecord",
     "ServedVersions",
     "ServerOutcome",
     "ServerReport",
     "SyncReport",
+    "WeightsRecord",
 ]
 
 T = TypeVar("T")
@@ -88,6 +90,51 @@ class SyncReport:
     @property
     def ok(self) -> bool:
         return all(o.ok for outcomes in self.phases.values() for o in outcomes)
+
+
+@attrs.frozen(kw_only=True)
+class WeightsRecord:
+    """The last weight update that reached every server: a checkpoint ``path``, or a broadcast over
+    ``group_name`` (which a server joining later cannot be sent)."""
+
+    version: str | None
+    path: str | None = None
+    group_name: str | None = None
+
+
+class FleetRecord:
+    """What this client's admin operations made the fleet serve, for servers that join later
+    (``client.fleet``): the last weight update that reached every server and the adapters loaded on every
+    server, in load order.
+
+    :ivar weights: the last weight update that succeeded everywhere, ``None`` before any.
+    :ivar mixed: the last weight update reached some servers only: the fleet's weights are not one version.
+    :ivar adapters: name → the adapter as last loaded on every server.
+    """
+
+    def __init__(self) -> None:
+        self.weights: WeightsRecord | None = None
+        self.mixed = False
+        self.adapters: dict[str, LoraAdapter] = {}
+
+    def updated(self, outcomes: Sequence[ServerOutcome[Any]], weights: WeightsRecord) -> None:
+        """Record a weight update's outcomes: every server switched, some did, or none did (nothing changed)."""
+        switched = sum(o.ok for o in outcomes)
+        if switched == len(outcomes):
+            self.weights, self.mixed = weights, False
+        elif switched:
+            self.mixed = True
+
+    def lora(
+        self, outcomes: Sequence[ServerOutcome[Any]], *, loaded: LoraAdapter | None = None, unloaded: str = ""
+    ) -> None:
+        if not all(o.ok for o in outcomes):
+            return
+        if loaded is not None:
+            self.adapters.pop(loaded.name, None)
+            self.adapters[loaded.name] = attrs.evolve(loaded, replace=False)
+        else:
+            self.adapters.pop(unloaded, None)
 
 
 class ServedVersions:
@@ -148,15 +195,27 @@ class Admin:
         on_version: Callable[[str], None] | None = None,
         versions: ServedVersions | None = None,
         on_swap: Callable[[str], None] | None = None,
+        members: Callable[[], Sequence[Server]] | None = None,
     ) -> None:
         self._driver = driver
-        self._servers = list(servers)
+        fixed = list(servers)
+        self._members = members if members is not None else lambda: fixed
+        #: What the weight and adapter operations made the whole fleet serve (replayed to servers that join).
+        self.record = FleetRecord()
+        #: Held by every operation that changes weights or adapters, and by a joining server's catch-up: a
+        #: server joins either before such an operation (and gets it) or after it (and is caught up to it).
+        self.changes = asyncio.Lock()
         #: What each server serves, refreshed by every successful state check and weight update.
         self.versions = versions if versions is not None else ServedVersions()
         self._policy = policy or AdminPolicy()
         self._default_deadline = default_deadline if default_deadline is not None else driver.config.timeouts.admin
         self._on_version = on_version
         self._on_swap = on_swap
+
+    @property
+    def _servers(self) -> list[Server]:
+        """The servers serving now (``client.fleet``'s members)."""
+        return list(self._members())
 
     def deadline(self, operation: str) -> float | None:
         """Seconds one server gets for ``operation``, retries included (``None``: no limit)."""
@@ -244,7 +303,9 @@ class Admin:
         text(path, "path")
         if version is not None:
             text(version, "version")
-        outcomes = await self.outcomes().update_weights(path, version=version)
+        async with self.changes:
+            outcomes = await self.outcomes().update_weights(path, version=version)
+            self.record.updated(outcomes, WeightsRecord(version=version, path=path))
         values = self._values("update_weights", outcomes, _mixed_weights(path))
         self._remember(version)
         return values
@@ -288,10 +349,11 @@ class Admin:
         if version is not None:
             text(version, "version")
         tensors = _tensor_list(tensors)
+        async with self.changes:
+            outcomes = await self.outcomes().update_weights_distributed(group_name, tensors, version=version)
+            self.record.updated(outcomes, WeightsRecord(version=version, group_name=group_name))
         values = self._values(
-            "update_weights_distributed",
-            await self.outcomes().update_weights_distributed(group_name, tensors, version=version),
-            _mixed_weights(f"the tensors broadcast over {group_name!r}"),
+            "update_weights_distributed", outcomes, _mixed_weights(f"the tensors broadcast over {group_name!r}")
         )
         self._remember(version)
         return values
@@ -309,9 +371,12 @@ class Admin:
         self._driver.require("admin_load_lora")
         if not isinstance(adapter, LoraAdapter):
             raise InvalidRequestError(f"adapter must be a LoraAdapter, got {type(adapter).__name__}")
+        async with self.changes:
+            outcomes = await self.outcomes().load_lora(adapter)
+            self.record.lora(outcomes, loaded=adapter)
         values = self._values(
             "load_lora",
-            await self.outcomes().load_lora(adapter),
+            outcomes,
             lambda done: (
                 f"adapter {adapter.name!r} from {adapter.path} is loaded on {', '.join(done)} only: "
                 "retry load_lora with replace=True, or unload_lora"
@@ -338,9 +403,12 @@ class Admin:
     async def unload_lora(self, name: str) -> list[bool]:
         self._driver.require("admin_unload_lora")
         text(name, "adapter name")
+        async with self.changes:
+            outcomes = await self.outcomes().unload_lora(name)
+            self.record.lora(outcomes, unloaded=name)
         return self._values(
             "unload_lora",
-            await self.outcomes().unload_lora(name),
+            outcomes,
             lambda done: f"adapter {name!r} is unloaded on {', '.join(done)} only: retry unload_lora",
         )
 
@@ -429,17 +497,34 @@ class Admin:
             text(group_name, "group_name")
             tensors = _tensor_list(tensors)
             source = f"the tensors broadcast over {group_name!r}"
+        async with self.changes:
+            return await self._sync(version, path, group_name, tensors, source, mode, flush_cache)
+
+    async def _sync(
+        self,
+        version: str,
+        path: str | None,
+        group_name: str | None,
+        tensors: Sequence[TensorSpec],
+        source: str,
+        mode: PauseMode,
+        flush_cache: bool,
+    ) -> SyncReport:
+        """:meth:`weight_sync` over the servers serving when it starts (servers joining wait for its end)."""
         started = time.perf_counter()
+        servers = self._servers
         phases: dict[str, list[ServerOutcome[Any]]] = {}
         paused: list[Server] = []
         failure: _Failure | None = None
         try:
-            phases["pause"] = await self.outcomes().pause(mode, clear_cache=False)
-            paused = [s for s, o in zip(self._servers, phases["pause"], strict=True) if o.ok]
-            if len(paused) < len(self._servers):
+            phases["pause"] = await self.outcomes(servers).pause(mode, clear_cache=False)
+            paused = [s for s, o in zip(servers, phases["pause"], strict=True) if o.ok]
+            if len(paused) < len(servers):
                 failure = ("pause", phases["pause"], "nothing was updated; the paused servers were resumed")
             else:
-                failure = await self._apply(phases, version, path, group_name, tensors, source, mode, flush_cache)
+                failure = await self._apply(
+                    servers, phases, version, path, group_name, tensors, source, mode, flush_cache
+                )
         finally:
             if paused:
                 phases["resume"] = await self.outcomes(paused).resume()
@@ -448,7 +533,7 @@ class Admin:
             note = f"left paused: {', '.join(stuck)} (resume them with admin.resume())"
             failure = ("resume", phases["resume"], note) if failure is None else (*failure[:2], f"{failure[2]}; {note}")
         if failure is None and "admin_state" in self._driver.capabilities:
-            phases["verify"] = outcomes = [_check_version(o, version) for o in await self.outcomes().state()]
+            phases["verify"] = outcomes = [_check_version(o, version) for o in await self.outcomes(servers).state()]
             if not all(o.ok for o in outcomes):
                 failure = ("verify", outcomes, f"the servers that failed the check may not serve {version!r}")
         if failure is not None:
@@ -458,6 +543,7 @@ class Admin:
 
     async def _apply(
         self,
+        servers: list[Server],
         phases: dict[str, list[ServerOutcome[Any]]],
         version: str,
         path: str | None,
@@ -469,16 +555,19 @@ class Admin:
     ) -> _Failure | None:
         """The paused part of :meth:`weight_sync`: update, record the version, flush. Returns what failed."""
         if path is not None:
-            phases["update"] = await self.outcomes().update_weights(path, version=version)
+            phases["update"] = await self.outcomes(servers).update_weights(path, version=version)
         else:
             assert group_name is not None
-            phases["update"] = await self.outcomes().update_weights_distributed(group_name, tensors, version=version)
+            phases["update"] = await self.outcomes(servers).update_weights_distributed(
+                group_name, tensors, version=version
+            )
+        self.record.updated(phases["update"], WeightsRecord(version=version, path=path, group_name=group_name))
         done = [o.server for o in phases["update"] if o.ok]
         if len(done) < len(phases["update"]):
             return ("update", phases["update"], _mixed_weights(source)(done) if done else "nothing was updated")
         self._remember(version)
         if flush_cache and mode != "keep" and "admin_flush_cache" in self._driver.capabilities:
-            phases["flush"] = await self.outcomes().flush_cache()
+            phases["flush"] = await self.outcomes(servers).flush_cache()
             if not all(o.ok for o in phases["flush"]):
                 return (
                     "flush_cache",
