@@ -23,6 +23,7 @@ from backends_core import (
     MembershipError,
     NetworkError,
     SamplingParams,
+    SyncClient,
     hookimpl,
 )
 from backends_core.membership import discover
@@ -336,3 +337,21 @@ def test_bad_discovery_settings_name_their_path(fleet: dict[str, object], messag
     with pytest.raises(ConfigError) as info:
         ClientConfig.from_mapping({"backend": "reference", "base_url": "http://a", "fleet": fleet})
     assert any(message in m for m in info.value.messages), info.value.messages
+
+
+def test_a_sync_client_adds_and_removes_servers_blocking(tiny_models) -> None:
+    engines = [ReferenceEngine(tiny_models.dense, seed=i) for i in range(len(HOSTS))]
+    servers = Servers({h: ReferenceEmulator(e) for h, e in zip(HOSTS, engines, strict=True)})
+    with SyncClient(config(tiny_models), transport=servers.transport()) as client:
+        member = client.fleet.add("http://s2")
+        client.fleet.remove("http://s0")
+        served = {client.generate(prompt_ids=[1, 2, k], sampling=SAMPLING).server for k in range(6)}
+        assert [(m.url, m.state) for m in client.fleet.members()] == [
+            ("http://s1", "serving"),
+            ("http://s2", "serving"),
+        ]
+        assert client.fleet.catch_up_failures == 0
+    for e in engines:
+        asyncio.run(e.aclose())
+    assert member.state == "serving"
+    assert served == {"http://s1", "http://s2"}

@@ -31,8 +31,10 @@ from backends_core import (
     SyncAdmin,
     SyncClient,
     SyncConversation,
+    SyncFleet,
 )
 from backends_core.fleet import Admin
+from backends_core.membership import Fleet
 from backends_core.multiturn import Conversation
 from backends_testkit.emulators import make_emulator
 from backends_testkit.engine import ReferenceEngine
@@ -339,6 +341,7 @@ def _public(cls: type) -> dict[str, inspect.Signature]:
         (SyncClient, Client, ["render", "parse_completion", "conversation", "stream", "__init__"]),
         (SyncAdmin, Admin, ["deadline"]),
         (SyncConversation, Conversation, []),
+        (SyncFleet, Fleet, ["members"]),
     ],
 )
 def test_every_async_method_has_a_blocking_mirror_with_its_signature(

@@ -43,7 +43,7 @@ from backends_core.multiturn import BridgeStats, Conversation, extend_prompt
 from backends_core.plugins import ENTRY_POINT_GROUP, BackendInfo, available_backends
 from backends_core.routed_experts import align_routed_experts, decode_routed_experts
 from backends_core.server import Refusal, Server, StatusHint, idempotent_requests
-from backends_core.sync_client import SyncAdmin, SyncClient, SyncConversation, SyncGenerateStream
+from backends_core.sync_client import SyncAdmin, SyncClient, SyncConversation, SyncFleet, SyncGenerateStream
 from backends_core.types import (
     SAMPLING_FEATURES,
     Choice,
@@ -128,6 +128,7 @@ __all__ = [
     "SyncAdmin",
     "SyncClient",
     "SyncConversation",
+    "SyncFleet",
     "SyncGenerateStream",
     "SyncReport",
     "TeacherLogprobs",

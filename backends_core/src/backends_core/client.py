@@ -213,7 +213,7 @@ class Client:
 
     async def aclose(self) -> None:
         """Stop refreshing the membership and close every connection pool."""
-        await self.fleet.aclose()
+        await self.fleet._stop()
         await self._data.aclose()
         for admin_client in self._admin_clients:
             await admin_client.aclose()

@@ -321,8 +321,8 @@ class Fleet:
                 log.exception("fleet refresh failed")
             await asyncio.sleep(interval)
 
-    async def aclose(self) -> None:
-        """Stop refreshing."""
+    async def _stop(self) -> None:
+        """Stop refreshing (the client closes)."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()

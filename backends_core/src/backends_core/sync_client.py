@@ -40,10 +40,11 @@ from backends_core.client import Client, GenerateStream
 from backends_core.config import ClientConfig
 from backends_core.errors import ClientClosedError, RunningEventLoopError
 from backends_core.fleet import Admin
+from backends_core.membership import Fleet
 from backends_core.multiturn import BridgeStats, Conversation
 from backends_core.types import GenerateResult, Message, SamplingParams, StreamDelta
 
-__all__ = ["SyncAdmin", "SyncClient", "SyncConversation", "SyncGenerateStream"]
+__all__ = ["SyncAdmin", "SyncClient", "SyncConversation", "SyncFleet", "SyncGenerateStream"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -245,6 +246,25 @@ class SyncAdmin(_Mirror[Admin]):
     weight_sync = _blocking(Admin.weight_sync)
 
 
+class SyncFleet(_Mirror[Fleet]):
+    """``sync_client.fleet``: the membership of the fleet (see :class:`~backends_core.membership.Fleet`),
+    blocking. Servers added are caught up before they serve; ``remove`` returns once the server is drained."""
+
+    def __init__(self, portal: _LoopThread, fleet: Fleet) -> None:
+        self._portal = portal
+        self._target = fleet
+
+    @property
+    def catch_up_failures(self) -> int:
+        """Catch-ups that failed since the client was built."""
+        return self._target.catch_up_failures
+
+    members = _on_loop(Fleet.members)
+    add = _blocking(Fleet.add)
+    remove = _blocking(Fleet.remove)
+    refresh = _blocking(Fleet.refresh)
+
+
 class SyncConversation(_Mirror[Conversation]):
     """A multi-turn conversation of a :class:`SyncClient` (see :class:`~backends_core.multiturn.Conversation`):
     :meth:`send` blocks until the turn's result is back. Its turns are sent one at a time."""
@@ -377,6 +397,8 @@ class SyncClient(_Mirror[Client]):
         self._finalizer = weakref.finalize(self, portal.close, client.aclose)
         #: Admin operations over every server, blocking (see :class:`SyncAdmin`).
         self.admin = SyncAdmin(portal, client.admin)
+        #: Servers joining and leaving at run time, blocking (see :class:`SyncFleet`).
+        self.fleet = SyncFleet(portal, client.fleet)
 
     def __enter__(self) -> SyncClient:
         return self
