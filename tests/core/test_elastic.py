@@ -241,6 +241,24 @@ async def test_a_request_in_flight_on_a_leaving_server_that_fails_raises_its_err
     assert after.server == "http://s0"  # the session moved with its server gone
 
 
+async def test_a_server_removed_while_it_is_caught_up_never_serves(servers, tiny_models, tmp_path) -> None:
+    from backends_testkit.tinymodel import write_perturbed_weights
+
+    new = write_perturbed_weights(tiny_models.dense, tmp_path / "w4", seed=6, scale=0.1)
+    async with Client(config(tiny_models), transport=servers.transport()) as client:
+        await client.admin.update_weights(str(new), version="v4")
+        arrived, release = servers.gate("s2", "/update_weights")
+        joining = asyncio.ensure_future(client.fleet.add("http://s2"))
+        await within(arrived.wait())
+        await within(client.fleet.remove("http://s2"))
+        release.set()
+        member = await joining
+        assert member.state == "gone"
+        assert await some_generations(client) == {"http://s0", "http://s1"}
+        assert [m.url for m in client.fleet.members()] == ["http://s0", "http://s1"]
+    assert servers.hits("s2", "/generate") == 0
+
+
 async def test_membership_errors_are_clear(servers, tiny_models) -> None:
     async with Client(config(tiny_models), transport=servers.transport()) as client:
         with pytest.raises(MembershipError, match="is a member of the fleet already"):

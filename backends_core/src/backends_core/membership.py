@@ -51,7 +51,8 @@ class Member:
 
     :ivar url: its base URL.
     :ivar admin_url: its admin URL.
-    :ivar state: ``"serving"``, or ``"joining"`` (not caught up yet: gets no requests).
+    :ivar state: ``"serving"``, ``"joining"`` (not caught up yet: gets no requests), or ``"gone"`` (removed while
+        :meth:`Fleet.add` caught it up).
     :ivar in_flight: this client's requests on it now.
     :ivar error: why its last catch-up failed, if it did.
     """
@@ -102,17 +103,18 @@ class Fleet:
     def members(self) -> list[Member]:
         """Every server serving or joining, in order of joining (the configured ones first)."""
         b = self._balancer
-        return [
-            Member(
-                url=s.base_url,
-                admin_url=s.admin_url,
-                state=b.states[i],
-                in_flight=b.load[i].in_flight,
-                error=self._errors.get(i),
-            )
-            for i, s in enumerate(b.servers)
-            if b.states[i] != "gone"
-        ]
+        return [self._member(i) for i in range(len(b.servers)) if b.states[i] != "gone"]
+
+    def _member(self, index: int) -> Member:
+        b = self._balancer
+        server = b.servers[index]
+        return Member(
+            url=server.base_url,
+            admin_url=server.admin_url,
+            state=b.states[index],
+            in_flight=b.load[index].in_flight,
+            error=self._errors.get(index),
+        )
 
     def _find(self, url: str) -> int | None:
         url = url.rstrip("/")
@@ -140,9 +142,6 @@ class Fleet:
         index = self._balancer.add(self._client._make_server(base, admin), state="joining")
         self._client.versions.forget(self._client.servers[index])  # asked for its version before it serves
         return index
-
-    def _member(self, index: int) -> Member:
-        return next(m for m in self.members() if m.url == self._client.servers[index].base_url)
 
     async def remove(self, url: str, *, drain: bool = True) -> None:
         """Take the server at ``url`` out of the fleet: it gets no new request (nor admin operation), and (with
