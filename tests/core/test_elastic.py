@@ -259,6 +259,38 @@ async def test_a_server_removed_while_it_is_caught_up_never_serves(servers, tiny
     assert servers.hits("s2", "/generate") == 0
 
 
+async def test_members_join_and_leave_while_hundreds_of_requests_run_and_each_ends_exactly_once(
+    servers, tiny_models, tmp_path
+) -> None:
+    from backends_testkit.tinymodel import write_perturbed_weights
+
+    new = write_perturbed_weights(tiny_models.dense, tmp_path / "w5", seed=7, scale=0.1)
+    async with Client(config(tiny_models), transport=servers.transport()) as client:
+        await client.admin.update_weights(str(new), version="v5")
+
+        async def churn() -> None:
+            await client.fleet.add("http://s2")
+            await client.fleet.remove("http://s0")
+            await client.fleet.add("http://s0")
+            await client.fleet.remove("http://s1")
+
+        requests = [
+            client.generate(prompt_ids=[1, 2, k % 50], sampling=SAMPLING, session=f"t-{k % 40}") for k in range(200)
+        ]
+        *results, _ = await within_all(*requests, churn())
+        assert [load.in_flight for load in client.balancer.load] == [0] * len(client.servers)
+        assert client.base_urls == ["http://s2", "http://s0"]
+        states = await client.admin.state()
+    assert len(results) == 200 and all(r.weight_version == "v5" for r in results)
+    assert sum(servers.hits(h, "/generate") for h in HOSTS) == 200  # none lost, none sent twice
+    assert [s.weight_version for s in states] == ["v5", "v5"]
+
+
+async def within_all(*awaitables: Awaitable[object]) -> list[object]:
+    async with asyncio.timeout(DEADLINE):
+        return list(await asyncio.gather(*awaitables))
+
+
 async def test_membership_errors_are_clear(servers, tiny_models) -> None:
     async with Client(config(tiny_models), transport=servers.transport()) as client:
         with pytest.raises(MembershipError, match="is a member of the fleet already"):
