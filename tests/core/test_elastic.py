@@ -354,6 +354,31 @@ async def test_the_membership_is_refreshed_on_the_interval_while_the_client_is_o
         assert client.base_urls == ["http://s0", "http://s1", "http://s2"]
 
 
+async def test_a_failed_catch_up_is_retried_on_the_interval_without_discovery(servers, tiny_models, tmp_path) -> None:
+    from backends_testkit.tinymodel import write_perturbed_weights
+
+    new = write_perturbed_weights(tiny_models.dense, tmp_path / "w6", seed=8, scale=0.1)
+    broken = {"on": True}
+
+    async def refusing_update(request: httpx.Request) -> httpx.Response:
+        if broken["on"] and request.url.path == "/update_weights":
+            return httpx.Response(500, json={"error": "not yet"})
+        return await servers.emulators["s2"].handle(request)
+
+    servers.handlers["s2"] = refusing_update
+    observer = Observer()
+    async with Client(
+        config(tiny_models, refresh_interval=0.01), transport=servers.transport(), plugins=[observer]
+    ) as client:
+        await client.admin.update_weights(str(new), version="v6")
+        with pytest.raises(AdminError, match="not yet"):
+            await client.fleet.add("http://s2")
+        broken["on"] = False
+        await within(observer.joined.wait())
+        assert client.base_urls == ["http://s0", "http://s1", "http://s2"]
+    assert servers.emulators["s2"].engine.weight_version == "v6"
+
+
 async def test_discovery_reads_a_file_and_dns_a_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     listing = tmp_path / "servers.txt"
     listing.write_text("# the rollout pool\nhttp://10.0.0.1:8000/\n\n  http://10.0.0.2:8000\nhttp://10.0.0.1:8000\n")
