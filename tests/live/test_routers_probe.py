@@ -57,7 +57,7 @@ def test_token_in_generate_passes_through(start_router, replicas, observe) -> No
 
 
 @pytest.mark.parametrize("policy", ["consistent_hash", "round_robin"])
-def test_session_header_pins_a_replica(start_router, replicas, policy) -> None:
+def test_session_header_pins_a_replica(start_router, replicas, observe, policy) -> None:
     router = start_router("vllm", replicas, policy=policy)
     landed: dict[str, list[int]] = {}
     with http() as client:

@@ -65,8 +65,10 @@ def test_worker_api(start_router, replicas, observe) -> None:
         started = time.monotonic()
         _until(
             "worker re-added and healthy",
-            lambda: sorted(w["url"].rstrip("/") for w in _workers(client, router.url) if w["is_healthy"])
-            == sorted(replicas),
+            lambda: (
+                sorted(w["url"].rstrip("/") for w in _workers(client, router.url) if w["is_healthy"])
+                == sorted(replicas)
+            ),
         )
         observe("addition healthy in GET /workers", after_s=round(time.monotonic() - started, 2))
         unknown = client.delete(router.url + "/workers/00000000-0000-0000-0000-000000000000")
@@ -96,7 +98,7 @@ def test_token_in_generate_passes_through(start_router, replicas, observe) -> No
     ("policy", "header"),
     [("manual", "X-SMG-Routing-Key"), ("manual", "X-Session-ID"), ("round_robin", "X-SMG-Routing-Key")],
 )
-def test_routing_key_pins_a_replica(start_router, replicas, policy, header) -> None:
+def test_routing_key_pins_a_replica(start_router, replicas, observe, policy, header) -> None:
     router = start_router("sglang", replicas, policy=policy)
     landed: dict[str, list[int]] = {}
     fresh = iter(range(1000, 2000))  # a new first token per request: never a prefix-cache hit
