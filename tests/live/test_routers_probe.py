@@ -4,6 +4,8 @@ are fixtures of that directory). Findings are summarised in ``ROUTERS.md``."""
 
 from __future__ import annotations
 
+from urllib.parse import quote
+
 import pytest
 from router_probe_checks import body_of, http, vllm_finished, which_replica
 
@@ -107,6 +109,7 @@ def test_admin_routes(start_router, replicas, observe) -> None:
             ("GET", "/server_info", None),
             ("GET", "/is_sleeping", None),
             ("GET", "/get_model_info", None),
+            ("GET", "/no_such_route", None),
         ]:
             answer = client.request(method, router.url + path, params=params)
             body = body_of(answer)
@@ -115,3 +118,45 @@ def test_admin_routes(start_router, replicas, observe) -> None:
         for url in replicas:  # leave the replicas as found
             client.post(url + "/resume").raise_for_status()
         assert results["POST /flush_cache"][0] == 500  # fanned out under SGLang's route name: vLLM has none
+
+
+def _listed(client, router_url: str) -> list[str]:
+    return sorted(u.rstrip("/") for u in client.get(router_url + "/list_workers").json()["urls"])
+
+
+def test_worker_management(start_router, replicas, observe) -> None:
+    """Adding and removing a replica at run time: ``/add_worker?url=``, ``/remove_worker?url=``, ``POST /workers``
+    (all applied before the answer), and what ``DELETE /workers/{url}`` and ``/finish_session`` do."""
+    router = start_router("vllm", replicas[:1], policy="consistent_hash")
+    results = {}
+    with http() as client:
+
+        def call(method: str, path: str, **kwargs) -> tuple[int, object]:
+            answer = client.request(method, router.url + path, **kwargs)
+            results[f"{len(results)} {method} {path}"] = [answer.status_code, body_of(answer)]
+            return answer.status_code, body_of(answer)
+
+        assert call("POST", "/add_worker", params={"url": replicas[1]}) == (
+            200,
+            f"Successfully added worker: {replicas[1]}",
+        )
+        assert _listed(client, router.url) == sorted(replicas)
+        assert call("POST", "/remove_worker", params={"url": replicas[1]})[0] == 200
+        assert _listed(client, router.url) == [replicas[0]]
+        assert call("POST", "/workers", json={"url": replicas[1]}) == (
+            200,
+            {"success": True, "message": f"Successfully added worker: {replicas[1]}"},
+        )
+        assert _listed(client, router.url) == sorted(replicas)
+        assert call("DELETE", "/workers/" + quote(replicas[1], safe="")) == (
+            200,
+            {"success": True, "message": f"Worker {replicas[1]} removed successfully"},
+        )
+        assert _listed(client, router.url) == [replicas[0]]
+        assert call("POST", "/finish_session", params={"session_id": "traj-1"}) == (
+            200,
+            {"status": "ok", "session_id": "traj-1"},
+        )
+        # an unknown path is proxied to a replica: vLLM's (FastAPI's) own 404 comes back
+        assert call("GET", "/no_such_route") == (404, {"detail": "Not Found"})
+    observe("worker management", results=results)
