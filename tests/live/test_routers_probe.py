@@ -160,3 +160,61 @@ def test_worker_management(start_router, replicas, observe) -> None:
         # an unknown path is proxied to a replica: vLLM's (FastAPI's) own 404 comes back
         assert call("GET", "/no_such_route") == (404, {"detail": "Not Found"})
     observe("worker management", results=results)
+
+
+LONG_PROMPT = [(7 * i + 3) % 1500 + 10 for i in range(96)]
+
+
+def _cached_tokens(client, url: str) -> int:
+    answer = client.post(
+        url + "/inference/v1/generate", json={"token_ids": LONG_PROMPT, "sampling_params": {"max_tokens": 1}}
+    )
+    assert answer.status_code == 200, answer.text
+    return int((answer.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def test_reset_prefix_cache_reaches_one_replica(start_router, replicas, observe) -> None:
+    router = start_router("vllm", replicas, policy="round_robin")
+    with http() as client:
+        for url in replicas:  # warm both prefix caches
+            _cached_tokens(client, url)
+        warm = [_cached_tokens(client, url) for url in replicas]
+        assert all(n > 0 for n in warm), warm
+        reset = client.post(router.url + "/reset_prefix_cache")
+        after = [_cached_tokens(client, url) for url in replicas]
+    observe(
+        "POST /reset_prefix_cache via router", status=reset.status_code, body=body_of(reset), warm=warm, after=after
+    )
+    assert reset.status_code == 200
+    assert sorted(n > 0 for n in after) == [False, True], after
+
+
+def _session_map(client, router_url: str, replicas: list[str], keys: list[str]) -> list[int]:
+    landed = []
+    for turn, key in enumerate(keys):
+
+        def send(key: str = key, turn: int = turn) -> None:
+            answer = client.post(
+                router_url + "/inference/v1/generate",
+                json={"token_ids": [*PROMPT, 200 + turn], "sampling_params": GREEDY},
+                headers={"x-session-id": key},
+            )
+            assert answer.status_code == 200, answer.text
+
+        landed.append(which_replica(client, replicas, vllm_finished, send))
+    return landed
+
+
+def test_session_keys_after_membership_change(start_router, replicas, observe) -> None:
+    """consistent_hash: where keys land after a replica is removed, and after it is added back."""
+    router = start_router("vllm", replicas, policy="consistent_hash")
+    keys = [f"traj-{i}" for i in range(8)]
+    with http() as client:
+        before = _session_map(client, router.url, replicas, keys)
+        assert client.post(router.url + "/remove_worker", params={"url": replicas[1]}).status_code == 200
+        removed = _session_map(client, router.url, replicas, keys)
+        assert client.post(router.url + "/add_worker", params={"url": replicas[1]}).status_code == 200
+        readded = _session_map(client, router.url, replicas, keys)
+    observe("x-session-id map across remove/add", before=before, removed=removed, readded=readded)
+    assert removed == [0] * len(keys)
+    assert readded == before, "a key moved after its replica came back"

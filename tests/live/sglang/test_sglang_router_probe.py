@@ -157,3 +157,37 @@ def test_admin_routes(start_router, replicas, observe) -> None:
     observe("admin routes via router", results=results)
     status, flushed = results["POST /flush_cache"]
     assert status == 200 and flushed["workers_flushed"] == 2, flushed
+
+
+def test_routing_keys_after_membership_change(start_router, replicas, observe) -> None:
+    """manual policy: where pinned keys land after their replica is removed, and after it is added back."""
+    router = start_router("sglang", replicas, policy="manual")
+    keys = [f"traj-{i}" for i in range(8)]
+    fresh = iter(range(1000, 2000))
+    with http() as client:
+
+        def key_map() -> list[int]:
+            landed = []
+            for key in keys:
+
+                def send(key: str = key) -> None:
+                    answer = client.post(
+                        router.url + "/generate",
+                        json={"input_ids": [next(fresh), *PROMPT], "sampling_params": GREEDY},
+                        headers={"X-SMG-Routing-Key": key},
+                    )
+                    assert answer.status_code == 200, answer.text
+
+                landed.append(which_replica(client, replicas, sglang_prefilled, send))
+            return landed
+
+        before = key_map()
+        second = next(w for w in _workers(client, router.url) if w["url"].rstrip("/") == replicas[1])
+        assert client.delete(router.url + f"/workers/{second['id']}").status_code == 202
+        _until("worker removed", lambda: [w["url"].rstrip("/") for w in _workers(client, router.url)] == [replicas[0]])
+        removed = key_map()
+        assert client.post(router.url + "/workers", json={"url": replicas[1]}).status_code == 202
+        _until("worker back", lambda: sum(w["is_healthy"] for w in _workers(client, router.url)) == 2)
+        readded = key_map()
+    observe("X-SMG-Routing-Key map across remove/add", before=before, removed=removed, readded=readded)
+    assert removed == [0] * len(keys)
