@@ -191,3 +191,4 @@ def test_routing_keys_after_membership_change(start_router, replicas, observe) -
         readded = key_map()
     observe("X-SMG-Routing-Key map across remove/add", before=before, removed=removed, readded=readded)
     assert removed == [0] * len(keys)
+    assert readded == before, "a key moved after its replica came back"
