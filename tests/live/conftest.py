@@ -11,6 +11,9 @@ that uses them: see ``LiveServers``):
 * ``vllm_dense_url``: base URL of vLLM serving ``tiny-qwen3`` (served name ``tiny-qwen3``) with LoRA
   (``--enable-lora --max-lora-rank 8``), ``/inference/v1/generate`` and the dev-mode admin routes.
 * ``vllm_moe_url``: the same for ``tiny-qwen3-moe`` (served name ``tiny-qwen3``), without LoRA.
+* ``vllm_router_venv``, ``sglang_router_venv``: the cached router venvs (see ``router_server.py``; seconds to build).
+* ``start_router``: a per-test factory starting a router (vllm-router or sglang-router) in front of replicas that are
+  already up, waiting until it lists them all healthy, and stopping it at the test's end (one router at a time).
 
 Both servers may be up at once (about 1.5 GB each). Tests sharing a server must leave it as they found it
 (unload their LoRA adapters, resume after pausing, ...). Server logs are in pytest's base temp directory
@@ -21,11 +24,13 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 
 import live_servers  # tests/live is on sys.path: pytest's default "prepend" import mode puts it there
 import pytest
+import router_probe_checks
+import router_server
 import vllm_server
 
 from backends_testkit.tinymodel import TinyModels
@@ -96,3 +101,58 @@ def vllm_dense_url_2(
 ) -> Iterator[str]:
     """A second live vLLM server on the tiny dense model, for fleet tests."""
     yield from _serve(vllm_venv, tiny_models.dense, lora=True, name="vllm-dense-2", request=request)
+
+
+@pytest.fixture(scope="session")
+def vllm_router_venv() -> Path:
+    """The vllm-router venv (PyPI wheel, pinned; cached under ~/.cache/backends)."""
+    return router_server.ensure_vllm_router_venv()
+
+
+@pytest.fixture(scope="session")
+def sglang_router_venv() -> Path:
+    """The sglang-router venv (PyPI wheel, pinned; cached under ~/.cache/backends)."""
+    return router_server.ensure_sglang_router_venv()
+
+
+StartRouter = Callable[..., router_server.RouterProcess]
+
+
+@pytest.fixture
+def start_router(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[StartRouter]:
+    """``start_router(kind, worker_urls, policy=...)`` with kind ``"vllm"`` or ``"sglang"``: a started router whose
+    ``/workers`` lists every replica healthy; stopped when the test ends."""
+    started: list[router_server.RouterProcess] = []
+
+    def start(kind: str, worker_urls: Sequence[str], *, policy: str) -> router_server.RouterProcess:
+        name = f"{kind}-router-{policy}-{len(started)}"
+        log_path = tmp_path_factory.getbasetemp() / "live-logs" / f"{request.node.name}-{name}.log"
+        if kind == "vllm":
+            venv = request.getfixturevalue("vllm_router_venv")
+            router = router_server.vllm_router(venv, worker_urls, policy=policy, log_path=log_path, name=name)
+        elif kind == "sglang":
+            venv = request.getfixturevalue("sglang_router_venv")
+            router = router_server.sglang_router(venv, worker_urls, policy=policy, log_path=log_path, name=name)
+        else:
+            raise ValueError(f"unknown router kind {kind!r}")
+        started.append(router)
+        router.start()
+        router.wait_workers_healthy()
+        sys.stderr.write(
+            f"\n[live] {name} at {router.url}: workers healthy after {router.healthy_after:.2f}s (log {log_path})\n"
+        )
+        return router
+
+    try:
+        yield start
+    finally:
+        for router in started:
+            router.stop(timeout=router_server.STOP_TIMEOUT_S)
+
+
+@pytest.fixture
+def observe(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> router_probe_checks.Observations:
+    """Record a router probe's observation (JSON lines in ``<basetemp>/router-probe.jsonl``, echoed to stderr)."""
+    return router_probe_checks.Observations(tmp_path_factory.getbasetemp() / "router-probe.jsonl", request.node.name)
