@@ -1,8 +1,9 @@
 """sglang-router 0.3.2 (SGLang Model Gateway) as the client's front, before two real SGLang 0.5.23 replicas.
 
 The router runs ``--policy manual --assignment-mode min_group``: a request's ``X-SMG-Routing-Key`` pins it to one
-replica, and a new key goes to the replica holding the fewest keys (an even spread; the default ``random`` mode put
-six new keys on one replica in one probe run, see ``../ROUTERS.md``). Evidence of where a request ran is read from
+replica, and a new key goes to "the worker with fewest routing keys" (``--help``; seen: both replicas get new keys,
+though not in strict alternation; the default ``random`` mode put six new keys on one replica in one probe run, see
+``../ROUTERS.md``). Evidence of where a request ran is read from
 each replica directly (``/v1/loads`` ``total_prefill_uncached_tokens``), never through the router.
 
 One router serves the whole module (it is stopped at the module's end); the routed-experts test puts a second one
@@ -13,6 +14,7 @@ adapter loaded) and the router listing exactly the two replicas.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import sys
@@ -38,8 +40,9 @@ from backends_core import (
     ResponseParseError,
     SamplingParams,
 )
+from backends_core.config import FrontConfig
 from backends_core.errors import FrontError
-from backends_testkit.live import free_port
+from backends_testkit.live import ServerProcess, free_port
 from backends_testkit.tinymodel import TinyModels, write_perturbed_weights
 
 pytestmark = pytest.mark.live
@@ -47,8 +50,19 @@ pytestmark = pytest.mark.live
 PROMPT = [1878, 426, 198, 54, 441, 355, 220, 17, 10, 17, 30, 1879, 198, 1878, 515, 198]
 GREEDY = {"max_new_tokens": 4, "temperature": 0.0}
 ASSIGNMENT = ["--assignment-mode", "min_group"]
+VOCAB = 1920
+"""The tiny models' vocabulary: a larger id crashes an SGLang replica's scheduler (``IndexError`` in the embedding,
+the whole server exits), so every id sent stays below it."""
+_FRESH = itertools.count(200)
 MEMBERSHIP_S = 60.0
 """Seconds a ``POST /workers`` / ``DELETE /workers/{id}`` (202, applied in the background) may take to show."""
+
+
+def fresh() -> int:
+    """A first token no earlier request of the module used: its prompt is never a prefix-cache hit."""
+    token = next(_FRESH)
+    assert token < VOCAB, "the module ran out of fresh first tokens"
+    return token
 
 
 def start_front(
@@ -100,30 +114,33 @@ def front(
         router.stop(timeout=router_server.STOP_TIMEOUT_S)
 
 
+class Spare:
+    """A third dense replica (LoRA enabled) owned by this module: started on the first :meth:`url`, stopped at the
+    module's end (or killed by a test)."""
+
+    def __init__(self, process: ServerProcess) -> None:
+        self.process = process
+        self.started = False
+
+    def url(self) -> str:
+        if not self.started:
+            self.started = True
+            self.process.start()
+            self.process.wait_ready(sglang_server.READY_PATH, timeout=sglang_server.START_TIMEOUT_S)
+            sys.stderr.write(
+                f"\n[live] sglang-spare ready at {self.process.url} after {self.process.ready_after:.1f}s\n"
+            )
+        return self.process.url
+
+
 @pytest.fixture(scope="module")
-def spare(
-    sglang_venv: Path, tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Callable[[], str]]:
-    """A third dense replica (LoRA enabled), started on first call, stopped at the module's end (or killed by a
-    test)."""
+def spare(sglang_venv: Path, tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spare]:
     log = tmp_path_factory.getbasetemp() / "live-logs" / "sglang-spare.log"
-    server = sglang_server.sglang_server(sglang_venv, tiny_models.dense, log_path=log, name="sglang-spare", lora=True)
-    started = False
-
-    def url() -> str:
-        nonlocal started
-        if not started:
-            started = True
-            server.start()
-            server.wait_ready(sglang_server.READY_PATH, timeout=sglang_server.START_TIMEOUT_S)
-            sys.stderr.write(f"\n[live] sglang-spare ready at {server.url} after {server.ready_after:.1f}s\n")
-        return server.url
-
-    url.process = server  # type: ignore[attr-defined]
+    process = sglang_server.sglang_server(sglang_venv, tiny_models.dense, log_path=log, name="sglang-spare", lora=True)
     try:
-        yield url
+        yield Spare(process)
     finally:
-        server.stop(timeout=sglang_server.STOP_TIMEOUT_S)
+        process.stop(timeout=sglang_server.STOP_TIMEOUT_S)
 
 
 def workers(client: httpx.Client, router_url: str) -> list[dict]:
@@ -142,11 +159,10 @@ def until(what: str, check: Callable[[], object], timeout: float = MEMBERSHIP_S)
         time.sleep(0.1)
 
 
-def test_min_group_pins_keys_and_spreads_them_evenly(front, replicas) -> None:
-    """Under ``manual`` + ``min_group`` each routing key stays on one replica and new keys alternate between the
-    replicas (fewest keys first), so eight keys split four and four."""
+def test_min_group_pins_keys_and_spreads_them(front, replicas) -> None:
+    """Under ``manual`` + ``min_group`` each routing key stays on one replica and new keys go to both replicas.
+    The split is not a strict alternation (eight keys split 4/4 in one run, 5/3 in another)."""
     keys = [f"spread-{i}" for i in range(8)]
-    fresh = iter(range(1000, 2000))  # a new first token per request: never a prefix-cache hit
     landed: dict[str, list[int]] = {key: [] for key in keys}
     with http() as client:
         for _ in range(2):
@@ -155,7 +171,7 @@ def test_min_group_pins_keys_and_spreads_them_evenly(front, replicas) -> None:
                 def send(key: str = key) -> None:
                     answer = client.post(
                         front.url + "/generate",
-                        json={"input_ids": [next(fresh), *PROMPT], "sampling_params": GREEDY},
+                        json={"input_ids": [fresh(), *PROMPT], "sampling_params": GREEDY},
                         headers={"X-SMG-Routing-Key": key},
                     )
                     assert answer.status_code == 200, answer.text
@@ -164,7 +180,7 @@ def test_min_group_pins_keys_and_spreads_them_evenly(front, replicas) -> None:
     sys.stderr.write(f"\n[router-front] min_group key -> replicas: {landed}\n")
     assert all(len(set(rs)) == 1 for rs in landed.values()), f"a key moved between replicas: {landed}"
     per_replica = [sum(rs[0] == i for rs in landed.values()) for i in range(2)]
-    assert per_replica == [4, 4], f"new keys were not spread evenly: {landed}"
+    assert min(per_replica) >= 2, f"new keys were not spread over both replicas: {landed}"
 
 
 async def test_router_drops_routed_experts(sglang_router_venv, sglang_moe_url, tiny_models, tmp_path_factory) -> None:
@@ -208,7 +224,7 @@ def front_config(router_url: str, weights: Path, **overrides: Any) -> ClientConf
         "base_url": router_url,
         "model": MODEL,
         "tokenizer": str(weights),
-        "front": {"kind": "sglang-router"},
+        "front": FrontConfig(kind="sglang-router"),
     }
     fields.update(overrides)
     return ClientConfig(**fields)
@@ -270,7 +286,6 @@ async def test_a_session_stays_on_one_replica(front, replicas, tiny_models) -> N
     """``session=`` keys and a conversation's turns reach the router as ``X-SMG-Routing-Key``: each stays on one
     replica (counted on the replicas), and new keys spread over both."""
     keys = [f"session-{i}" for i in range(6)]
-    fresh = iter(range(2000, 3000))
     landed: dict[str, list[int]] = {key: [] for key in keys}
     sampling = SamplingParams(max_tokens=2, temperature=0.0)
     async with Client(front_config(front.url, tiny_models.dense)) as client:
@@ -278,7 +293,7 @@ async def test_a_session_stays_on_one_replica(front, replicas, tiny_models) -> N
             for _ in range(3):
                 for key in keys:
                     before = [sglang_prefilled(raw, url) for url in replicas]
-                    await client.generate(prompt_ids=[next(fresh), *PROMPT], sampling=sampling, session=key)
+                    await client.generate(prompt_ids=[fresh(), *PROMPT], sampling=sampling, session=key)
                     landed[key].append(await moved(raw, replicas, before))
             conversation = client.conversation()
             turns = []
@@ -289,7 +304,7 @@ async def test_a_session_stays_on_one_replica(front, replicas, tiny_models) -> N
     sys.stderr.write(f"\n[router-front] session -> replicas: {landed}; conversation turns: {turns}\n")
     assert all(len(set(rs)) == 1 for rs in landed.values()), f"a session moved between replicas: {landed}"
     assert len(set(turns)) == 1, f"a conversation moved between replicas: {turns}"
-    assert sorted(sum(rs[0] == i for rs in landed.values()) for i in range(2)) == [3, 3], landed
+    assert {rs[0] for rs in landed.values()} == {0, 1}, f"new sessions all went to one replica: {landed}"
 
 
 async def moved(raw: httpx.Client, urls: list[str], before: list[int]) -> int:
@@ -395,7 +410,7 @@ async def test_an_added_replica_is_caught_up_before_it_serves(front, replicas, s
     """``fleet.add`` brings a third replica to the fleet's weights and adapters, then registers it with the router:
     when the router first lists it, it already has them; new sessions then reach it and run the new weights."""
     adapter = LoraAdapter(name="join-lora", path=str(tiny_models.lora))
-    third = spare()
+    third = spare.url()
     async with Client(front_config(front.url, tiny_models.dense)) as client:
         with http() as raw:
             found = Replica(raw, replicas[0]).version()
@@ -416,7 +431,7 @@ async def test_an_added_replica_is_caught_up_before_it_serves(front, replicas, s
             with http() as raw:
                 before = [sglang_prefilled(raw, url) for url in everyone]
                 answer = await client.generate(
-                    prompt_ids=[3001, *PROMPT], sampling=SamplingParams(max_tokens=2), session="joined-1"
+                    prompt_ids=[fresh(), *PROMPT], sampling=SamplingParams(max_tokens=2), session="joined-1"
                 )
                 assert everyone[await moved(raw, everyone, before)] == third
             assert answer.weight_version == "v-join"
@@ -449,9 +464,9 @@ class Load:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def _loop(self, key: str) -> None:
-        token = 4000
+        token = 100
         while not self.stop.is_set():
-            token += 1
+            token = token % (VOCAB - 1) + 1
             try:
                 await self.client.generate(
                     prompt_ids=[token, *PROMPT], sampling=SamplingParams(max_tokens=4), session=key
@@ -489,7 +504,7 @@ class Load:
 async def test_a_removed_replica_loses_no_request(front, replicas, spare, tiny_models) -> None:
     """``fleet.remove`` while requests run: the router stops sending to it, every request ends answered or with a
     typed error, resubmitting the failed ones succeeds, and the next admin operation covers the two left."""
-    third = spare()
+    third = spare.url()
     async with Client(front_config(front.url, tiny_models.dense)) as client:
         await client.fleet.add(third)
         try:
@@ -516,8 +531,8 @@ async def test_a_killed_replica_loses_no_request(front, replicas, spare, tiny_mo
     """A registered replica killed while requests run: every request ends answered or with a typed error; the next
     admin operation fails naming the dead replica (the router still lists it); once it is removed, resubmitting the
     failed requests succeeds and admin covers the two left. Runs last: the spare replica is gone afterwards."""
-    third = spare()
-    process = spare.process  # type: ignore[attr-defined]
+    third = spare.url()
+    process = spare.process
     async with Client(front_config(front.url, tiny_models.dense)) as client:
         await client.fleet.add(third)
         try:
