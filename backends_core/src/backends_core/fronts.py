@@ -254,6 +254,8 @@ class FrontFleet(Fleet):
         #: the front's server narrowed to that replica, so its ``base_url`` is the front's).
         self._urls: list[str] = []
         self._first: asyncio.Future[None] | None = None
+        #: URLs :meth:`add` is bringing in: a list read before their registration does not take them out.
+        self._adding: set[str] = set()
 
     def _find(self, url: str) -> int | None:
         url = url.rstrip("/")
@@ -319,12 +321,15 @@ class FrontFleet(Fleet):
         if type(self.front).register is Front.register:
             await self.front.register(url)  # raises UnsupportedOperationError, before anything changes
         index = self._join(url, None)
+        self._adding.add(self._urls[index])
         try:
             await self._catch_up(index, raise_error=True, admit=False)
             await self.front.register(self._balancer.servers[index].base_url)
         except BaseException:
             self._balancer.retire(index)
             raise
+        finally:
+            self._adding.discard(self._urls[index])
         self._balancer.admit(index)
         self._point_front()
         return self._member(index)
@@ -412,7 +417,7 @@ class FrontFleet(Fleet):
                 front = self.front
                 log.warning("%s front %s reports %s unhealthy: out until caught up", front.kind, front.url, replica.url)
         for i, url in enumerate(self._urls):
-            if b.states[i] != "gone" and url not in self._listed:
+            if b.states[i] != "gone" and url not in self._listed and url not in self._adding:
                 b.retire(i)
                 self._errors.pop(i, None)
                 self._client.driver.emit("fleet", "leave", url, time.perf_counter(), None)
