@@ -44,7 +44,7 @@ async def test_an_admin_call_to_a_router_taken_for_a_server_is_refused_before_it
     async with Client(config(tiny_models), transport=router_before(VllmEmulator(engine), seen)) as client:
         generated = await client.generate(prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=1))
         with pytest.raises(
-            Exception, match=r"is a vllm-router in front of 2 replica\(s\).*kind = 'vllm-router'"
+            AdminError, match=r"is a vllm-router in front of 2 replica\(s\).*kind = 'vllm-router'"
         ) as info:
             await client.admin.pause()
     assert isinstance(info.value.results[0].error, ConfigError)
