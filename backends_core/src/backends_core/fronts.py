@@ -28,7 +28,9 @@ Kinds (``FrontConfig.kind``; a plugin adds one with the ``fronts`` hook):
   ``X-SMG-Routing-Key`` (honoured under ``--policy manual``); registration ``POST /workers``,
   ``DELETE /workers/{id}``, applied in the background (waited for, under the admin deadline).
 * ``static``: any router; the replicas are ``FrontConfig.replicas``; no registration.
-* ``dynamo`` (Dynamo's frontend, from the ``dynamo`` backend): workers from ``GET /v1/rl/workers``.
+* ``dynamo`` (Dynamo's frontend, from the ``dynamo`` backend): workers from ``GET /v1/rl/workers`` on the
+  frontend's ``DYN_RL_PORT``; sessions by ``x-dynamo-session-id`` (honoured when the frontend runs with
+  ``--router-session-affinity-ttl-secs``); workers register themselves.
 """
 
 from __future__ import annotations

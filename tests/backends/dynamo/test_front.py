@@ -93,3 +93,15 @@ async def test_admin_behind_a_dynamo_front_reaches_the_workers_it_lists(tiny_mod
     engine_calls = [url for method, url in emulator.requests if "/engine/pause_generation" in url]
     assert sorted(engine_calls) == [f"{w}/engine/pause_generation" for w in workers]
     assert ("GET", "http://frontend:8201/v1/rl/workers") in emulator.requests
+
+
+def test_a_worker_listed_unavailable_is_an_unhealthy_replica_when_known_and_left_out_otherwise() -> None:
+    gone = {"instance_id": 7, "error": "Unavailable: TCP connection to 127.0.0.1:35581 failed", "routes": []}
+    alive = {"instance_id": 8, "system_url": "http://127.0.0.1:8282"}
+    raw = {"workers": [gone, alive]}
+    known = rl_workers(raw, front(), {"7": "http://127.0.0.1:8281"})
+    assert [(r.url, r.id, r.healthy) for r in known] == [
+        ("http://127.0.0.1:8281", "7", False),
+        ("http://127.0.0.1:8282", "8", True),
+    ]
+    assert [r.url for r in rl_workers(raw, front())] == ["http://127.0.0.1:8282"]
