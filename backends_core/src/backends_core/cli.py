@@ -328,6 +328,10 @@ def _messages_file(path: str) -> list[dict[str, Any]]:
     """The ``--messages`` file: a JSON list of message objects, each with a string ``role``."""
     try:
         messages = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise InvalidRequestError(f"--messages {path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise InvalidRequestError(f"--messages {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise InvalidRequestError(f"--messages {path}:{exc.lineno}: not JSON: {exc.msg}") from None
     if not isinstance(messages, list) or not messages:
@@ -408,6 +412,16 @@ def _serve_hint(backend: str) -> str:
     )
 
 
+#: The entry-point group emulators register in (``backends_testkit.emulators.EMULATOR_GROUP``, read here from
+#: package metadata so the test kit is imported only when it is there).
+EMULATOR_GROUP = "backends_testkit.emulators"
+
+
+def _installed_emulators() -> set[str]:
+    """Backends whose emulator an installed distribution registers (from package metadata; nothing is imported)."""
+    return {ep.name for ep in md.entry_points(group=EMULATOR_GROUP)}
+
+
 def _serve(args: argparse.Namespace) -> int:
     """Serve the embedded emulator of ``--backend`` on a port until Ctrl-C or SIGTERM (then exit 0)."""
     installed = [info.name for info in available_backends()]
@@ -422,7 +436,7 @@ def _serve(args: argparse.Namespace) -> int:
         if exc.name is None or not exc.name.startswith("backends_testkit"):
             raise
         raise MissingInstallError(_serve_hint(args.backend)) from None
-    if args.backend not in installed:
+    if args.backend not in installed or args.backend not in _installed_emulators():
         raise MissingInstallError(_serve_hint(args.backend))
     if args.port > 65535:
         raise UsageError(f"argument --port: must be in [0, 65535], got {args.port}")
@@ -435,8 +449,8 @@ def _serve(args: argparse.Namespace) -> int:
         try:
             try:
                 emulator = make_emulator(args.backend, engine, routed_experts=args.moe)
-            except NoEmulatorError:
-                raise MissingInstallError(_serve_hint(args.backend)) from None
+            except NoEmulatorError as exc:  # several distributions claim the name
+                raise MissingInstallError(str(exc)) from None
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
             for signum in (signal.SIGINT, signal.SIGTERM):
@@ -490,7 +504,7 @@ def _versions() -> dict[str, Any]:
             entry(name, md.version(name))
     for info in available_backends():
         entry(info.distribution, info.version)["backends"].append(info.name)
-    for ep in md.entry_points(group="backends_testkit.emulators"):
+    for ep in md.entry_points(group=EMULATOR_GROUP):
         if ep.dist is not None:
             entry(ep.dist.name, ep.dist.version)["emulators"].append(ep.name)
     core = dists.get("backends-core", {}).get("version")

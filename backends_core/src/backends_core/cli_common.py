@@ -98,10 +98,22 @@ class UsageError(InvalidRequestError):
 
 class JsonArgumentParser(argparse.ArgumentParser):
     """An argparse parser whose errors are raised as :class:`UsageError` (so they are reported like every other
-    error, as JSON with ``--json``) instead of printed and exited on."""
+    error, as JSON with ``--json``) instead of printed and exited on; unknown arguments are reported with the usage
+    of the subcommand they were given to."""
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(message, usage=self.format_usage())
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            usage = self.format_usage()
+            for action in self._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    chosen = action.choices.get(getattr(parsed, action.dest or "", None) or "")
+                    usage = chosen.format_usage() if chosen is not None else usage
+            raise UsageError(f"unrecognized arguments: {' '.join(extras)}", usage=usage)
+        return parsed
 
 
 def add_json_flag(parser: argparse.ArgumentParser) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import io
 import sys
 import tempfile
 import time
@@ -380,8 +381,7 @@ def run_demo(
     """Run the demo; returns the process exit status: 0 when every check held, 1 when one did not or a server
     failed, 2 for a configuration error (the ``backends`` CLI's codes).
 
-    :param json_lines: write one JSON object per line on stdout instead of the tour's prose (which then goes to
-        stderr): ``{"check": what, "ok": true}`` for each check that held, then ``{"demo": "finished",
+    :param json_lines: write one JSON object per line on stdout instead of the tour's prose: ``{"check": what, "ok": true}`` for each check that held, then ``{"demo": "finished",
         "backend", "checks", "duration_s"}``; a failure ends with ``{"demo": "failed", ...}`` on stdout and the
         error object of :func:`backends_core.cli_common.error_object` on stderr.
     """
@@ -403,7 +403,7 @@ def run_demo(
 
     token = _on_check.set(on_check if json_lines else None)
     try:
-        with contextlib.redirect_stdout(sys.stderr) if json_lines else contextlib.nullcontext():
+        with contextlib.redirect_stdout(io.StringIO()) if json_lines else contextlib.nullcontext():
             asyncio.run(
                 run_demo_async(
                     backend=backend, urls=urls, moe_url=moe_url, model=model, models_dir=models_dir, seed=seed
