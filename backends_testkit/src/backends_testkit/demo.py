@@ -381,9 +381,10 @@ def run_demo(
     """Run the demo; returns the process exit status: 0 when every check held, 1 when one did not or a server
     failed, 2 for a configuration error (the ``backends`` CLI's codes).
 
-    :param json_lines: write one JSON object per line on stdout instead of the tour's prose: ``{"check": what, "ok": true}`` for each check that held, then ``{"demo": "finished",
-        "backend", "checks", "duration_s"}``; a failure ends with ``{"demo": "failed", ...}`` on stdout and the
-        error object of :func:`backends_core.cli_common.error_object` on stderr.
+    :param json_lines: write one JSON object per line on stdout instead of the tour's prose:
+        ``{"check": what, "ok": true}`` for each check that held, then ``{"demo": "finished", "backend", "checks",
+        "duration_s"}``; a failure ends with ``{"demo": "failed", ...}`` on stdout and the error object of
+        :func:`backends_core.cli_common.error_object` on stderr.
     """
     stdout = sys.stdout
     checks: list[str] = []
