@@ -188,7 +188,14 @@ def _state(args: argparse.Namespace) -> int:
                 f"{r.server}: {'up' if r.reachable else 'DOWN'} ready={r.ready} {detail}"
                 + (f" error={r.error}" if r.error else "")
             )
-        emit(args, {"servers": reports, "capabilities": sorted(client.capabilities)}, "\n".join(lines))
+        if reports.disagreement:
+            lines.append("DISAGREEMENT: " + "; ".join(reports.disagreement))
+        state = {
+            "servers": list(reports),
+            "disagreement": reports.disagreement,
+            "capabilities": sorted(client.capabilities),
+        }
+        emit(args, state, "\n".join(lines))
         return EXIT_OK if all(r.reachable and r.error is None for r in reports) else EXIT_FAILED
 
     return _run(args, body)
