@@ -343,7 +343,7 @@ class FrontFleet(Fleet):
             raise MembershipError(f"{url} is not a member of the fleet (members: {[m.url for m in self.members()]})")
         base = self._urls[index]
         listed = self._listed.get(base) or Replica(url=base)
-        if listed.id is None and type(self.front) is SglangRouterFront:
+        if base not in self._listed:  # its router-side name (an id) as the router lists it now
             listed = next((r for r in await self.front.replicas() if r.url == base), listed)
         await self.front.deregister(listed)
         self._listed.pop(base, None)
