@@ -372,7 +372,7 @@ def test_the_backend_tutorial_installs_and_passes_conformance_as_the_readme_says
     # distributions as wheels
     assert [line for _, line in lines if line.startswith("pip ")] == [
         'pip install "backends-core[testing]"',
-        "pip install -e . -e testing",
+        "pip install -e . -e ./testing",
     ]
     wheels, venv = tmp_path / "wheels", tmp_path / "venv"
     python = str(venv / "bin" / "python")
