@@ -27,11 +27,13 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx
 import pytest
 
 from backends_core import Client, ClientConfig, SamplingParams
@@ -297,7 +299,20 @@ def _read_until(process: subprocess.Popen[str], needle: str, deadline_s: float) 
     return "".join(seen)
 
 
-def test_try_it_in_one_minute() -> None:
+def _wait_until_serving(process: subprocess.Popen[str], url: str, log: Path, deadline_s: float) -> None:
+    """Until ``url/health`` answers 200 (the process ending or the deadline fails, with what it printed)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=0.2)  # waits on the process: one that ended is reported below
+        assert process.returncode is None, f"exited {process.returncode}: {log.read_text()}"
+    pytest.fail(f"{url} did not come up in {deadline_s} s: {log.read_text()}")
+
+
+def test_try_it_in_one_minute(tmp_path: Path) -> None:
     (block,) = section("Try it in one minute")
     commands = [line.split("  #")[0].strip() for line in block.text.splitlines() if line.strip()]
     assert commands[0].startswith("pip install")  # what this environment already holds
@@ -308,9 +323,11 @@ def test_try_it_in_one_minute() -> None:
     port = str(_free_port())
     argv = [_backends_cli(), *shlex.split(serve.removesuffix("&"))[1:]]
     argv = [port if a == "8000" else a for a in argv]
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
-        _read_until(process, f":{port}", 300)
+        _wait_until_serving(process, f"http://127.0.0.1:{port}", log, 300)
         call = [_backends_cli(), *(a.replace(":8000", f":{port}") for a in shlex.split(generate)[1:])]
         done = subprocess.run(call, capture_output=True, text=True, timeout=300, check=False)
         assert done.returncode == 0, f"{block.where}: {generate}\n{done.stdout}\n{done.stderr}"
