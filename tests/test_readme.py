@@ -19,6 +19,7 @@ import ast
 import asyncio
 import contextlib
 import inspect
+import json
 import os
 import re
 import shlex
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,7 @@ import attrs
 import httpx
 import pytest
 
-from backends_core import Client, ClientConfig, SamplingParams
+from backends_core import Client, ClientConfig, SamplingParams, ServerStatusError
 from backends_testkit.emulators import make_emulator
 from backends_testkit.engine import ReferenceEngine
 from backends_testkit.tinymodel import TinyModels
@@ -448,3 +450,40 @@ def test_the_backend_tutorial_installs_and_passes_conformance_as_the_readme_says
         cwd=project,
     )
     assert gone.returncode != 0 and "NetworkError" in gone.stdout, gone.stdout[-3000:]
+
+
+def _tutorial_module(name: str, path: str) -> types.ModuleType:
+    (block,) = [b for b in section("Writing a backend") if b.marker == "tutorial file" and tutorial_path(b) == path]
+    module = types.ModuleType(name)
+    exec(compile("\n" * block.line + block.text, "README.md", "exec", dont_inherit=True), module.__dict__)
+    return module
+
+
+async def test_the_tutorial_backend_sends_every_sampling_field_and_its_emulator_refuses_what_it_cannot_honour(
+    tiny_models: TinyModels,
+) -> None:
+    hooks = _tutorial_module("backends_acme", "src/backends_acme/__init__.py")
+    testing = _tutorial_module("backends_acme_testing", "testing/src/backends_acme_testing/__init__.py")
+    emulator = testing.AcmeEmulator(ReferenceEngine(tiny_models.dense, seed=0))
+    bodies: list[dict[str, Any]] = []
+
+    async def recording(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/generate":
+            bodies.append(json.loads(request.content))
+        response: httpx.Response = await emulator.handle(request)
+        return response
+
+    config = ClientConfig(backend="acme", base_url="http://acme.test", model="m", tokenizer=str(tiny_models.dense))
+    try:
+        async with Client(config, transport=httpx.MockTransport(recording), plugin=hooks) as client:
+            sampling = SamplingParams(max_tokens=6, min_tokens=6, min_p=0.05, top_logprobs=2, seed=3)
+            result = await client.generate(prompt_ids=[1, 2, 3], sampling=sampling)
+            assert len(result.completion_ids) == 6 and result.top_logprobs is not None
+            assert all(len(row) == 2 for row in result.top_logprobs)
+            sent = bodies[-1]["sampling"]
+            assert sent["min_p"] == 0.05 and sent["min_tokens"] == 6 and sent["top_logprobs"] == 2
+            assert set(sent) == testing.SAMPLING  # nothing left to a server default
+            with pytest.raises(ServerStatusError, match=r"sampling\.presence_penalty"):
+                await client.generate(prompt_ids=[1, 2, 3], sampling=SamplingParams(presence_penalty=0.5))
+    finally:
+        await emulator.aclose()
