@@ -353,6 +353,18 @@ def test_front_config_errors_name_the_field(front, base_url, message) -> None:
     assert "$" in str(info.value)
 
 
+async def test_admin_outcomes_before_the_replicas_are_listed_refuse_instead_of_succeeding_on_none(
+    engines, tiny_models
+) -> None:
+    r = router("vllm-router", engines)
+    async with Client(config(tiny_models), transport=r.transport()) as client:
+        with pytest.raises(MembershipError, match="no server serves"):
+            await client.admin.outcomes().pause("keep", clear_cache=False)
+        await client.fleet.refresh()
+        assert [o.ok for o in await client.admin.outcomes().pause("keep", clear_cache=False)] == [True, True]
+        await client.admin.resume()
+
+
 async def test_fleet_add_right_after_the_client_opens_is_not_undone_by_the_first_refresh(engines, tiny_models) -> None:
     """The refresh the client starts when it opens reads the router's list before the new replica is registered;
     applied after, that stale list must not take out the replica ``add`` is bringing in."""
