@@ -1,9 +1,10 @@
 """sglang-router 0.3.2 (SGLang Model Gateway) as the client's front, before two real SGLang 0.5.23 replicas.
 
 The router runs ``--policy manual --assignment-mode min_group``: a request's ``X-SMG-Routing-Key`` pins it to one
-replica, and a new key goes to "the worker with fewest routing keys" (``--help``; seen: both replicas get new keys,
-though not in strict alternation; the default ``random`` mode put six new keys on one replica in one probe run, see
-``../ROUTERS.md``). Evidence of where a request ran is read from
+replica, and a new key should go to "the worker with fewest routing keys" (``--help``). Seen, it does not balance
+them: eight new keys split 4/4 and 3/5 in different runs, and in one run the six new keys that followed all went to
+the replica that then held 9 keys to the other's 5. Where a new key lands is the router's business: only the pinning
+is asserted, the split is printed. Evidence of where a request ran is read from
 each replica directly (``/v1/loads`` ``total_prefill_uncached_tokens``), never through the router.
 
 One router serves the whole module (it is stopped at the module's end); the routed-experts test puts a second one
@@ -159,9 +160,9 @@ def until(what: str, check: Callable[[], object], timeout: float = MEMBERSHIP_S)
         time.sleep(0.1)
 
 
-def test_min_group_pins_keys_and_spreads_them(front, replicas) -> None:
-    """Under ``manual`` + ``min_group`` each routing key stays on one replica and new keys go to both replicas.
-    The split is not a strict alternation (eight keys split 4/4 in one run, 5/3 in another)."""
+def test_min_group_pins_each_key_to_one_replica(front, replicas) -> None:
+    """Under ``manual`` + ``min_group`` each routing key stays on one replica. How new keys split is printed, not
+    asserted: ``min_group`` did not balance them (see the module's doc)."""
     keys = [f"spread-{i}" for i in range(8)]
     landed: dict[str, list[int]] = {key: [] for key in keys}
     with http() as client:
@@ -179,8 +180,6 @@ def test_min_group_pins_keys_and_spreads_them(front, replicas) -> None:
                 landed[key].append(which_replica(client, replicas, sglang_prefilled, send))
     sys.stderr.write(f"\n[router-front] min_group key -> replicas: {landed}\n")
     assert all(len(set(rs)) == 1 for rs in landed.values()), f"a key moved between replicas: {landed}"
-    per_replica = [sum(rs[0] == i for rs in landed.values()) for i in range(2)]
-    assert min(per_replica) >= 2, f"new keys were not spread over both replicas: {landed}"
 
 
 async def test_router_drops_routed_experts(sglang_router_venv, sglang_moe_url, tiny_models, tmp_path_factory) -> None:
@@ -284,7 +283,7 @@ async def test_token_in_token_out_through_the_front(front, replicas, tiny_models
 
 async def test_a_session_stays_on_one_replica(front, replicas, tiny_models) -> None:
     """``session=`` keys and a conversation's turns reach the router as ``X-SMG-Routing-Key``: each stays on one
-    replica (counted on the replicas), and new keys spread over both."""
+    replica (counted on the replicas)."""
     keys = [f"session-{i}" for i in range(6)]
     landed: dict[str, list[int]] = {key: [] for key in keys}
     sampling = SamplingParams(max_tokens=2, temperature=0.0)
@@ -304,7 +303,6 @@ async def test_a_session_stays_on_one_replica(front, replicas, tiny_models) -> N
     sys.stderr.write(f"\n[router-front] session -> replicas: {landed}; conversation turns: {turns}\n")
     assert all(len(set(rs)) == 1 for rs in landed.values()), f"a session moved between replicas: {landed}"
     assert len(set(turns)) == 1, f"a conversation moved between replicas: {turns}"
-    assert {rs[0] for rs in landed.values()} == {0, 1}, f"new sessions all went to one replica: {landed}"
 
 
 async def moved(raw: httpx.Client, urls: list[str], before: list[int]) -> int:
