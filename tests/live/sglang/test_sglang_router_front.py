@@ -419,7 +419,11 @@ async def test_an_added_replica_is_caught_up_before_it_serves(front, replicas, s
             await client.admin.weight_sync(path=str(new), version="v-join", mode="wait")
             await client.admin.load_lora(adapter)
             watcher.start()
+            started = time.monotonic()
             member = await client.fleet.add(third)
+            sys.stderr.write(
+                f"\n[router-front] fleet.add (catch-up + registration): {time.monotonic() - started:.2f}s\n"
+            )
             assert member.state == "serving"
             assert listed(front.url) == sorted([*replicas, third])
             watcher.join(timeout=MEMBERSHIP_S)
@@ -428,7 +432,7 @@ async def test_an_added_replica_is_caught_up_before_it_serves(front, replicas, s
             everyone = [*replicas, third]
             reached = []
             with http() as raw:
-                for i in range(12):
+                for i in range(24):
                     before = [sglang_prefilled(raw, url) for url in everyone]
                     answer = await client.generate(
                         prompt_ids=[fresh(), *PROMPT], sampling=SamplingParams(max_tokens=2), session=f"joined-{i}"
@@ -514,7 +518,9 @@ async def test_a_removed_replica_loses_no_request(front, replicas, spare, tiny_m
         try:
             with Load(client, "remove") as load:
                 await load.settle(12)
+                started = time.monotonic()
                 await client.fleet.remove(third)
+                sys.stderr.write(f"\n[router-front] fleet.remove under load: {time.monotonic() - started:.2f}s\n")
                 assert listed(front.url) == sorted(replicas)
                 await load.settle(12)
                 await load.finish()
