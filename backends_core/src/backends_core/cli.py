@@ -3,8 +3,9 @@
 Exit codes scripts can trust: 0 success; 1 an operation failed (on any server); 2 bad usage, configuration or
 input. ``--json`` prints machine-readable output on stdout; progress goes to stderr.
 
-Configuration comes from ``--config FILE`` (TOML/JSON; ``--section`` picks a table), else ``$BACKENDS_CONFIG``,
-and flags (``--backend``, ``--url``, ``--model``, ``--tokenizer``) override it.
+Configuration comes in layers (:meth:`ClientConfig.load`): ``--config FILE`` (TOML/JSON; ``--section`` picks a
+table), else ``$BACKENDS_CONFIG``; over it ``$BACKENDS_URL``, ``$BACKENDS_BACKEND``, ``$BACKENDS_MODEL``,
+``$BACKENDS_TOKENIZER``; over those the flags ``--url``, ``--backend``, ``--model``, ``--tokenizer``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
@@ -68,16 +68,9 @@ def _jsonable(value: Any) -> Any:
 
 
 def _config(args: argparse.Namespace) -> ClientConfig:
-    path = args.config or os.environ.get("BACKENDS_CONFIG")
-    data: dict[str, Any] = ClientConfig.from_file(path, section=args.section).to_mapping() if path else {}
-    for flag, key in (("backend", "backend"), ("model", "model"), ("tokenizer", "tokenizer")):
-        if getattr(args, flag, None):
-            data[key] = getattr(args, flag)
-    if getattr(args, "url", None):
-        data["base_url"] = args.url
-    if "backend" not in data or "base_url" not in data:
-        raise ConfigError(["give --backend and --url, or a --config file (or $BACKENDS_CONFIG) that sets them"])
-    return ClientConfig.from_mapping(data)
+    """The config file, then ``$BACKENDS_*``, then the flags (:meth:`ClientConfig.load`)."""
+    flags = {"backend": args.backend, "base_url": args.url, "model": args.model, "tokenizer": args.tokenizer}
+    return ClientConfig.load(args.config, section=args.section, flags=flags)
 
 
 def _run(args: argparse.Namespace, body: Callable[[Client], Awaitable[int]]) -> int:
