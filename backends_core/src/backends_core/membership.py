@@ -162,6 +162,11 @@ class Fleet:
         b.retire(index)
         self._errors.pop(index, None)
         self._client.driver.emit("fleet", "leave", self._client.servers[index].base_url, started, None)
+        log.info(
+            "%s left the fleet (removed; %d request(s) in flight)",
+            self._client.servers[index].base_url,
+            b.load[index].in_flight,
+        )
         if drain:
             await event.wait()
 
@@ -197,6 +202,7 @@ class Fleet:
         self._errors.pop(index, None)
         client.driver.emit("fleet", "catch_up", server.base_url, started, None, version=version)
         client.driver.emit("fleet", "join", server.base_url, started, None)
+        log.info("%s joined the fleet (caught up to weight version %s)", server.base_url, version)
 
     async def _replay(self, server: Server) -> str | None:
         """Bring ``server`` to the recorded weights and adapters; the version it then serves (``None`` when
@@ -298,6 +304,7 @@ class Fleet:
             b.retire(i)
             self._errors.pop(i, None)
             self._client.driver.emit("fleet", "leave", url, time.perf_counter(), None)
+            log.info("%s left the fleet (discovery no longer lists it)", url)
 
     def start(self) -> None:
         """Refresh every ``FleetPolicy.refresh_interval`` seconds from now on, when there is something to refresh
