@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 import pytest
 
+import backends_core
 from backends_core import AdminError, AdminPolicy, Client, ClientConfig, NetworkError, RetryPolicy, SamplingParams
 from backends_core.server import Server
 from backends_testkit.engine import ReferenceEngine
@@ -233,3 +234,8 @@ async def test_members_joining_and_leaving_are_logged(fleet, tiny_models, caplog
         (logging.INFO, "http://s2 joined the fleet (caught up to weight version default)"),
         (logging.INFO, "http://s0 left the fleet (removed; 0 request(s) in flight)"),
     ]
+
+
+def test_the_library_prints_nothing_until_the_application_configures_logging() -> None:
+    handlers = logging.getLogger(backends_core.__name__).handlers
+    assert [type(h) for h in handlers] == [logging.NullHandler]  # Python's last-resort stderr handler stays unused
