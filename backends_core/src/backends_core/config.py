@@ -258,6 +258,10 @@ class FrontConfig:
     :param workers_url: where the front lists its replicas, when not at ``base_url`` (Dynamo's frontend serves
         ``/v1/rl/workers`` on its own port, ``DYN_RL_PORT``).
     :param replicas: the replicas' URLs, for kind ``"static"`` only.
+    :param evict_unreachable: a replica the router lists but that cannot be reached at all (connection refused or
+        timed out: it serves nothing) is deregistered from a router that takes registrations, so the router stops
+        sending it requests, and leaves the fleet; ``False``: it is only skipped by admin operations until it
+        answers again (then caught up).
     :param session_header: the header carrying a session's key; ``None``: the one the router honours (see the
         kind's documentation; vllm-router honours ``x-session-id`` under ``--policy consistent_hash``,
         sglang-router ``X-SMG-Routing-Key`` under ``--policy manual``, Dynamo's frontend ``x-dynamo-session-id``
@@ -268,6 +272,7 @@ class FrontConfig:
     workers_url: str | None = attrs.field(default=None)
     replicas: tuple[str, ...] = attrs.field(default=(), converter=_urls)
     session_header: str | None = attrs.field(default=None)
+    evict_unreachable: bool = True
 
     @kind.validator
     def _check_kind(self, _attr: Any, value: Any) -> None:
