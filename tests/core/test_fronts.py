@@ -412,3 +412,16 @@ async def test_without_eviction_a_dead_replica_is_skipped_and_caught_up_once_it_
         r.emulators["r1"].handle = alive  # type: ignore[method-assign]
         assert [s.weight_version for s in await client.admin.state()] == ["v8", "v8"]
     assert engines["r1"].weight_version == "v8"
+
+
+def test_the_sync_client_behind_a_front_registers_through_the_router(engines, tiny_models) -> None:
+    from backends_core import SyncClient
+
+    r = router("sglang-router", engines)
+    with SyncClient(config(tiny_models, "sglang-router"), transport=r.transport()) as client:
+        assert client.admin.pause(mode="keep") == [True, True]
+        client.admin.resume()
+        client.fleet.add("http://r2")
+        assert [m.url for m in client.fleet.members()] == ["http://r0", "http://r1", "http://r2"]
+        assert len(client.admin.fleet_state()) == 3
+    assert "http://r2" in r.workers
