@@ -5,8 +5,9 @@ input (130: interrupted). ``--json`` prints one JSON object per line on stdout a
 stderr; progress goes to stderr. The shared machinery (exit codes, JSON output, error reporting, checked argument
 types) lives in :mod:`backends_core.cli_common`.
 
-Configuration comes from ``--config FILE`` (TOML/JSON; ``--section`` picks a table), else ``$BACKENDS_CONFIG``,
-and flags (``--backend``, ``--url``, ``--model``, ``--tokenizer``) override it.
+Configuration comes in layers (:meth:`ClientConfig.load`): ``--config FILE`` (TOML/JSON; ``--section`` picks a
+table), else ``$BACKENDS_CONFIG``; over it ``$BACKENDS_URL``, ``$BACKENDS_BACKEND``, ``$BACKENDS_MODEL``,
+``$BACKENDS_TOKENIZER``; over those the flags ``--url``, ``--backend``, ``--model``, ``--tokenizer``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import asyncio
 import contextlib
 import importlib.metadata as md
 import json
-import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -73,16 +73,9 @@ class Progress:
 
 
 def _config(args: argparse.Namespace) -> ClientConfig:
-    path = args.config or os.environ.get("BACKENDS_CONFIG")
-    data: dict[str, Any] = ClientConfig.from_file(path, section=args.section).to_mapping() if path else {}
-    for flag, key in (("backend", "backend"), ("model", "model"), ("tokenizer", "tokenizer")):
-        if getattr(args, flag, None):
-            data[key] = getattr(args, flag)
-    if getattr(args, "url", None):
-        data["base_url"] = args.url
-    if "backend" not in data or "base_url" not in data:
-        raise ConfigError(["give --backend and --url, or a --config file (or $BACKENDS_CONFIG) that sets them"])
-    return ClientConfig.from_mapping(data)
+    """The config file, then ``$BACKENDS_*``, then the flags (:meth:`ClientConfig.load`)."""
+    flags = {"backend": args.backend, "base_url": args.url, "model": args.model, "tokenizer": args.tokenizer}
+    return ClientConfig.load(args.config, section=args.section, flags=flags)
 
 
 def _run(args: argparse.Namespace, body: Callable[[Client], Awaitable[int]]) -> int:
