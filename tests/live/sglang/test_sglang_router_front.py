@@ -32,7 +32,6 @@ import sglang_server
 from router_probe_checks import SETTLE_S, http, sglang_prefilled, which_replica
 
 from backends_core import (
-    AdminError,
     BackendError,
     Client,
     ClientConfig,
