@@ -230,7 +230,10 @@ async def _answers(server: Server, path: str) -> bool:
 
 @hookimpl
 async def admin_health(server: Server) -> bool:
-    return await _answers(server, "/health")
+    # Liveness from a route the HTTP process answers itself: SGLang's /health is /health_generate (a 1-token
+    # generation), which a paused server holds for 20 s, then answers 503 and marks itself unhealthy until the next
+    # health check passes.
+    return await _answers(server, "/model_info")
 
 
 @hookimpl
