@@ -148,6 +148,22 @@ def test_records_that_fail_on_a_server_get_an_error_line_and_exit_1(tiny_models,
     assert "rollout: 0 ok, 2 failed" in err
 
 
+def test_a_record_the_backend_cannot_take_fails_before_sending_and_exits_2(
+    server, tiny_models, tmp_path, capsys
+) -> None:
+    rows = [
+        *conversations(1),
+        {"id": "x", "messages": [{"role": "user", "content": "q"}], "sampling": {"extra": {"k": 1}}},
+    ]
+    convs = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    assert main(["rollout", str(convs), str(out), "--max-tokens", "2", *flags(server, tiny_models)]) == 2
+    by_id = {r["id"]: r for r in read_rows(out)}
+    assert "completion_ids" in by_id["c0"]
+    assert by_id["x"]["error"].startswith("UnsupportedOperationError: backend 'reference' does not support")
+    assert "rollout: 1 ok, 1 failed (1 refused before sending)" in capsys.readouterr().err
+
+
 def test_an_existing_output_is_kept_unless_resume_or_overwrite(server, tiny_models, tmp_path, capsys) -> None:
     convs = write_jsonl(tmp_path / "in.jsonl", conversations(1))
     out = tmp_path / "out.jsonl"

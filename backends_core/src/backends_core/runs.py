@@ -7,8 +7,9 @@ keeps what finished and prints the summary. Progress goes to stderr: a tqdm bar 
 ``--json``) line every ``log_every`` seconds otherwise.
 
 Exit codes: 0 every record ok; 1 some record failed on a server (its line in the output carries ``"error"``);
-2 usage, configuration or input (bad rows, a repeated id, an output that exists without ``--resume`` or
-``--overwrite``); 130 interrupted.
+2 usage, configuration or input (bad rows, whether refused up front or skipped; a repeated id; an output that
+exists without ``--resume`` or ``--overwrite``; a record the client refused before sending, e.g. a sampling
+feature the backend lacks), which wins over 1; 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import numpy as np
 from tqdm import tqdm
 
 from backends_core.client import Client
-from backends_core.errors import BackendError, InvalidRequestError
+from backends_core.errors import BackendError, InvalidRequestError, RenderError, UnsupportedOperationError
 from backends_core.types import (
     Choice,
     GenerateResult,
@@ -554,6 +555,7 @@ class _Tally:
     total: int
     ok: int = 0
     failed: int = 0
+    refused: int = 0  # failed records the client refused before sending (input the backend cannot take)
     tokens: int = 0
     started: float = attrs.field(factory=time.monotonic)
 
@@ -641,6 +643,7 @@ def _summary(
         "output": output,
         "ok": tally.ok,
         "failed": tally.failed,
+        "refused": tally.refused,
         "skipped": skipped,
         "resumed": resumed,
         "not_run": not_run,
@@ -655,7 +658,9 @@ def _summary(
         return
     head = f"{reporter.job} interrupted" if interrupted else reporter.job
     print(
-        f"{head}: {tally.ok} ok, {tally.failed} failed, {skipped} skipped (bad rows), {resumed} already done"
+        f"{head}: {tally.ok} ok, {tally.failed} failed"
+        + (f" ({tally.refused} refused before sending)" if tally.refused else "")
+        + f", {skipped} skipped (bad rows), {resumed} already done"
         + (f", {not_run} not run" if not_run else "")
         + f"; {tally.tokens} tokens in {elapsed:.1f}s ({rate:.1f} tokens/s) -> {output}",
         file=reporter.err,
@@ -723,6 +728,8 @@ def execute(job: Job, options: RunOptions, make_client: Callable[[], Client]) ->
         job.finish(output)
         if interrupted:
             code = EXIT_INTERRUPTED
+        elif tally.refused:
+            code = EXIT_USAGE
         elif code == EXIT_OK and tally.failed:
             code = EXIT_FAILED
         _summary(
@@ -735,6 +742,11 @@ def execute(job: Job, options: RunOptions, make_client: Callable[[], Client]) ->
             output=options.output,
         )
     return code
+
+
+#: A record failing with one of these never reached a server: the row asks for what this client or backend
+#: cannot do (a sampling feature the backend lacks, messages its template cannot render). The run exits 2.
+_REFUSED_BEFORE_SENDING = (InvalidRequestError, RenderError, UnsupportedOperationError)
 
 
 async def _drive(
@@ -756,6 +768,8 @@ async def _drive(
                 error = f"{type(exc).__name__}: {exc}"
                 rows, tokens = [{"id": record.key, "error": error}], 0
                 tally.failed += 1
+                refused = isinstance(exc, _REFUSED_BEFORE_SENDING)
+                tally.refused += refused
                 reporter.emit(
                     "record_failed",
                     f"{job.name}: {reporter.options.input}:{record.line} (id {record.key!r}) failed: {error}",
@@ -763,6 +777,7 @@ async def _drive(
                     line=record.line,
                     id=record.key,
                     message=str(exc),
+                    sent=not refused,
                 )
             else:
                 tally.ok += 1
