@@ -70,6 +70,7 @@ class BadRow:
     line: int
     path: str
     message: str
+    repeat: bool = False  # the row's id is on an earlier line too
 
     def text(self, source: str) -> str:
         return f"{source}:{self.line}: {self.message} @ {self.path}"
@@ -433,7 +434,8 @@ def read_records(path: str, job: Job) -> tuple[list[Record], list[BadRow]]:
                 bad.append(BadRow(number, exc.path, exc.message))
                 continue
             if record.key in first_line:
-                bad.append(BadRow(number, "$.id", f"id {record.key!r} repeats line {first_line[record.key]}"))
+                message = f"id {record.key!r} repeats line {first_line[record.key]}"
+                bad.append(BadRow(number, "$.id", message, repeat=True))
                 continue
             first_line[record.key] = number
             records.append(record)
@@ -677,6 +679,15 @@ def execute(job: Job, options: RunOptions, make_client: Callable[[], Client]) ->
     Nothing is sent before every row is checked and the output is ready. ``make_client`` is called then.
     """
     reporter = _Reporter(job.name, options)
+    try:
+        return _execute(job, options, make_client, reporter)
+    except KeyboardInterrupt:  # Ctrl-C before the run started (once it runs, _execute handles it)
+        reporter.close()
+        reporter.emit("interrupted", f"{job.name} interrupted before anything was sent", interrupted=True)
+        return EXIT_INTERRUPTED
+
+
+def _execute(job: Job, options: RunOptions, make_client: Callable[[], Client], reporter: _Reporter) -> int:
     if options.concurrency < 1:
         reporter.emit(
             "usage_error",
@@ -692,7 +703,7 @@ def execute(job: Job, options: RunOptions, make_client: Callable[[], Client]) ->
         return EXIT_USAGE
     for row in bad:
         reporter.bad_row(row)
-    repeated = [row for row in bad if "repeats line" in row.message]
+    repeated = [row for row in bad if row.repeat]
     if bad and (options.on_bad_row == "refuse" or repeated):
         why = "a repeated id makes the file ambiguous" if repeated else "--on-bad-row refuse"
         reporter.emit(
