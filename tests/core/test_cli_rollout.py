@@ -148,19 +148,27 @@ def test_records_that_fail_on_a_server_get_an_error_line_and_exit_1(tiny_models,
     assert "rollout: 0 ok, 2 failed" in err
 
 
-def test_a_record_the_backend_cannot_take_fails_before_sending_and_exits_2(
+def test_a_sampling_feature_the_backend_lacks_is_a_bad_row_found_before_sending(tiny_models, tmp_path, capsys) -> None:
+    extra = {"id": "x", "messages": [{"role": "user", "content": "q"}], "sampling": {"extra": {"k": 1}}}
+    convs = write_jsonl(tmp_path / "in.jsonl", [*conversations(1), extra])
+    out = tmp_path / "out.jsonl"
+    assert main(["rollout", str(convs), str(out), *flags(DEAD_URL, tiny_models)]) == 2
+    err = capsys.readouterr().err
+    assert f"{convs}:2: backend 'reference' does not support 'sampling.extra'" in err
+    assert "@ $.sampling.extra" in err and "nothing was sent" in err
+    assert not out.exists()
+
+
+def test_a_record_the_client_refuses_at_run_time_gets_an_error_line_and_exits_2(
     server, tiny_models, tmp_path, capsys
 ) -> None:
-    rows = [
-        *conversations(1),
-        {"id": "x", "messages": [{"role": "user", "content": "q"}], "sampling": {"extra": {"k": 1}}},
-    ]
-    convs = write_jsonl(tmp_path / "in.jsonl", rows)
+    image = {"id": "img", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}
+    convs = write_jsonl(tmp_path / "in.jsonl", [*conversations(1), image])
     out = tmp_path / "out.jsonl"
     assert main(["rollout", str(convs), str(out), "--max-tokens", "2", *flags(server, tiny_models)]) == 2
     by_id = {r["id"]: r for r in read_rows(out)}
     assert "completion_ids" in by_id["c0"]
-    assert by_id["x"]["error"].startswith("UnsupportedOperationError: backend 'reference' does not support")
+    assert by_id["img"]["error"].startswith("InvalidRequestError: messages[0].content[0]")
     assert "rollout: 1 ok, 1 failed (1 refused before sending)" in capsys.readouterr().err
 
 

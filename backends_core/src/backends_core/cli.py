@@ -220,12 +220,12 @@ def _rollout(args: argparse.Namespace) -> int:
         n=args.n,
         routed_experts=args.routed_experts,
     )
-    return runs.execute(job, _run_options(args), lambda: Client(_config(args)))
+    return runs.execute(job, _run_options(args), lambda: _config(args))
 
 
 def _teacher(args: argparse.Namespace) -> int:
     job = runs.TeacherJob(top_logprobs=args.top_logprobs)
-    return runs.execute(job, _run_options(args), lambda: Client(_config(args)))
+    return runs.execute(job, _run_options(args), lambda: _config(args))
 
 
 def _check_tokenizer(args: argparse.Namespace) -> int:

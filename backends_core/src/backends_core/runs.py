@@ -8,8 +8,8 @@ keeps what finished and prints the summary. Progress goes to stderr: a tqdm bar 
 
 Exit codes: 0 every record ok; 1 some record failed on a server (its line in the output carries ``"error"``);
 2 usage, configuration or input (bad rows, whether refused up front or skipped; a repeated id; an output that
-exists without ``--resume`` or ``--overwrite``; a record the client refused before sending, e.g. a sampling
-feature the backend lacks), which wins over 1; 130 interrupted (Ctrl-C).
+exists without ``--resume`` or ``--overwrite``; a sampling feature the backend lacks; a record the client
+refused before sending it, e.g. messages it cannot render), which wins over 1; 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import numpy as np
 from tqdm import tqdm
 
 from backends_core.client import Client
+from backends_core.config import ClientConfig
+from backends_core.driver import BackendDriver
 from backends_core.errors import BackendError, InvalidRequestError, RenderError, UnsupportedOperationError
 from backends_core.types import (
     Choice,
@@ -253,6 +255,12 @@ class Job(Protocol):
     def samples(self, item: Any) -> int:
         """How many output lines the record writes when it succeeds."""
 
+    def check(self, driver: BackendDriver, record: Record) -> None:
+        """Refuse, before anything is sent, a record the backend cannot run.
+
+        :raises UnsupportedOperationError: naming the operation or sampling feature (``sampling.extra``).
+        """
+
     async def run(self, client: Client, record: Record) -> tuple[list[dict[str, Any]], int]:
         """The record's output rows (each with ``"id"``) and the tokens it produced or scored.
 
@@ -329,6 +337,9 @@ class RolloutJob:
     def samples(self, item: _Rollout) -> int:
         return item.n
 
+    def check(self, driver: BackendDriver, record: Record) -> None:
+        driver.check_sampling(record.item.sampling)
+
     async def run(self, client: Client, record: Record) -> tuple[list[dict[str, Any]], int]:
         item: _Rollout = record.item
         results = await client.generate_group(
@@ -386,6 +397,9 @@ class TeacherJob:
 
     def samples(self, item: Any) -> int:
         return 1
+
+    def check(self, driver: BackendDriver, record: Record) -> None:
+        driver.require("teacher_logprobs")
 
     async def run(self, client: Client, record: Record) -> tuple[list[dict[str, Any]], int]:
         scored = await client.teacher_logprobs(record.item, top_logprobs=self.top_logprobs)
@@ -673,21 +687,35 @@ def _summary(
 # -- the run ---------------------------------------------------------------------------------------------
 
 
-def execute(job: Job, options: RunOptions, make_client: Callable[[], Client]) -> int:
+def execute(
+    job: Job,
+    options: RunOptions,
+    config: Callable[[], ClientConfig],
+    make_client: Callable[[ClientConfig], Client] = Client,
+) -> int:
     """Run ``job`` over ``options.input`` into ``options.output``; the exit code (see the module doc).
 
-    Nothing is sent before every row is checked and the output is ready. ``make_client`` is called then.
+    Nothing is sent before every row is checked, against the backend too (its sampling features and
+    operations), and the output is ready; ``make_client`` is called then.
+
+    :raises ConfigError: from ``config()`` (the rows are checked and reported first).
     """
     reporter = _Reporter(job.name, options)
     try:
-        return _execute(job, options, make_client, reporter)
+        return _execute(job, options, config, make_client, reporter)
     except KeyboardInterrupt:  # Ctrl-C before the run started (once it runs, _execute handles it)
         reporter.close()
         reporter.emit("interrupted", f"{job.name} interrupted before anything was sent", interrupted=True)
         return EXIT_INTERRUPTED
 
 
-def _execute(job: Job, options: RunOptions, make_client: Callable[[], Client], reporter: _Reporter) -> int:
+def _execute(
+    job: Job,
+    options: RunOptions,
+    config: Callable[[], ClientConfig],
+    make_client: Callable[[ClientConfig], Client],
+    reporter: _Reporter,
+) -> int:
     if options.concurrency < 1:
         reporter.emit(
             "usage_error",
@@ -703,6 +731,22 @@ def _execute(job: Job, options: RunOptions, make_client: Callable[[], Client], r
         return EXIT_USAGE
     for row in bad:
         reporter.bad_row(row)
+    client_config = config()
+    driver = BackendDriver(client_config)
+    valid: list[Record] = []
+    for record in records:
+        try:
+            job.check(driver, record)
+        except UnsupportedOperationError as exc:
+            if not exc.operation.startswith("sampling."):  # the backend cannot run this job at all
+                reporter.emit("unsupported", f"error: {exc}", error=type(exc).__name__, message=str(exc))
+                return EXIT_USAGE
+            unsupported = BadRow(record.line, f"$.{exc.operation}", str(exc))
+            reporter.bad_row(unsupported)
+            bad.append(unsupported)
+        else:
+            valid.append(record)
+    records = valid
     repeated = [row for row in bad if row.repeat]
     if bad and (options.on_bad_row == "refuse" or repeated):
         why = "a repeated id makes the file ambiguous" if repeated else "--on-bad-row refuse"
@@ -723,7 +767,7 @@ def _execute(job: Job, options: RunOptions, make_client: Callable[[], Client], r
     for note in resumed.notes:
         reporter.emit("resume", f"resume: {note}", message=note)
     todo = [r for r in records if r.key not in resumed.done]
-    client = make_client()
+    client = make_client(client_config)
     tally = _Tally(total=len(todo))
     interrupted = False
     code = EXIT_USAGE if bad else EXIT_OK
@@ -756,7 +800,7 @@ def _execute(job: Job, options: RunOptions, make_client: Callable[[], Client], r
 
 
 #: A record failing with one of these never reached a server: the row asks for what this client or backend
-#: cannot do (a sampling feature the backend lacks, messages its template cannot render). The run exits 2.
+#: cannot do (messages it cannot render, say). The run exits 2.
 _REFUSED_BEFORE_SENDING = (InvalidRequestError, RenderError, UnsupportedOperationError)
 
 
