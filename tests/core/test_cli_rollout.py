@@ -17,6 +17,7 @@ import termios
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from backends_core.cli import main
@@ -28,6 +29,21 @@ DEAD_URL = "http://127.0.0.1:9"  # nothing listens on the discard port: every re
 def server(tiny_models):
     proc = subprocess.Popen(
         [sys.executable, "-m", "backends_testkit.reference", "--model", str(tiny_models.dense)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    line = proc.stdout.readline()
+    assert line.startswith("listening on "), line
+    yield line.split()[-1]
+    proc.terminate()
+    proc.wait(timeout=10)
+    proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def moe_server(tiny_models):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "backends_testkit.reference", "--model", str(tiny_models.moe)],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -212,6 +228,38 @@ def test_resume_runs_failed_records_again(server, tiny_models, tmp_path, capsys)
     rows = read_rows(out)
     assert sorted(r["id"] for r in rows) == ["c0", "c1"] and not any("error" in r for r in rows)
     assert "2 record(s) that failed or were cut short run again" in capsys.readouterr().err
+
+
+def test_resume_keeps_routed_experts_and_reruns_records_whose_routing_was_lost(
+    moe_server, tiny_models, tmp_path, capsys
+) -> None:
+    moe = [
+        "--backend",
+        "reference",
+        "--url",
+        moe_server,
+        "--model",
+        "tiny-qwen3-moe",
+        "--tokenizer",
+        str(tiny_models.moe),
+    ]
+    out, npz = tmp_path / "out.jsonl", tmp_path / "out.routed_experts.npz"
+    argv = ["rollout", "--max-tokens", "2", "--routed-experts", *moe]
+    assert main([*argv, str(write_jsonl(tmp_path / "a.jsonl", conversations(2))), str(out)]) == 0
+    with np.load(npz) as saved:
+        c0 = saved["c0"]
+    assert main([*argv, str(write_jsonl(tmp_path / "b.jsonl", conversations(3))), str(out), "--resume"]) == 0
+    with np.load(npz) as saved:
+        assert sorted(saved.files) == ["c0", "c1", "c2"]
+        np.testing.assert_array_equal(saved["c0"], c0)  # kept from the first run, not generated again
+    capsys.readouterr()
+
+    npz.unlink()  # a crash: the result lines were flushed, the routing (written when a run ends) never was
+    assert main([*argv, str(tmp_path / "b.jsonl"), str(out), "--resume"]) == 0
+    assert "3 finished record(s) lack their routed experts: they run again" in capsys.readouterr().err
+    assert sorted(r["id"] for r in read_rows(out)) == ["c0", "c1", "c2"]
+    with np.load(npz) as saved:
+        assert sorted(saved.files) == ["c0", "c1", "c2"]
 
 
 def test_seed_is_the_runs_seed_plus_the_record_index_and_runs_repeat(server, tiny_models, tmp_path, capsys) -> None:

@@ -267,8 +267,9 @@ class Job(Protocol):
         :raises BackendError: the record failed.
         """
 
-    def resumed(self, rows: Sequence[dict[str, Any]], output: Path) -> None:
-        """Rows of ``output`` kept by a resumed run (finished records only)."""
+    def resumed(self, rows: Sequence[dict[str, Any]], output: Path) -> set[str]:
+        """Rows of ``output``'s finished records, kept by a resumed run: load their side data; the keys of those
+        whose side data is missing (they run again)."""
 
     def finish(self, output: Path) -> None:
         """Called once when the run ends, interrupted or not (side files)."""
@@ -362,13 +363,26 @@ class RolloutJob:
             rows.append(result_row(result, **extra))
         return rows, sum(len(r.completion_ids) for r in results)
 
-    def resumed(self, rows: Sequence[dict[str, Any]], output: Path) -> None:
+    def resumed(self, rows: Sequence[dict[str, Any]], output: Path) -> set[str]:
+        """With ``routed_experts``, each finished sample's routing from ``OUTPUT.routed_experts.npz`` (written
+        when a run ends: a crashed run left none, so its records run again)."""
+        if not self.routed_experts:
+            return set()
         path = _npz(output)
-        if not self.routed_experts or not path.exists():
-            return
-        keep = {str(r["id"]) if "sample" not in r else f"{r['id']}/{r['sample']}" for r in rows}
-        with np.load(path) as saved:
-            self.routed.update({k: saved[k] for k in saved.files if k in keep})
+        saved: dict[str, np.ndarray] = {}
+        if path.exists():
+            with np.load(path) as npz:
+                saved = {k: npz[k] for k in npz.files}
+        lacking = set()
+        found: dict[str, str] = {}  # npz name -> record key
+        for r in rows:
+            name = str(r["id"]) if "sample" not in r else f"{r['id']}/{r['sample']}"
+            if name in saved:
+                found[name] = str(r["id"])
+            else:
+                lacking.add(str(r["id"]))
+        self.routed.update({name: saved[name] for name, key in found.items() if key not in lacking})
+        return lacking
 
     def finish(self, output: Path) -> None:
         if self.routed:
@@ -412,8 +426,8 @@ class TeacherJob:
             row["top_logprobs"] = _top_logprobs(scored.top_logprobs)
         return [row], len(scored.token_ids)
 
-    def resumed(self, rows: Sequence[dict[str, Any]], output: Path) -> None:
-        pass
+    def resumed(self, rows: Sequence[dict[str, Any]], output: Path) -> set[str]:
+        return set()
 
     def finish(self, output: Path) -> None:
         pass
@@ -529,11 +543,15 @@ def prepare_output(output: Path, records: Sequence[Record], job: Job, *, resume:
         samples = sorted(r.get("sample", -1) for r in group)
         if samples == ([-1] if n == 1 else list(range(n))):
             done.add(key)
+    lacking = job.resumed([row for key in sorted(done) for row in by_key[key]], output)
+    if lacking:
+        notes.append(f"{output}: {len(lacking)} finished record(s) lack their routed experts: they run again")
+        done -= lacking
     unknown = {k for k in by_key if k not in expected}
     if unknown:
         notes.append(f"{output}: kept {len(unknown)} result(s) whose id is not in the input")
     keep = [(raw, row) for raw, row in rows if str(row["id"]) in done or str(row["id"]) in unknown]
-    rerun = {str(row["id"]) for _raw, row in rows} - done - unknown
+    rerun = {str(row["id"]) for _raw, row in rows} - done - unknown - lacking
     if rerun:
         notes.append(f"{output}: {len(rerun)} record(s) that failed or were cut short run again")
     if len(keep) != len(rows) or notes:
@@ -541,7 +559,6 @@ def prepare_output(output: Path, records: Sequence[Record], job: Job, *, resume:
         with os.fdopen(fd, "wb") as f:
             f.write(b"".join(raw + b"\n" for raw, _row in keep))
         os.replace(tmp, output)
-    job.resumed([row for _raw, row in keep if str(row["id"]) in done], output)
     return _Resumed(done=done, kept_rows=len(keep), notes=notes)
 
 
