@@ -8,12 +8,19 @@ from pathlib import Path
 import attrs
 import pytest
 
+from backends_core.client import Client
+from backends_core.config import ClientConfig
+from backends_core.driver import BackendDriver
+from backends_core.errors import UnsupportedOperationError
 from backends_core.runs import (
     _SAMPLING_KINDS,
+    EXIT_USAGE,
     OutputError,
     RolloutJob,
     RowError,
+    RunOptions,
     TeacherJob,
+    execute,
     prepare_output,
     read_records,
     sampling_from_row,
@@ -118,3 +125,23 @@ def test_resume_reruns_a_group_cut_short_and_refuses_a_damaged_middle_line(tmp_p
     write(out, [{"id": "h"}, "garbage", {"id": "g", "sample": 0}])
     with pytest.raises(OutputError, match=r"out.jsonl:2: not a result line"):
         prepare_output(out, records, job, resume=True, overwrite=False)
+
+
+def test_a_backend_that_cannot_score_refuses_the_teacher_run_before_anything_is_sent(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    def cannot(self, operation: str) -> None:
+        raise UnsupportedOperationError(self.backend, operation)
+
+    monkeypatch.setattr(BackendDriver, "require", cannot)
+    seqs = write(tmp_path / "seqs.jsonl", [{"token_ids": [1, 2]}])
+    out = tmp_path / "out.jsonl"
+    options = RunOptions(input=str(seqs), output=str(out))
+
+    def no_client(config: ClientConfig) -> Client:
+        raise AssertionError("no client may be made")
+
+    config = ClientConfig(backend="reference", base_url="http://127.0.0.1:9", model="m")
+    assert execute(TeacherJob(top_logprobs=0), options, lambda: config, no_client) == EXIT_USAGE
+    assert "backend 'reference' does not support 'teacher_logprobs'" in capsys.readouterr().err
+    assert not out.exists()
