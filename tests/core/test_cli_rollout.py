@@ -131,11 +131,18 @@ def test_a_repeated_id_is_refused_up_front_with_its_line_numbers_even_when_skipp
 
 
 def test_teacher_bad_rows_name_the_token(tmp_path, capsys) -> None:
-    seqs = write_jsonl(tmp_path / "seqs.jsonl", [{"token_ids": [1, 2]}, {"token_ids": [1, "a"]}, {"ids": [1]}])
+    seqs = write_jsonl(
+        tmp_path / "seqs.jsonl", [{"token_ids": [1, 2]}, {"token_ids": [1, "a"]}, {"ids": [1]}, {"token_ids": [5]}]
+    )
     assert main(["teacher", str(seqs), str(tmp_path / "o.jsonl"), *flags(DEAD_URL)]) == 2
     err = capsys.readouterr().err
     assert f"{seqs}:2: must be a token id (an int >= 0), got 'a' @ $.token_ids[1]" in err
     assert f"{seqs}:3: unknown key 'ids'" in err
+    assert f"{seqs}:4: teacher scoring needs at least two token ids (position 0 has no logprob) @ $.token_ids" in err
+    assert main(["teacher", str(seqs), str(tmp_path / "o.jsonl"), "--top-logprobs", "21", *flags(DEAD_URL)]) == 2
+    assert "top_logprobs must be in [0, 20], got 21" in capsys.readouterr().err
+    assert main(["rollout", str(seqs), str(tmp_path / "o.jsonl"), "--max-tokens", "0", *flags(DEAD_URL)]) == 2
+    assert "max_tokens must be an int >= 1, got 0" in capsys.readouterr().err
 
 
 def test_skip_runs_the_good_rows_reports_the_bad_ones_and_exits_2(server, tiny_models, tmp_path, capsys) -> None:
@@ -186,6 +193,21 @@ def test_a_record_the_client_refuses_at_run_time_gets_an_error_line_and_exits_2(
     assert "completion_ids" in by_id["c0"]
     assert by_id["img"]["error"].startswith("InvalidRequestError: messages[0].content[0]")
     assert "rollout: 1 ok, 1 failed (1 refused before sending)" in capsys.readouterr().err
+
+
+def test_teacher_records_that_fail_on_a_server_exit_1_with_json_events(tiny_models, tmp_path, capsys) -> None:
+    seqs = write_jsonl(tmp_path / "seqs.jsonl", [{"id": "s0", "token_ids": [1, 2]}, {"id": "s1", "token_ids": [3, 4]}])
+    out = tmp_path / "scored.jsonl"
+    assert main(["teacher", str(seqs), str(out), "--json", *flags(DEAD_URL, tiny_models)]) == 1
+    captured = capsys.readouterr()
+    failed = [json.loads(line) for line in captured.err.splitlines() if '"record_failed"' in line]
+    assert sorted((e["line"], e["id"], e["error"]) for e in failed) == [
+        (1, "s0", "NetworkError"),
+        (2, "s1", "NetworkError"),
+    ]
+    (summary,) = [json.loads(line) for line in captured.out.splitlines()]
+    assert (summary["command"], summary["ok"], summary["failed"], summary["exit_code"]) == ("teacher", 0, 2, 1)
+    assert sorted(r["id"] for r in read_rows(out)) == ["s0", "s1"]
 
 
 def test_an_existing_output_is_kept_unless_resume_or_overwrite(server, tiny_models, tmp_path, capsys) -> None:

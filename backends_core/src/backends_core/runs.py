@@ -42,6 +42,7 @@ from backends_core.types import (
     Regex,
     SamplingParams,
     Structured,
+    TeacherRequest,
     TopLogprob,
 )
 
@@ -404,10 +405,19 @@ class TeacherJob:
     name: str = "teacher"
     keys: Sequence[str] = ("id", "token_ids", "metadata")
 
+    def __attrs_post_init__(self) -> None:
+        if not (_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= 20):
+            raise InvalidRequestError(f"top_logprobs must be in [0, 20], got {self.top_logprobs!r}")
+
     def parse(self, row: dict[str, Any], index: int) -> list[int]:
         if "token_ids" not in row:
             raise RowError("$.token_ids", "missing: every row needs the token ids to score")
-        return _int_list(row["token_ids"], "$.token_ids", non_empty=True)
+        token_ids = _int_list(row["token_ids"], "$.token_ids", non_empty=True)
+        try:  # the request's own checks (two ids at least), before anything is sent
+            TeacherRequest(token_ids=token_ids, top_logprobs=self.top_logprobs)
+        except InvalidRequestError as exc:
+            raise RowError("$.token_ids", str(exc)) from exc
+        return token_ids
 
     def samples(self, item: Any) -> int:
         return 1
