@@ -99,7 +99,7 @@ def test_records_get_their_line_index_key_and_seed(tmp_path) -> None:
 
 
 def test_a_default_id_colliding_with_an_explicit_one_is_a_repeat(tmp_path) -> None:
-    path = write(tmp_path / "in.jsonl", [{"id": "2", "token_ids": [1]}, {"token_ids": [2]}])
+    path = write(tmp_path / "in.jsonl", [{"id": "2", "token_ids": [1, 2]}, {"token_ids": [2, 3]}])
     _, bad = read_records(str(path), TeacherJob(top_logprobs=0))
     assert [(b.line, b.message) for b in bad] == [(2, "id '2' repeats line 1")]
 
