@@ -97,6 +97,23 @@ def test_generate_rollout_and_teacher_files(servers, tiny_models, capsys, tmp_pa
     assert code == 0
     one = json.loads(out)
     assert len(one["completion_ids"]) == len(one["logprobs"]) >= 1
+    assert "top_logprobs" not in one
+    code, out = run(
+        [
+            "generate",
+            "--prompt-ids",
+            "1,2,3",
+            "--max-tokens",
+            "3",
+            "--top-logprobs",
+            "2",
+            "--json",
+            *flags(servers, tiny_models),
+        ],
+        capsys,
+    )
+    top = json.loads(out)["top_logprobs"]
+    assert code == 0 and len(top) == 3 and all(len(position) >= 2 for position in top)
     convs = tmp_path / "in.jsonl"
     convs.write_text(
         "\n".join(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": f"q{i}"}]}) for i in range(5))

@@ -31,6 +31,7 @@ from backends_core.cli_common import (
     JsonArgumentParser,
     UsageError,
     add_json_flag,
+    add_log_level_flag,
     emit,
     int_list,
     nonnegative_int,
@@ -48,7 +49,7 @@ from backends_core.errors import (
     InvalidRequestError,
 )
 from backends_core.plugins import available_backends, implemented_hooks, make_plugin_manager
-from backends_core.types import GenerateResult, LoraAdapter, SamplingParams
+from backends_core.types import LoraAdapter, SamplingParams
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
@@ -71,20 +72,6 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, top_logprobs=args.top_logprobs
     )
-
-
-def _result_record(result: GenerateResult, **extra: Any) -> dict[str, Any]:
-    return {
-        **extra,
-        "prompt_ids": list(result.prompt_ids),
-        "completion_ids": list(result.completion_ids),
-        "logprobs": result.logprobs.tolist(),
-        "finish_reason": result.finish_reason,
-        "stop_reason": result.stop_reason,
-        "weight_version": result.weight_version,
-        "server": result.server,
-        "request_id": result.request_id,
-    }
 
 
 # -- commands --------------------------------------------------------------------------------------------
@@ -193,7 +180,7 @@ def _generate(args: argparse.Namespace) -> int:
         text = tokenizer.decode(list(result.completion_ids)) if tokenizer is not None else ""
         emit(
             args,
-            _result_record(result, text=text),
+            runs.result_row(result, text=text),
             f"{text}\n[{len(result.completion_ids)} tokens, {result.finish_reason}]",
         )
         return EXIT_OK
@@ -486,6 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the installed versions of backends-core and every backend distribution, then exit",
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output (also accepted after the command)")
+    add_log_level_flag(parser, verb=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("list", help="installed backends with version and capabilities")
