@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -147,16 +147,6 @@ def workers(client: httpx.Client, router_url: str) -> list[dict]:
     answer = client.get(router_url + "/workers")
     assert answer.status_code == 200, answer.text
     return answer.json()["workers"]
-
-
-def until(what: str, check: Callable[[], object], timeout: float = MEMBERSHIP_S) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f}s"
-        time.sleep(0.1)
 
 
 def test_min_group_pins_each_key_to_one_replica(front, replicas) -> None:
