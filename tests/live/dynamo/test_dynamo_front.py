@@ -34,7 +34,16 @@ import httpx
 import pytest
 from dynamo_server import DynamoDeployment
 
-from backends_core import AdminError, Client, ClientConfig, FleetPolicy, LoraAdapter, RequestError, SamplingParams
+from backends_core import (
+    AdminError,
+    Client,
+    ClientConfig,
+    FleetPolicy,
+    LoraAdapter,
+    RequestError,
+    SamplingParams,
+    UnsupportedOperationError,
+)
 from backends_core.config import FrontConfig
 from backends_core.errors import FrontError
 from backends_testkit.tinymodel import write_perturbed_weights
@@ -320,6 +329,11 @@ async def test_a_joining_worker_is_caught_up_at_the_next_admin_operation(
             assert [await _paused(http, w) for w in front.worker_system_urls] == [True, True, True]
             await client.admin.resume()
 
+            # workers register themselves with Dynamo: the client neither adds nor removes one
+            with pytest.raises(UnsupportedOperationError):
+                await client.fleet.remove(third)
+            with pytest.raises(UnsupportedOperationError):
+                await client.fleet.add(third)
             await asyncio.to_thread(front.remove_worker)  # stopped: it leaves discovery as it exits
             assert third not in _instances(front)
             assert await client.admin.flush_cache() == [True]
