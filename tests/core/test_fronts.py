@@ -350,3 +350,15 @@ def test_front_config_errors_name_the_field(front, base_url, message) -> None:
     with pytest.raises(ConfigError, match=message) as info:
         ClientConfig.from_mapping({"backend": "reference", "base_url": base_url, "front": front})
     assert "$" in str(info.value)
+
+
+async def test_admin_outcomes_before_the_replicas_are_listed_refuse_instead_of_succeeding_on_none(
+    engines, tiny_models
+) -> None:
+    r = router("vllm-router", engines)
+    async with Client(config(tiny_models), transport=r.transport()) as client:
+        with pytest.raises(MembershipError, match="no server serves"):
+            await client.admin.outcomes().pause("keep", clear_cache=False)
+        await client.fleet.refresh()
+        assert [o.ok for o in await client.admin.outcomes().pause("keep", clear_cache=False)] == [True, True]
+        await client.admin.resume()

@@ -229,7 +229,8 @@ class FrontConfig:
     :param replicas: the replicas' URLs, for kind ``"static"`` only.
     :param session_header: the header carrying a session's key; ``None``: the one the router honours (see the
         kind's documentation; vllm-router honours ``x-session-id`` under ``--policy consistent_hash``,
-        sglang-router ``X-SMG-Routing-Key`` under ``--policy manual``).
+        sglang-router ``X-SMG-Routing-Key`` under ``--policy manual``, Dynamo's frontend ``x-dynamo-session-id``
+        when started with ``--router-session-affinity-ttl-secs``).
     """
 
     kind: str = attrs.field()

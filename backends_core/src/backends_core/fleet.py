@@ -23,6 +23,7 @@ from backends_core.config import AdminPolicy
 from backends_core.errors import (
     AdminError,
     InvalidRequestError,
+    MembershipError,
     RequestTimeout,
     WeightVersionMismatch,
 )
@@ -340,6 +341,11 @@ class Admin:
         version: str | None = None,
     ) -> list[ServerOutcome[T]]:
         self._driver.require(f"admin_{operation}")
+        if not servers:  # an operation on no server would report success for nothing
+            raise MembershipError(
+                f"admin_{operation}: no server serves (behind a front, the replicas are listed by the first admin "
+                "operation or client.fleet.refresh())"
+            )
         return list(await asyncio.gather(*(self._one(operation, s, call, version) for s in servers)))
 
     @staticmethod

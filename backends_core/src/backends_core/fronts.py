@@ -28,7 +28,9 @@ Kinds (``FrontConfig.kind``; a plugin adds one with the ``fronts`` hook):
   ``X-SMG-Routing-Key`` (honoured under ``--policy manual``); registration ``POST /workers``,
   ``DELETE /workers/{id}``, applied in the background (waited for, under the admin deadline).
 * ``static``: any router; the replicas are ``FrontConfig.replicas``; no registration.
-* ``dynamo`` (Dynamo's frontend, from the ``dynamo`` backend): workers from ``GET /v1/rl/workers``.
+* ``dynamo`` (Dynamo's frontend, from the ``dynamo`` backend): workers from ``GET /v1/rl/workers`` on the
+  frontend's ``DYN_RL_PORT``; sessions by ``x-dynamo-session-id`` (honoured when the frontend runs with
+  ``--router-session-affinity-ttl-secs``); workers register themselves.
 """
 
 from __future__ import annotations
@@ -341,7 +343,7 @@ class FrontFleet(Fleet):
             raise MembershipError(f"{url} is not a member of the fleet (members: {[m.url for m in self.members()]})")
         base = self._urls[index]
         listed = self._listed.get(base) or Replica(url=base)
-        if listed.id is None and type(self.front) is SglangRouterFront:
+        if base not in self._listed:  # its router-side name (an id) as the router lists it now
             listed = next((r for r in await self.front.replicas() if r.url == base), listed)
         await self.front.deregister(listed)
         self._listed.pop(base, None)
