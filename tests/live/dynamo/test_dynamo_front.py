@@ -130,13 +130,19 @@ async def _generate_counts(http: httpx.AsyncClient, workers: Sequence[str]) -> d
 
 
 async def _pinned(
-    http: httpx.AsyncClient, front: DynamoDeployment, instance: int, *, model: str = MODEL
+    http: httpx.AsyncClient,
+    front: DynamoDeployment,
+    instance: int,
+    *,
+    model: str = MODEL,
+    prompt: Sequence[int] = LONG_PROMPT,
+    max_tokens: int = 2,
 ) -> dict[str, Any]:
-    """A greedy ``/v1/completions`` of :data:`LONG_PROMPT` pinned to one worker (``x-dynamo-worker-instance-id``)."""
+    """A greedy ``/v1/completions`` of ``prompt`` pinned to one worker (``x-dynamo-worker-instance-id``)."""
     body = {
         "model": model,
-        "prompt": LONG_PROMPT,
-        "max_tokens": 2,
+        "prompt": list(prompt),
+        "max_tokens": max_tokens,
         "temperature": 0,
         "nvext": {"extra_fields": ["engine_data", "completion_token_ids", "worker_id"]},
     }
@@ -262,10 +268,13 @@ async def test_lora_load_and_unload_reach_every_worker(front: DynamoDeployment, 
     async with Client(_config(front)) as client:
         try:
             await client.admin.load_lora(adapter)
-            base = (await _pinned(http, front, next(iter(instances.values()))))["nvext"]["completion_token_ids"]
+            first = next(iter(instances.values()))
+            base = (await _pinned(http, front, first, prompt=PROMPT, max_tokens=6))["nvext"]["completion_token_ids"]
             tuned = [
-                (await _pinned(http, front, instance, model=LORA))["nvext"]["completion_token_ids"]
-                for instance in instances.values()
+                (await _pinned(http, front, i, model=LORA, prompt=PROMPT, max_tokens=6))["nvext"][
+                    "completion_token_ids"
+                ]
+                for i in instances.values()
             ]
             assert tuned[0] == tuned[1] and tuned[0] != base, (tuned, base)
         finally:
