@@ -52,6 +52,7 @@ from backends_core.errors import (
     MembershipError,
     RequestError,
     ResponseParseError,
+    TransportError,
     UnsupportedOperationError,
 )
 from backends_core.membership import Fleet, Member
@@ -256,6 +257,8 @@ class FrontFleet(Fleet):
         #: the front's server narrowed to that replica, so its ``base_url`` is the front's).
         self._urls: list[str] = []
         self._first: asyncio.Future[None] | None = None
+        #: Members found unreachable by the last check (kept out of that operation's catch-ups).
+        self._unreachable: set[int] = set()
 
     def _find(self, url: str) -> int | None:
         url = url.rstrip("/")
@@ -387,18 +390,66 @@ class FrontFleet(Fleet):
                 "operations to"
             )
         self._apply_listed(listed)
+        await self._check_reachable()
         joining = self._joining()
         try:
             await asyncio.gather(*(self._catch_up(i, raise_error=strict) for i in joining))
         finally:
             self._point_front()
 
+    async def _check_reachable(self) -> None:
+        """Ask each serving replica whether it is alive (``admin_health``); one that cannot be reached at all
+        serves nothing: it is evicted (see :meth:`_evict`) instead of failing the operation about to run."""
+        client = self._client
+        if self.front.admin_through_front or "admin_health" not in client.driver.capabilities:
+            return
+        b = self._balancer
+        self._unreachable.clear()
+        members = [*b.serving(), *self._joining()]
+        if not members:
+            return
+        outcomes = await client.admin.outcomes([b.servers[i] for i in members]).health()
+        dead = [
+            (i, o.error)
+            for i, o in zip(members, outcomes, strict=True)
+            if isinstance(o.error, TransportError) and not o.error.maybe_processed
+        ]
+        await asyncio.gather(*(self._evict(i, error) for i, error in dead))
+
+    async def _evict(self, index: int, error: BaseException) -> None:
+        """Replica ``index`` cannot be reached: deregister it from the router and drop it (``evict_unreachable``
+        and a router that takes registrations), else keep it out until it answers and is caught up."""
+        url = self._urls[index]
+        b = self._balancer
+        started = time.perf_counter()
+        front = self.front
+        if front.config.evict_unreachable and type(front).deregister is not Front.deregister:
+            try:
+                await front.deregister(self._listed.get(url) or Replica(url=url))
+            except (FrontError, RequestError) as exc:
+                log.warning("%s cannot be reached (%s) and %s refused to deregister it: %s", url, error, front.url, exc)
+            else:
+                self._listed.pop(url, None)
+                b.retire(index)
+                self._errors[index] = error
+                self._client.driver.emit("fleet", "leave", url, started, error)
+                log.warning(
+                    "%s cannot be reached (%s): deregistered from %s and out of the fleet", url, error, front.url
+                )
+                return
+        b.states[index] = "joining"
+        self._errors[index] = error
+        self._unreachable.add(index)
+        log.warning("%s cannot be reached (%s): skipped until it answers and is caught up", url, error)
+
     def _joining(self) -> list[int]:
         b = self._balancer
         return [
             i
             for i, state in enumerate(b.states)
-            if state == "joining" and self._listed.get(self._urls[i], Replica(url="")).healthy is not False
+            if state == "joining"
+            and i not in self._unreachable
+            and self._listed.get(self._urls[i], Replica(url="")).healthy is not False
         ]
 
     def _apply_listed(self, listed: Sequence[Replica]) -> None:
@@ -431,6 +482,7 @@ class FrontFleet(Fleet):
             return
         self._client.driver.emit("fleet", "discover", self.front.url, started, None, urls=[r.url for r in listed])
         self._apply_listed(listed)
+        await self._check_reachable()
         await asyncio.gather(*(self._catch_up(i, raise_error=False) for i in self._joining()))
         self._point_front()
 

@@ -188,7 +188,11 @@ async def _refuse_a_router(server: Server) -> None:
         return
     try:
         raw = await server.request("GET", "/list_workers", plane="admin")
-    except (ServerStatusError, ResponseParseError):
+    except ServerStatusError as exc:
+        if exc.status_code >= 500:  # no answer either way: asked again before the next admin call
+            return
+        raw = None
+    except ResponseParseError:
         raw = None
     if isinstance(raw, dict) and isinstance(raw.get("urls"), list):
         raise ConfigError(
