@@ -441,6 +441,8 @@ def test_ctrl_c_leaves_a_valid_file_and_prints_the_summary(server, tiny_models, 
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
+        # as from a terminal: a run started in the background (CI's `cmd &`) inherits SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 120
