@@ -27,6 +27,7 @@ from live_chaos import sigkill
 from router_probe_checks import SETTLE_S, http, vllm_finished
 
 from backends_core import BackendError, Client, ClientConfig, GenerateResult, LoraAdapter, SamplingParams
+from backends_core.config import FrontConfig
 from backends_testkit.live import ServerProcess
 from backends_testkit.tinymodel import TinyModels, write_perturbed_weights
 
@@ -115,7 +116,7 @@ def front_config(router_url: str, tiny_models: TinyModels, **overrides: Any) -> 
         "base_url": router_url,
         "model": MODEL,
         "tokenizer": str(tiny_models.dense),
-        "front": {"kind": "vllm-router"},
+        "front": FrontConfig(kind="vllm-router"),
     }
     fields.update(overrides)
     return ClientConfig(**fields)
@@ -294,7 +295,7 @@ async def test_pause_resume_flush_and_lora_reach_every_replica(
         assert await front.admin.pause(mode="keep") == [True, True]
         assert [await is_paused(url) for url in replicas] == [True, True]
         state = await front.admin.fleet_state()
-        assert sorted(r.url for r in state) == sorted(replicas)
+        assert sorted(r.server for r in state) == sorted(replicas)
         assert [r.state.paused for r in state if r.state is not None] == [True, True]
         assert await front.admin.resume() == [True, True]
         assert [await is_paused(url) for url in replicas] == [False, False]
