@@ -8,7 +8,7 @@ distributions registered under the ``backends_core.backends`` entry-point group.
 from __future__ import annotations
 
 from backends_core.client import Client, GenerateStream
-from backends_core.config import AdminPolicy, ClientConfig, FleetPolicy, Limits, RetryPolicy, Timeouts
+from backends_core.config import AdminPolicy, ClientConfig, FleetPolicy, FrontConfig, Limits, RetryPolicy, Timeouts
 from backends_core.errors import (
     AdminError,
     BackendConflictError,
@@ -19,6 +19,7 @@ from backends_core.errors import (
     BridgeError,
     ClientClosedError,
     ConfigError,
+    FrontError,
     InvalidRequestError,
     MembershipError,
     NetworkError,
@@ -36,7 +37,7 @@ from backends_core.errors import (
     WeightVersionMismatch,
 )
 from backends_core.events import Event
-from backends_core.fleet import ServerOutcome, ServerReport, SyncReport
+from backends_core.fleet import FleetState, ServerOutcome, ServerReport, SyncReport
 from backends_core.hookspecs import hookimpl
 from backends_core.membership import Fleet, Member
 from backends_core.multiturn import BridgeStats, Conversation, extend_prompt
@@ -92,6 +93,8 @@ __all__ = [
     "Event",
     "Fleet",
     "FleetPolicy",
+    "FleetState",
+    "FrontConfig",
     "GenerateRequest",
     "GenerateResult",
     "GenerateStream",
@@ -102,6 +105,7 @@ __all__ = [
     "LoraAdapter",
     "Member",
     "MembershipError",
+    "FrontError",
     "NetworkError",
     "ParserNotFoundError",
     "Refusal",

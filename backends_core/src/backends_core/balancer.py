@@ -49,7 +49,8 @@ class ServerLoad:
 class Balancer(Generic[S]):
     """Picks servers for requests.
 
-    :param servers: the candidates, in config order.
+    :param servers: the candidates, in config order (none yet is allowed: :meth:`pick` then raises
+        ``LookupError`` until one is added).
     :param slack: how many more in-flight requests than the least-loaded server a sticky server may carry.
     :param cooldown: seconds a server that failed to accept a request stays out.
     :param max_sessions: sessions remembered (least recently used are forgotten).
@@ -65,8 +66,6 @@ class Balancer(Generic[S]):
         max_sessions: int = 100_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not servers:
-            raise ValueError("a balancer needs at least one server")
         self.servers = list(servers)
         self.load = [ServerLoad() for _ in self.servers]
         self.slack = slack

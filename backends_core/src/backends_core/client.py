@@ -28,6 +28,7 @@ from backends_core.errors import (
     TransportError,
 )
 from backends_core.fleet import Admin, ServedVersions
+from backends_core.fronts import Front, FrontFleet
 from backends_core.membership import Fleet
 from backends_core.multiturn import BridgeStats, Conversation
 from backends_core.multiturn.extension import end_of_turn_stop_ids
@@ -118,7 +119,10 @@ class Client:
         )
         if tls is True:  # one verifying context for every pool (httpx loads the CA bundle per client: ~50 ms each)
             tls = httpx.create_ssl_context()
+        front_kind = self.driver.front_kind()
         session_header = config.fleet.session_header
+        if config.front is not None and front_kind is not None:  # the router's header, unless configured
+            session_header = config.front.session_header or front_kind.session_header or ""
 
         async def add_session_header(request: httpx.Request) -> None:
             session = _SESSION.get()
@@ -189,7 +193,28 @@ class Client:
         self._turns = TurnCache(config.stateless, parse=self.parse_completion)
         #: Multi-turn bridge counters shared by every conversation of this client.
         self.bridge_stats = BridgeStats()
-        #: Admin operations over every server.
+        #: The router in front of the replicas (``config.front``), or ``None``.
+        self.front: Front | None = None
+        self.front_fleet: FrontFleet | None = None
+        #: Membership at run time: servers join (caught up first) and leave (drained); behind a front, the
+        #: replicas it lists.
+        self.fleet: Fleet
+        if front_kind is not None and config.front is not None:
+            front_server = self.servers[0]
+            front_server.front = front_kind.kind
+            self.front = front_kind(front_server, config.front)
+            self.fleet = self.front_fleet = fleet_view = FrontFleet(self, self.front)
+            members: Callable[[], Sequence[Server]] = fleet_view.admin_servers
+            extra: dict[str, Any] = {
+                "sync": fleet_view.sync,
+                "everyone": fleet_view.everyone,
+                "label": fleet_view.label,
+                "standing": fleet_view.standing,
+            }
+        else:
+            self.fleet = Fleet(self)
+            members, extra = (lambda: [self.servers[i] for i in self.balancer.serving()]), {}
+        #: Admin operations over every server (behind a front: every replica it lists).
         self.admin = Admin(
             self.driver,
             self.servers,
@@ -197,10 +222,9 @@ class Client:
             on_version=self._remember_version,
             versions=self.versions,
             on_swap=self._swapped,
-            members=lambda: [self.servers[i] for i in self.balancer.serving()],
+            members=members,
+            **extra,
         )
-        #: Membership at run time: servers join (caught up first) and leave (drained).
-        self.fleet = Fleet(self)
 
     async def __aenter__(self) -> Client:
         self.fleet.start()
@@ -486,6 +510,8 @@ class Client:
         """The server for the next attempt at ``request`` (``pinned``, else the balancer's pick among those not
         ``tried``) once its weights are known to be the fleet's, and the request as sent there (salted)."""
         self.fleet.start()
+        if self.front_fleet is not None and self.front_fleet.front.server.replicas is None:
+            await self.front_fleet.listed()
         while True:
             if pinned is not None and self.balancer.states[pinned] != "serving":
                 raise InvalidRequestError(f"server {self.servers[pinned].base_url} left the fleet")
@@ -544,6 +570,11 @@ class Client:
         await asyncio.shield(lookup)
 
     async def _read_version(self, server: Server) -> None:
+        if self.front is not None and server is self.front.server:
+            # a router answers admin_state from one replica at best: the fleet's version is the one this client
+            # set on every replica (the replicas' own versions are checked before each admin operation)
+            self.versions.set(server, self.weight_version)
+            return
         if "admin_state" not in self.driver.capabilities:
             self.versions.set(server, None)
             return
@@ -819,6 +850,8 @@ class Client:
 
     def _remember_version(self, version: str) -> None:
         self.weight_version = version
+        if self.front is not None:  # every replica behind it switched: its answers come from that version
+            self.versions.set(self.front.server, version)
 
     def _swapped(self, adapter: str) -> None:
         self._swaps[adapter] = self._swaps.get(adapter, 0) + 1

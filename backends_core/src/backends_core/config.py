@@ -24,7 +24,16 @@ from cattrs.gen import make_dict_structure_fn, override
 from backends_core.converters import format_error, make_converter
 from backends_core.errors import ConfigError
 
-__all__ = ["AdminPolicy", "ClientConfig", "FleetPolicy", "Limits", "RetryPolicy", "StatelessPolicy", "Timeouts"]
+__all__ = [
+    "AdminPolicy",
+    "ClientConfig",
+    "FleetPolicy",
+    "FrontConfig",
+    "Limits",
+    "RetryPolicy",
+    "StatelessPolicy",
+    "Timeouts",
+]
 
 _BACKEND_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
@@ -186,6 +195,78 @@ class FleetPolicy:
     refresh_interval: float | None = attrs.field(default=30.0, validator=_positive_or_none("refresh_interval"))
 
 
+def _urls(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else list(value)
+    out = []
+    for url in items:
+        if not isinstance(url, str):
+            raise ConfigError(f"a server URL must be a string, got {url!r}")
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ConfigError(f"{url!r} is not an http(s) URL with a host")
+        out.append(url.rstrip("/"))
+    return tuple(out)
+
+
+_FRONT_KIND = re.compile(r"^[a-z][a-z0-9_-]*$")
+
+
+@attrs.frozen(kw_only=True)
+class FrontConfig:
+    """A router in front of the replicas (``ClientConfig.front``; see :mod:`backends_core.fronts`).
+
+    With a front, ``base_url`` is the router: every data-plane request goes there with the router's session
+    header and the router picks the replica; admin operations never go through it (a router sends an admin call
+    to ONE replica) but to every replica directly, as the front lists them before each operation.
+
+    :param kind: what the front is: ``"vllm-router"``, ``"sglang-router"``, ``"dynamo"`` (Dynamo's frontend),
+        ``"static"`` (any router; the replicas listed in ``replicas``), or a kind a plugin provides (the
+        ``fronts`` hook).
+    :param workers_url: where the front lists its replicas, when not at ``base_url`` (Dynamo's frontend serves
+        ``/v1/rl/workers`` on its own port, ``DYN_RL_PORT``).
+    :param replicas: the replicas' URLs, for kind ``"static"`` only.
+    :param session_header: the header carrying a session's key; ``None``: the one the router honours (see the
+        kind's documentation; vllm-router honours ``x-session-id`` under ``--policy consistent_hash``,
+        sglang-router ``X-SMG-Routing-Key`` under ``--policy manual``).
+    """
+
+    kind: str = attrs.field()
+    workers_url: str | None = attrs.field(default=None)
+    replicas: tuple[str, ...] = attrs.field(default=(), converter=_urls)
+    session_header: str | None = attrs.field(default=None)
+
+    @kind.validator
+    def _check_kind(self, _attr: Any, value: Any) -> None:
+        if not isinstance(value, str) or not _FRONT_KIND.match(value):
+            raise ConfigError(
+                f"front.kind must name a front (vllm-router, sglang-router, dynamo, static), got {value!r}"
+            )
+
+    @workers_url.validator
+    def _check_workers_url(self, _attr: Any, value: str | None) -> None:
+        if value is not None:
+            _urls(value)
+
+    @replicas.validator
+    def _check_replicas(self, _attr: Any, value: tuple[str, ...]) -> None:
+        if self.kind == "static" and not value:
+            raise ConfigError("front kind 'static' needs the replicas' URLs in front.replicas")
+        if self.kind != "static" and value:
+            raise ConfigError(f"front.replicas is for kind 'static'; a {self.kind} front lists its replicas itself")
+
+    @session_header.validator
+    def _check_header(self, _attr: Any, value: str | None) -> None:
+        if value is not None and not re.match(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$", value):
+            raise ConfigError(f"front.session_header must be an HTTP header name, got {value!r}")
+
+    @property
+    def list_url(self) -> str | None:
+        """``workers_url`` without a trailing slash."""
+        return None if self.workers_url is None else self.workers_url.rstrip("/")
+
+
 _DNS = re.compile(r"^dns:(?P<host>[A-Za-z0-9.-]+):(?P<port>[0-9]{1,5})$")
 
 
@@ -263,21 +344,6 @@ class StatelessPolicy:
     max_turns: int = attrs.field(default=64, validator=_at_least(1))
 
 
-def _urls(value: str | Sequence[str] | None) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    items = [value] if isinstance(value, str) else list(value)
-    out = []
-    for url in items:
-        if not isinstance(url, str):
-            raise ConfigError(f"a server URL must be a string, got {url!r}")
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ConfigError(f"{url!r} is not an http(s) URL with a host")
-        out.append(url.rstrip("/"))
-    return tuple(out)
-
-
 def _parser_name(_inst: Any, attr: Any, value: Any) -> None:
     if value is not None and (not isinstance(value, str) or not value.strip()):
         raise ConfigError(f"{attr.name} must be a parser name (e.g. vLLM's) or null, got {value!r}")
@@ -320,6 +386,8 @@ class ClientConfig:
         ``tool_parsers`` hook) when the client is built.
     :param reasoning_parser: how ``Client.parse_completion`` finds reasoning, by vLLM's parser name
         (``"qwen3"``); ``None`` (default) leaves reasoning in the content.
+    :param front: a router in front of the replicas (see :class:`FrontConfig`): ``base_url`` is then the router's
+        one URL, and admin operations go to every replica it lists.
     """
 
     backend: str = attrs.field(validator=_check_backend)
@@ -341,11 +409,33 @@ class ClientConfig:
     verify: bool | str = True
     tool_parser: str | None = attrs.field(default=None, validator=_parser_name)
     reasoning_parser: str | None = attrs.field(default=None, validator=_parser_name)
+    front: FrontConfig | None = attrs.field(default=None)
 
     @base_url.validator
     def _check_base_url(self, _attr: Any, value: tuple[str, ...]) -> None:
         if not value:
             raise ConfigError("base_url needs at least one server URL")
+
+    @front.validator
+    def _check_front(self, _attr: Any, value: FrontConfig | None) -> None:
+        if value is None:
+            return
+        if not isinstance(value, FrontConfig):
+            raise ConfigError(f"front must be a FrontConfig, got {type(value).__name__}")
+        if len(self.base_url) != 1:
+            raise ConfigError(
+                f"with a front, base_url is the router's one URL, got {len(self.base_url)}: the replicas behind it "
+                "are listed by the router"
+            )
+        if self.admin_base_url:
+            raise ConfigError(
+                "admin_base_url does not apply behind a front: admin operations go to every replica the front lists"
+            )
+        if self.fleet.discovery is not None:
+            raise ConfigError(
+                "fleet.discovery does not apply behind a front: the front lists the replicas (front.kind 'static' "
+                "lists them in the config)"
+            )
 
     @admin_base_url.validator
     def _check_admin(self, _attr: Any, value: tuple[str, ...]) -> None:

@@ -9,6 +9,7 @@ reports each call to ``observe`` plugins.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
@@ -26,6 +27,7 @@ from backends_core.errors import (
     UnsupportedOperationError,
 )
 from backends_core.events import Event, EventKind
+from backends_core.fronts import Front, merge_fronts
 from backends_core.parsing import ParserNotFoundError, ReasoningParserFactory, ToolParserFactory, merge_parsers
 from backends_core.plugins import implemented_hooks, make_plugin_manager
 from backends_core.server import Server
@@ -82,6 +84,26 @@ class BackendDriver:
         self.reasoning_parser = self._selected("reasoning", config.reasoning_parser, self.reasoning_parsers)
         #: Optional sampling features the backend's engine honours (``sampling_features`` hook).
         self.sampling_features: frozenset[str] = self._sampling_features()
+        #: Router front kinds by ``FrontConfig.kind``, from every plugin's ``fronts`` hook.
+        self.fronts: dict[str, type[Front]] = merge_fronts(self.pm.hook.fronts())
+        self.front_kind()  # an unknown kind fails when the client is built
+
+    def front_kind(self) -> type[Front] | None:
+        """The class of ``config.front``'s kind (``None`` without a front).
+
+        :raises ConfigError: no installed plugin provides that kind.
+        """
+        front = self.config.front
+        if front is None:
+            return None
+        found = self.fronts.get(front.kind)
+        if found is None:
+            close = difflib.get_close_matches(front.kind, list(self.fronts), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                [f"unknown front kind {front.kind!r} (installed: {sorted(self.fronts)}){hint} @ $.front.kind"]
+            )
+        return found
 
     @staticmethod
     def _selected(kind: str, name: str | None, installed: Mapping[str, T]) -> T | None:

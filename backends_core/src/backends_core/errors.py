@@ -28,6 +28,8 @@
     ├── ResponseParseError (ValueError)           a 2xx body does not match the wire shape; ``.url``, ``.detail``
     ├── AdminError                                an admin operation failed on one or more servers;
     │                                             ``.results`` every server's outcome, ``.phases``, ``.state``
+    ├── FrontError                                a router front cannot tell its replicas, or refused a
+    │                                             registration; ``.front``, ``.kind``
     ├── WeightVersionMismatch                     a server reports another weight version than the one set
     ├── StaleServerError                          a server (back after being down) serves other weights than
     │                                             the fleet's version: it gets no requests until caught up
@@ -60,6 +62,7 @@ __all__ = [
     "BridgeError",
     "ClientClosedError",
     "ConfigError",
+    "FrontError",
     "InvalidRequestError",
     "MembershipError",
     "NetworkError",
@@ -315,6 +318,21 @@ class AdminError(BackendError):
     def succeeded(self) -> list[str]:
         """Servers where the operation took effect."""
         return [r.server for r in self.results if r.error is None]
+
+
+class FrontError(BackendError):
+    """A router front (``ClientConfig.front``) could not tell which replicas it routes to, or refused to add or
+    remove one. An admin operation is refused with it rather than sent through the router, which would reach one
+    replica only.
+
+    :ivar front: the front's URL.
+    :ivar kind: the front's kind (``FrontConfig.kind``).
+    """
+
+    def __init__(self, front: str, kind: str, detail: str) -> None:
+        self.front = front
+        self.kind = kind
+        super().__init__(f"{kind} front {front}: {detail}")
 
 
 class WeightVersionMismatch(BackendError):

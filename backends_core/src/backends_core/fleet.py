@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import attrs
 
@@ -37,6 +37,7 @@ __all__ = [
     "IDEMPOTENT_OPERATIONS",
     "Admin",
     "AdminOutcomes",
+    "FleetState",
     "FleetRecord",
     "ServedVersions",
     "ServerOutcome",
@@ -46,6 +47,15 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+
+def _base_url(server: Server) -> str:
+    return server.base_url
+
+
+def _serving(_server: Server) -> str:
+    return "serving"
+
 
 #: Operations that change which weights a server serves.
 _CHANGES_WEIGHTS = frozenset({"update_weights", "update_weights_distributed"})
@@ -77,6 +87,58 @@ class ServerReport:
     ready: bool | None = None
     state: ServerState | None = None
     error: BaseException | None = None
+    #: Its membership: ``"serving"``, or ``"joining"`` (not caught up yet, or reported unhealthy by a front).
+    member: str = "serving"
+
+
+@attrs.frozen
+class FleetState(Sequence[ServerReport]):
+    """:meth:`Admin.fleet_state`: one :class:`ServerReport` per member (a sequence of them), and whether the
+    members agree.
+
+    :ivar reports: the reports, in member order.
+    """
+
+    reports: tuple[ServerReport, ...]
+
+    def __len__(self) -> int:
+        return len(self.reports)
+
+    @overload
+    def __getitem__(self, index: int) -> ServerReport: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[ServerReport]: ...
+    def __getitem__(self, index: int | slice) -> ServerReport | Sequence[ServerReport]:
+        return self.reports[index]
+
+    @property
+    def versions(self) -> dict[str | None, list[str]]:
+        """Weight version -> the members serving it that reported one (``None``: reported no version)."""
+        out: dict[str | None, list[str]] = {}
+        for r in self.reports:
+            if r.state is not None and r.member == "serving":
+                out.setdefault(r.state.weight_version, []).append(r.server)
+        return out
+
+    @property
+    def disagreement(self) -> list[str]:
+        """What the serving members disagree on, in words (empty when they agree): two weight versions serving
+        at once, or some paused while others run. Members that could not report are not counted."""
+        problems = []
+        versions = {v: servers for v, servers in self.versions.items() if v is not None}
+        if len(versions) > 1:
+            problems.append(
+                "weight versions " + "; ".join(f"{v!r} on {', '.join(servers)}" for v, servers in versions.items())
+            )
+        paused = {
+            r.state.paused
+            for r in self.reports
+            if r.member == "serving" and r.state is not None and r.state.paused is not None
+        }
+        if len(paused) > 1:
+            stopped = [r.server for r in self.reports if r.state is not None and r.state.paused]
+            problems.append(f"paused on {', '.join(stopped)} only")
+        return problems
 
 
 @attrs.frozen(kw_only=True)
@@ -196,10 +258,20 @@ class Admin:
         versions: ServedVersions | None = None,
         on_swap: Callable[[str], None] | None = None,
         members: Callable[[], Sequence[Server]] | None = None,
+        sync: Callable[[bool], Awaitable[None]] | None = None,
+        everyone: Callable[[], Sequence[Server]] | None = None,
+        label: Callable[[Server], str] | None = None,
+        standing: Callable[[Server], str] | None = None,
     ) -> None:
         self._driver = driver
         fixed = list(servers)
         self._members = members if members is not None else lambda: fixed
+        #: Brings the membership up to date before each operation (behind a front: reads its replicas).
+        self._sync_members = sync
+        #: Every member, serving or joining (what :meth:`fleet_state` reports on).
+        self._everyone = everyone if everyone is not None else self._members
+        self._label = label if label is not None else _base_url
+        self._standing = standing if standing is not None else _serving
         #: What the weight and adapter operations made the whole fleet serve (replayed to servers that join).
         self.record = FleetRecord()
         #: Held by every operation that changes weights or adapters, and by a joining server's catch-up: a
@@ -216,6 +288,11 @@ class Admin:
     def _servers(self) -> list[Server]:
         """The servers serving now (``client.fleet``'s members)."""
         return list(self._members())
+
+    async def _refresh_members(self, *, strict: bool = True) -> None:
+        """Bring the membership up to date; ``strict``: a member that cannot be caught up fails the operation."""
+        if self._sync_members is not None:
+            await self._sync_members(strict)
 
     def deadline(self, operation: str) -> float | None:
         """Seconds one server gets for ``operation``, retries included (``None``: no limit)."""
@@ -277,20 +354,25 @@ class Admin:
         return [o.value for o in outcomes]  # type: ignore[misc]  # no error: every value is set
 
     async def health(self) -> list[bool]:
+        await self._refresh_members()
         return self._values("health", await self.outcomes().health())
 
     async def ready(self) -> list[bool]:
+        await self._refresh_members()
         return self._values("ready", await self.outcomes().ready())
 
     async def pause(self, mode: PauseMode = "abort", *, clear_cache: bool = False) -> list[bool]:
         """Pause every server; if any fails, the :class:`AdminError` names the servers left paused."""
         _check_mode(mode)
+        await self._refresh_members()
         return self._values("pause", await self.outcomes().pause(mode, clear_cache=clear_cache), _left_paused)
 
     async def resume(self) -> list[bool]:
+        await self._refresh_members()
         return self._values("resume", await self.outcomes().resume(), lambda done: f"resumed: {', '.join(done)}")
 
     async def flush_cache(self) -> list[bool]:
+        await self._refresh_members()
         return self._values("flush_cache", await self.outcomes().flush_cache())
 
     async def update_weights(self, path: str, *, version: str | None = None) -> list[bool]:
@@ -303,6 +385,7 @@ class Admin:
         text(path, "path")
         if version is not None:
             text(version, "version")
+        await self._refresh_members()
         async with self.changes:
             outcomes = await self.outcomes().update_weights(path, version=version)
             self.record.updated(outcomes, WeightsRecord(version=version, path=path))
@@ -314,6 +397,7 @@ class Admin:
         self._driver.require("admin_init_weight_transfer")
         if not isinstance(group, DistributedGroup):
             raise InvalidRequestError(f"group must be a DistributedGroup, got {type(group).__name__}")
+        await self._refresh_members()
         return self._values(
             "init_weight_transfer",
             await self.outcomes().init_weight_transfer(group),
@@ -333,6 +417,7 @@ class Admin:
         """
         self._driver.require("admin_destroy_weight_transfer")
         text(group_name, "group_name")
+        await self._refresh_members()
         return self._values("destroy_weight_transfer", await self.outcomes().destroy_weight_transfer(group_name))
 
     async def update_weights_distributed(
@@ -349,6 +434,7 @@ class Admin:
         if version is not None:
             text(version, "version")
         tensors = _tensor_list(tensors)
+        await self._refresh_members()
         async with self.changes:
             outcomes = await self.outcomes().update_weights_distributed(group_name, tensors, version=version)
             self.record.updated(outcomes, WeightsRecord(version=version, group_name=group_name))
@@ -371,6 +457,7 @@ class Admin:
         self._driver.require("admin_load_lora")
         if not isinstance(adapter, LoraAdapter):
             raise InvalidRequestError(f"adapter must be a LoraAdapter, got {type(adapter).__name__}")
+        await self._refresh_members()
         async with self.changes:
             outcomes = await self.outcomes().load_lora(adapter)
             self.record.lora(outcomes, loaded=adapter)
@@ -403,6 +490,7 @@ class Admin:
     async def unload_lora(self, name: str) -> list[bool]:
         self._driver.require("admin_unload_lora")
         text(name, "adapter name")
+        await self._refresh_members()
         async with self.changes:
             outcomes = await self.outcomes().unload_lora(name)
             self.record.lora(outcomes, unloaded=name)
@@ -413,14 +501,17 @@ class Admin:
         )
 
     async def state(self) -> list[ServerState]:
+        await self._refresh_members()
         return self._values("state", await self.outcomes().state())
 
     async def sleep(self, level: int = 1) -> list[bool]:
         if level not in (1, 2):
             raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}")
+        await self._refresh_members()
         return self._values("sleep", await self.outcomes().sleep(level), lambda done: f"left asleep: {', '.join(done)}")
 
     async def wake(self) -> list[bool]:
+        await self._refresh_members()
         return self._values("wake", await self.outcomes().wake())
 
     async def abort(self, request_ids: Sequence[str] | None = None) -> list[int]:
@@ -429,23 +520,31 @@ class Admin:
             if isinstance(request_ids, str):
                 raise InvalidRequestError("request_ids must be a list of request ids, not one string")
             request_ids = [text(r, "request id") for r in request_ids]
+        await self._refresh_members()
         return self._values("abort", await self.outcomes().abort(request_ids))
 
     def _remember(self, version: str | None) -> None:
         if version is not None and self._on_version is not None:
             self._on_version(version)
 
-    async def fleet_state(self) -> list[ServerReport]:
-        """One view of the fleet: per server reachable, ready, and its state where the backend exposes them.
-        Never raises for a server's failure: the report says what failed."""
+    async def fleet_state(self) -> FleetState:
+        """One view of the fleet: per member (behind a front: per replica it lists) reachable, ready, and its
+        state where the backend exposes them, and whether the members disagree (two weight versions serving at
+        once, some paused and some not). Never raises for a member's failure: its report says what failed.
+
+        :raises FrontError: behind a front, the front cannot list its replicas.
+        """
         caps = self._driver.capabilities
+        await self._refresh_members(strict=False)
 
         async def report(server: Server) -> ServerReport:
+            name = self._label(server)
+            member = self._standing(server)
             try:
                 if "admin_health" in caps:
                     (health,) = await self.outcomes([server]).health()
                     if not health.ok:
-                        return ServerReport(server=server.base_url, reachable=False, error=health.error)
+                        return ServerReport(server=name, member=member, reachable=False, error=health.error)
                 ready = state = None
                 if "admin_ready" in caps:
                     (r,) = await self.outcomes([server]).ready()
@@ -453,13 +552,13 @@ class Admin:
                 if "admin_state" in caps:
                     (st,) = await self.outcomes([server]).state()
                     if not st.ok:
-                        return ServerReport(server=server.base_url, reachable=True, ready=ready, error=st.error)
+                        return ServerReport(server=name, member=member, reachable=True, ready=ready, error=st.error)
                     state = st.value
-                return ServerReport(server=server.base_url, reachable=True, ready=ready, state=state)
+                return ServerReport(server=name, member=member, reachable=True, ready=ready, state=state)
             except Exception as exc:  # a backend bug in one server's report must not hide the others
-                return ServerReport(server=server.base_url, reachable=False, error=exc)
+                return ServerReport(server=name, member=member, reachable=False, error=exc)
 
-        return list(await asyncio.gather(*(report(s) for s in self._servers)))
+        return FleetState(reports=tuple(await asyncio.gather(*(report(s) for s in self._everyone()))))
 
     async def weight_sync(
         self,
@@ -497,6 +596,7 @@ class Admin:
             text(group_name, "group_name")
             tensors = _tensor_list(tensors)
             source = f"the tensors broadcast over {group_name!r}"
+        await self._refresh_members()
         async with self.changes:
             return await self._sync(version, path, group_name, tensors, source, mode, flush_cache)
 

@@ -10,7 +10,7 @@ A streamed generation (``Client.stream``) calls ``post_generate_stream`` instead
 
 Rules every hook follows:
 
-* All specs but ``observe``, ``tool_parsers`` and ``reasoning_parsers`` are ``firstresult``: one backend is
+* All specs but ``observe``, ``tool_parsers``, ``reasoning_parsers`` and ``fronts`` are ``firstresult``: one backend is
   registered per client, and its answer is the answer. Returning ``None`` declines (only meaningful for hooks
   with a core default). Those three ask every implementation (backend, cross-cutting plugins, core defaults).
 * Sync hooks are pure (no I/O). Async hooks do I/O only through the :class:`~backends_core.server.Server`
@@ -33,6 +33,7 @@ import pluggy
 if TYPE_CHECKING:
     from backends_core.config import ClientConfig
     from backends_core.events import Event
+    from backends_core.fronts import Front
     from backends_core.parsing import ReasoningParserFactory, ToolParserFactory
     from backends_core.server import Server
     from backends_core.types import (
@@ -66,10 +67,11 @@ INFRASTRUCTURE_HOOKS = frozenset(
         "tool_parsers",
         "reasoning_parsers",
         "sampling_features",
+        "fronts",
     }
 )
 #: Hooks whose every implementation is called (the rest are ``firstresult``).
-COLLECTING_HOOKS = frozenset({"observe", "tool_parsers", "reasoning_parsers"})
+COLLECTING_HOOKS = frozenset({"observe", "tool_parsers", "reasoning_parsers", "fronts"})
 
 __all__ = [
     "admin_abort",
@@ -87,6 +89,7 @@ __all__ = [
     "admin_update_weights",
     "admin_update_weights_distributed",
     "admin_wake",
+    "fronts",
     "observe",
     "parse_response",
     "post_generate",
@@ -237,6 +240,23 @@ def parse_response(
 
 
 # -- Parsing completions back into messages ------------------------------------------------------------------
+
+
+@hookspec
+def fronts() -> Mapping[str, type[Front]] | None:
+    """Router front kinds this plugin provides (``ClientConfig.front.kind``), by kind, each a
+    :class:`~backends_core.fronts.Front` subclass whose ``kind`` is its key.
+
+    Collected and merged like :func:`tool_parsers` (two plugins providing one kind is a
+    :class:`~backends_core.errors.ConfigError`). Mode: sync, pure. Required: no. The core provides
+    ``vllm-router``, ``sglang-router`` and ``static`` (:data:`~backends_core.fronts.BUILTIN_FRONTS`); the
+    ``dynamo`` backend provides ``dynamo``.
+
+    :returns: kind -> :class:`~backends_core.fronts.Front` subclass, or ``None`` for none.
+    Raises: nothing (it only names classes).
+
+    .. versionadded:: 0.3
+    """
 
 
 @hookspec

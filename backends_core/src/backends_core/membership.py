@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import attrs
 
-from backends_core.balancer import MemberState
+from backends_core.balancer import Balancer, MemberState
 from backends_core.config import _urls
 from backends_core.errors import AdminError, ConfigError, MembershipError, WeightVersionMismatch
 from backends_core.fleet import ServerOutcome
@@ -88,9 +88,10 @@ async def discover(source: str | Callable[[], Any]) -> list[str]:
 class Fleet:
     """``client.fleet``: the servers of a client, joining and leaving at run time (see the module's doc)."""
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, *, balancer: Balancer[Server] | None = None) -> None:
         self._client = client
-        self._balancer = client.balancer
+        #: The membership: the client's balancer, or (behind a front) the replicas' own.
+        self._balancer = client.balancer if balancer is None else balancer
         self._balancer.on_idle = self._idle
         self._errors: dict[int, BaseException] = {}
         self._drained: dict[int, asyncio.Event] = {}
@@ -140,7 +141,7 @@ class Fleet:
         if self._find(base) is not None:
             raise MembershipError(f"{base} is a member of the fleet already")
         index = self._balancer.add(self._client._make_server(base, admin), state="joining")
-        self._client.versions.forget(self._client.servers[index])  # asked for its version before it serves
+        self._client.versions.forget(self._balancer.servers[index])  # asked for its version before it serves
         return index
 
     async def remove(self, url: str, *, drain: bool = True) -> None:
@@ -161,7 +162,7 @@ class Fleet:
         event = self._drained[index] = asyncio.Event()
         b.retire(index)
         self._errors.pop(index, None)
-        self._client.driver.emit("fleet", "leave", self._client.servers[index].base_url, started, None)
+        self._client.driver.emit("fleet", "leave", self._balancer.servers[index].base_url, started, None)
         if drain:
             await event.wait()
 
@@ -172,9 +173,11 @@ class Fleet:
 
     # -- catching up ----------------------------------------------------------------------------------------
 
-    async def _catch_up(self, index: int, *, raise_error: bool) -> None:
+    async def _catch_up(self, index: int, *, raise_error: bool, admit: bool = True) -> None:
+        """Bring member ``index`` to the fleet's weights and adapters; then it serves (``admit``)."""
         client = self._client
-        server = client.servers[index]
+        server = self._balancer.servers[index]
+        url = self._member(index).url
         started = time.perf_counter()
         try:
             async with client.admin.changes:
@@ -184,19 +187,20 @@ class Fleet:
                 client.versions.set(server, version)
                 if client.admin.record.weights is not None:  # on the fleet's recorded version: vouched for
                     client.versions.trust(server)
-                self._balancer.admit(index)
+                if admit:
+                    self._balancer.admit(index)
         except Exception as exc:
             self.catch_up_failures += 1
             self._errors[index] = exc
-            client.driver.emit("fleet", "catch_up", server.base_url, started, exc, failures=self.catch_up_failures)
-            log.warning("%s stays out of the fleet: its catch-up failed (%s)", server.base_url, exc)
+            client.driver.emit("fleet", "catch_up", url, started, exc, failures=self.catch_up_failures)
+            log.warning("%s stays out of the fleet: its catch-up failed (%s)", url, exc)
             self.start()  # tried again at the next refresh
             if raise_error:
                 raise
             return
         self._errors.pop(index, None)
-        client.driver.emit("fleet", "catch_up", server.base_url, started, None, version=version)
-        client.driver.emit("fleet", "join", server.base_url, started, None)
+        client.driver.emit("fleet", "catch_up", url, started, None, version=version)
+        client.driver.emit("fleet", "join", url, started, None)
 
     async def _replay(self, server: Server) -> str | None:
         """Bring ``server`` to the recorded weights and adapters; the version it then serves (``None`` when
@@ -303,14 +307,17 @@ class Fleet:
         """Refresh every ``FleetPolicy.refresh_interval`` seconds from now on, when there is something to refresh
         (a discovery source, or a server whose catch-up failed). Called by the client; needs a running loop."""
         interval = self._client.config.fleet.refresh_interval
-        wanted = self._client.config.fleet.discovery is not None or "joining" in self._balancer.states
-        if self._task is not None or interval is None or not wanted:
+        if self._task is not None or interval is None or not self._wanted():
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
         self._task = loop.create_task(self._refreshing(interval))
+
+    def _wanted(self) -> bool:
+        """Whether there is something to refresh: a discovery source, or a server whose catch-up failed."""
+        return self._client.config.fleet.discovery is not None or "joining" in self._balancer.states
 
     async def _refreshing(self, interval: float) -> None:
         while True:

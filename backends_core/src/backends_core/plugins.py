@@ -24,6 +24,7 @@ from backends_core.errors import (
     BackendValidationError,
     ConfigError,
 )
+from backends_core.fronts import BUILTIN_FRONTS
 from backends_core.hookspecs import hookimpl
 from backends_core.multiturn.rendering import encode, render_text
 from backends_core.parsing import BUILTIN_REASONING_PARSERS, BUILTIN_TOOL_PARSERS
@@ -164,3 +165,7 @@ class CoreDefaults:
     @hookimpl
     def reasoning_parsers(self) -> Mapping[str, Any]:
         return BUILTIN_REASONING_PARSERS
+
+    @hookimpl
+    def fronts(self) -> Mapping[str, Any]:
+        return BUILTIN_FRONTS

@@ -109,6 +109,12 @@ class Server:
     admin_headers: Mapping[str, str] = attrs.field(factory=dict, repr=False)
     #: Roots the configured credentials belong to (``base_url`` and the configured ``admin_url``).
     _home: frozenset[str] = attrs.field(alias="home", default=frozenset(), repr=False)
+    #: The kind of router ``base_url`` is (``FrontConfig.kind``) when this server is a front: its answers come
+    #: from a replica behind it, and its admin routes reach one replica at best.
+    front: str | None = attrs.field(default=None, repr=False)
+    #: Behind a front whose backend reaches the replicas itself (Dynamo's workers): the admin URLs of the replicas
+    #: that serve, as the front last listed them; ``None`` when the backend's own configuration says.
+    replicas: tuple[str, ...] | None = attrs.field(default=None, repr=False)
     #: Planes whose last answer was a 5xx: their pooled connection may have been reset by the server.
     _reset_suspected: set[str] = attrs.field(factory=set, init=False, repr=False)
 

@@ -365,7 +365,10 @@ def frontend(server: Server) -> Server:
 
 
 def worker_urls(server: Server, options: DynamoOptions) -> tuple[str, ...]:
-    """System URLs of the workers behind ``server``."""
+    """System URLs of the workers behind ``server``: as its front discovered them (``[front] kind = "dynamo"``),
+    else as configured."""
+    if server.replicas is not None:
+        return server.replicas
     return options.workers(server.base_url, server.admin_url)
 
 

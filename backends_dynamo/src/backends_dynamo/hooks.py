@@ -14,6 +14,7 @@ import attrs
 from backends_core import Server, hookimpl
 from backends_core.config import ClientConfig
 from backends_core.errors import InvalidRequestError
+from backends_core.fronts import Front
 from backends_core.types import (
     SAMPLING_FEATURES,
     GenerateRequest,
@@ -46,6 +47,7 @@ from backends_dynamo.admin import (
     dynamo_request_id,
     tracker,
 )
+from backends_dynamo.front import DynamoFront
 from backends_dynamo.options import DynamoOptions, parse_options
 
 __all__ = [
@@ -271,3 +273,9 @@ async def tokenize_messages(
     path, body = wire.tokenize_payload(messages, tools, chat_template_kwargs, wire.served_name(config.model))
     raw = await server.request("POST", path, json_body=body, idempotent=True, status_hint=_hint)
     return wire.parse_prompt_ids(raw, server.base_url)
+
+
+@hookimpl
+def fronts() -> Mapping[str, type[Front]]:
+    """``[front] kind = "dynamo"``: Dynamo's frontend, workers discovered at ``/v1/rl/workers``."""
+    return {DynamoFront.kind: DynamoFront}

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
+
+import attrs
 
 from backends_core import Server, StatusHint, hookimpl
 from backends_core.config import ClientConfig
-from backends_core.errors import InvalidRequestError, ServerStatusError
+from backends_core.errors import ConfigError, InvalidRequestError, ServerStatusError
 from backends_core.types import (
     SAMPLING_FEATURES,
     DistributedGroup,
@@ -66,16 +68,34 @@ def validate_backend_options(options: Mapping[str, Any], config: ClientConfig) -
 
 
 async def _max_req_input_len(server: Server) -> int:
+    """The scheduler's prompt limit, read once per server (a wrong answer is remembered too: a router mistaken for
+    a server fails every request at once, without asking again)."""
     if _LIMIT not in server.cache:
+        source = server
+        plane: Literal["data", "admin"] = "data"
+        if server.front is not None:  # a router has no engine limits: read a replica's (the fleet runs one model)
+            if not server.replicas:
+                raise ConfigError(
+                    [
+                        f"no replica behind the {server.front} front {server.base_url} is known yet to read "
+                        "max_req_input_len from @ $.front"
+                    ]
+                )
+            source, plane = attrs.evolve(server, admin_url=server.replicas[0], cache={}), "admin"
         try:
-            raw = await server.request("GET", "/server_info")
-        except ServerStatusError as exc:
-            if exc.status_code != 404:
-                raise
-            raw = await server.request("GET", "/get_server_info")  # before /server_info existed
-        server.cache[_LIMIT] = wire.max_req_input_len(raw, server.base_url)
-    limit: int = server.cache[_LIMIT]
-    return limit
+            try:
+                raw = await source.request("GET", "/server_info", plane=plane)
+            except ServerStatusError as exc:
+                if exc.status_code != 404:
+                    raise
+                raw = await source.request("GET", "/get_server_info", plane=plane)  # before /server_info existed
+            server.cache[_LIMIT] = wire.max_req_input_len(raw, source.url("", plane=plane).rstrip("/"))
+        except ConfigError as exc:
+            server.cache[_LIMIT] = exc
+    limit = server.cache[_LIMIT]
+    if isinstance(limit, ConfigError):
+        raise ConfigError(limit.messages)
+    return int(limit)
 
 
 async def _check_length(server: Server, prompt: int, max_tokens: int) -> None:
@@ -156,8 +176,11 @@ async def _fan_out(server: Server, request: GenerateRequest) -> list[Any]:
 
 
 @hookimpl
-def parse_response(raw: Any, request: GenerateRequest, server_url: str, options: SglangOptions) -> list[GenerateResult]:
-    return wire.parse_generate(raw, request, server_url, options.routing)
+def parse_response(
+    raw: Any, request: GenerateRequest, server_url: str, config: ClientConfig, options: SglangOptions
+) -> list[GenerateResult]:
+    front = config.front.kind if config.front is not None else None
+    return wire.parse_generate(raw, request, server_url, options.routing, front=front)
 
 
 @hookimpl

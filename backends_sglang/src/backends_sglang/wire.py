@@ -34,7 +34,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from backends_core.errors import InvalidRequestError, ResponseParseError
+from backends_core.errors import ConfigError, InvalidRequestError, ResponseParseError
 from backends_core.jsonnode import Node
 from backends_core.types import (
     Choice,
@@ -362,11 +362,17 @@ def _usage(meta: Node, prompt: int, completion: int) -> Usage:
 
 
 def parse_generate(
-    raw: Any, request: GenerateRequest, server_url: str, geometry: experts.RoutingGeometry | None
+    raw: Any,
+    request: GenerateRequest,
+    server_url: str,
+    geometry: experts.RoutingGeometry | None,
+    *,
+    front: str | None = None,
 ) -> list[GenerateResult]:
     """One :class:`GenerateResult` per sample of a ``/generate`` answer.
 
     :param geometry: routing layers and top-k, needed only when routed experts were asked for.
+    :param front: the kind of router the answer came through (``FrontConfig.kind``), if any.
     :raises ResponseParseError: naming the offending JSON path.
     """
     results = []
@@ -380,6 +386,13 @@ def parse_generate(
         if request.return_routed_experts:
             field = meta.get("routed_experts", required=False)
             if field.value is None:
+                if front is not None:
+                    raise field.fail(
+                        f"routed experts were asked for but the answer that came through the {front} front at "
+                        f"{server_url} has none: the router drops meta_info.routed_experts (sglang-router 0.3.2 "
+                        "does, whatever the replicas return); send requests that need them to a replica directly "
+                        "(a client without front, base_url = the replicas)"
+                    )
                 raise field.fail(
                     "routed experts were asked for but the answer has none: start SGLang with "
                     "--enable-return-routed-experts (MoE models only)"
@@ -460,6 +473,14 @@ def max_req_input_len(raw: Any, server_url: str) -> int:
     """The longest prompt the scheduler accepts (``max_req_input_len`` of ``/server_info``; the scheduler's
     ``max_req_len`` is 5 more, and ``prompt + max_new_tokens`` is clipped to ``max_req_len - 1``)."""
     body = Node(raw, "$", server_url)
+    if isinstance(raw, dict) and raw.get("router_manager") is True:
+        raise ConfigError(
+            [
+                f"{server_url} is an sglang-router (SGLang Model Gateway), not an SGLang server: its "
+                "/get_server_info is the router's own; configure it as a front ([front] kind = 'sglang-router') "
+                "so that admin operations reach every replica @ $.front"
+            ]
+        )
     if body.has("max_req_input_len"):
         value = body.get("max_req_input_len").integer()
     else:

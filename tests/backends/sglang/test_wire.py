@@ -685,3 +685,9 @@ async def test_a_refused_admin_key_names_the_option() -> None:
     async with client(fake) as c:
         with pytest.raises(AdminError, match="admin_api_key_var"):
             await c.admin.flush_cache()
+
+
+def test_routed_experts_missing_behind_a_front_blame_the_router_not_the_servers_flags() -> None:
+    with pytest.raises(ResponseParseError, match=r"sglang-router front .* drops meta_info.routed_experts") as info:
+        wire.parse_generate(answer("moe_generate_no_routed"), routed_request(), URL, MOE, front="sglang-router")
+    assert "--enable-return-routed-experts" not in str(info.value)
