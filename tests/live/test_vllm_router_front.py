@@ -12,6 +12,7 @@ weights and version, adapters unloaded, the router listing the two replicas only
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -26,8 +27,7 @@ import vllm_server
 from live_chaos import sigkill
 from router_probe_checks import SETTLE_S, http, vllm_finished
 
-from backends_core import BackendError, Client, ClientConfig, GenerateResult, LoraAdapter, SamplingParams
-from backends_core.config import FrontConfig
+from backends_core import BackendError, Client, ClientConfig, FrontConfig, GenerateResult, LoraAdapter, SamplingParams
 from backends_testkit.live import ServerProcess
 from backends_testkit.tinymodel import TinyModels, write_perturbed_weights
 
@@ -279,10 +279,10 @@ async def test_a_session_stays_on_one_replica(front: Client, replicas: list[str]
     turns = []
     for text in ("hello", "more", "again"):
 
-        async def turn(text: str = text) -> GenerateResult:
+        async def say(text: str = text) -> GenerateResult:
             return await conversation.send([{"role": "user", "content": text}], sampling=SHORT)
 
-        turns.append((await landed_on(replicas, turn))[0])
+        turns.append((await landed_on(replicas, say))[0])
     assert len(set(turns)) == 1, f"a conversation's turns were finished by replicas {turns}"
     sys.stderr.write(f"\n[front] session keys -> replica: {landed}; conversation: {turns}\n")
 
@@ -356,19 +356,40 @@ async def test_weight_sync_reaches_every_replica(
         assert [r.completion_ids for r in restored] == [r.completion_ids for r in before]
 
 
-async def traffic(
-    client: Client, stop: asyncio.Event, prefix: str, outcomes: list[GenerateResult | BaseException]
-) -> None:
-    """Requests through the front, four at a time over new session keys, until ``stop`` is set: each outcome (a
-    result or the exception it raised) appended to ``outcomes``."""
+Sent = tuple[str, list[int], "GenerateResult | BaseException"]
+"""One request of :func:`traffic`: its session key, prompt, and result (or the exception it raised)."""
+
+
+async def traffic(client: Client, stop: asyncio.Event, prefix: str, outcomes: list[Sent]) -> None:
+    """Requests through the front, four at a time over new session keys, until ``stop`` is set: each appended to
+    ``outcomes`` once it ended."""
     i = 0
     while not stop.is_set():
-        batch = [
-            client.generate(prompt_ids=[*PROMPT, 300 + (i + k) % 50], sampling=SHORT, session=f"{prefix}-{i + k}")
-            for k in range(4)
-        ]
-        outcomes.extend(await asyncio.gather(*batch, return_exceptions=True))
+        sent = [(f"{prefix}-{i + k}", [*PROMPT, 300 + (i + k) % 50]) for k in range(4)]
+        ended = await asyncio.gather(
+            *(client.generate(prompt_ids=ids, sampling=SHORT, session=key) for key, ids in sent),
+            return_exceptions=True,
+        )
+        outcomes.extend((key, ids, outcome) for (key, ids), outcome in zip(sent, ended, strict=True))
         i += 4
+
+
+@contextlib.asynccontextmanager
+async def under_traffic(client: Client, prefix: str) -> AsyncIterator[list[Sent]]:
+    """Requests run through the front while the body runs (see :func:`traffic`); the list of them is complete
+    once the block is left (every request sent has ended)."""
+    stop = asyncio.Event()
+    outcomes: list[Sent] = []
+    running = asyncio.create_task(traffic(client, stop, prefix, outcomes))
+    try:
+        yield outcomes
+    finally:
+        stop.set()
+        await running
+
+
+def failures(outcomes: list[Sent]) -> list[Sent]:
+    return [sent for sent in outcomes if isinstance(sent[2], BaseException)]
 
 
 async def wait_for(condition: Callable[[], Awaitable[bool]], what: str, within: float = SETTLE_S) -> None:
@@ -415,45 +436,50 @@ async def test_a_replica_added_mid_run_is_caught_up_before_it_serves(
             assert await client.admin.load_lora(LoraAdapter(name=ADAPTER, path=str(tiny_models.lora))) == [True, True]
             assert await finished(url) == 0
 
-            stop = asyncio.Event()
-            outcomes: list[GenerateResult | BaseException] = []
-            running = asyncio.create_task(traffic(client, stop, "add", outcomes))
-            watcher = asyncio.create_task(watch())
-            try:
-                member = await client.fleet.add(url)
-                await asyncio.wait_for(watcher, timeout=SETTLE_S)
-                assert member.state == "serving"
-                assert seen == {"version": "front-add", "adapters": {ADAPTER}, "finished": 0, "paused": False}, seen
-                assert sorted(m.url for m in client.fleet.members()) == sorted([*replicas, url])
+            async with under_traffic(client, "add") as during_add:
+                watcher = asyncio.create_task(watch())
+                try:
+                    member = await client.fleet.add(url)
+                    await asyncio.wait_for(watcher, timeout=SETTLE_S)
+                finally:
+                    watcher.cancel()
+            assert member.state == "serving"
+            assert seen == {"version": "front-add", "adapters": {ADAPTER}, "finished": 0, "paused": False}, seen
+            assert sorted(m.url for m in client.fleet.members()) == sorted([*replicas, url])
+            assert not failures(during_add), failures(during_add)[:3]
 
-                # the next admin operation reaches the new replica too
-                assert await client.admin.pause(mode="keep") == [True, True, True]
-                assert await is_paused(url)
-                assert await client.admin.resume() == [True, True, True]
-                assert not await is_paused(url)
+            # the next admin operation reaches the new replica too
+            assert await client.admin.pause(mode="keep") == [True, True, True]
+            assert await is_paused(url)
+            assert await client.admin.resume() == [True, True, True]
+            assert not await is_paused(url)
 
-                # whichever replica a new session lands on, it serves the fleet's weights
-                landed = []
-                for key in (f"after-add-{i}" for i in range(8)):
+            # whichever replica a new session lands on, it serves the fleet's weights
+            landed = []
+            for key in (f"after-add-{i}" for i in range(8)):
 
-                    async def send(key: str = key) -> GenerateResult:
-                        return await client.generate(prompt_ids=PROMPT, sampling=GREEDY, session=key)
+                async def send(key: str = key) -> GenerateResult:
+                    return await client.generate(prompt_ids=PROMPT, sampling=GREEDY, session=key)
 
-                    landed.append(await landed_on([*replicas, url], send))
-                assert len({r.completion_ids for _, r in landed}) == 1, "the replicas serve different weights"
-                sys.stderr.write(f"\n[front] after add, 8 new keys -> replica {[i for i, _ in landed]}\n")
+                landed.append(await landed_on([*replicas, url], send))
+            assert len({r.completion_ids for _, r in landed}) == 1, "the replicas serve different weights"
 
+            async with under_traffic(client, "remove") as during_remove:
                 await client.fleet.remove(url)
-            finally:
-                stop.set()
-                watcher.cancel()
-                await running
+                after_remove = len(during_remove)
+
+                async def traffic_went_on() -> bool:
+                    return len(during_remove) >= after_remove + 8
+
+                await wait_for(traffic_went_on, "8 requests after the remove")
             with http() as raw:
                 assert listed(raw, router.url) == sorted(replicas)
             assert sorted(m.url for m in client.fleet.members()) == sorted(replicas)
-            failed = [o for o in outcomes if isinstance(o, BaseException)]
-            assert not failed, f"{len(failed)} of {len(outcomes)} requests failed during add/remove: {failed[:3]}"
-            sys.stderr.write(f"\n[front] add/remove under traffic: {len(outcomes)} requests, 0 failed\n")
+            assert not failures(during_remove), failures(during_remove)[:3]
+            sys.stderr.write(
+                f"\n[front] add under traffic: {len(during_add)} requests, 0 failed; 8 new keys after the add -> "
+                f"replica {[i for i, _ in landed]}; remove under traffic: {len(during_remove)} requests, 0 failed\n"
+            )
             assert await client.admin.pause(mode="keep") == [True, True]
             assert not await is_paused(url), "a removed replica still gets admin operations"
             assert await client.admin.resume() == [True, True]
@@ -478,10 +504,7 @@ async def test_a_replica_killed_while_requests_run(
     try:
         async with Client(front_config(router.url, tiny_models)) as client:
             await client.fleet.add(url)
-            stop = asyncio.Event()
-            outcomes: list[GenerateResult | BaseException] = []
-            running = asyncio.create_task(traffic(client, stop, "kill", outcomes))
-            try:
+            async with under_traffic(client, "kill") as outcomes:
 
                 async def spare_serves() -> bool:
                     return await finished(url) >= 2
@@ -494,14 +517,13 @@ async def test_a_replica_killed_while_requests_run(
                     return len(outcomes) >= at_kill + 16
 
                 await wait_for(traffic_went_on, "16 requests after the kill")
-            finally:
-                stop.set()
-                await running
-            failed = [o for o in outcomes if isinstance(o, BaseException)]
-            assert all(isinstance(o, BackendError) for o in failed), [repr(o) for o in failed]
+            failed = failures(outcomes)
+            assert all(isinstance(error, BackendError) for _, _, error in failed), [repr(e) for _, _, e in failed]
+            health = router_health(router.url, url)
             sys.stderr.write(
-                f"\n[front] kill under traffic: {len(outcomes)} requests ({len(outcomes) - at_kill} after the kill), "
-                f"{len(failed)} failed: {sorted({f'{type(o).__name__}: {o}'[:200] for o in failed})}\n"
+                f"\n[front] kill under traffic: {len(outcomes)} requests ({len(outcomes) - at_kill} ended after the "
+                f"kill), {len(failed)} failed: {sorted({f'{type(e).__name__}: {e}'[:200] for _, _, e in failed})}; "
+                f"router lists the dead replica is_healthy={health}\n"
             )
 
             refused: BackendError | None = None
@@ -517,12 +539,16 @@ async def test_a_replica_killed_while_requests_run(
             with http() as raw:
                 assert listed(raw, router.url) == sorted(replicas)
             assert await client.admin.flush_cache() == [True, True]
-            again = [
-                await client.generate(prompt_ids=PROMPT, sampling=SHORT, session=f"kill-retry-{i}")
-                for i in range(len(failed))
-            ]
-            assert all(r.completion_ids for r in again)
+            again = [await client.generate(prompt_ids=ids, sampling=SHORT, session=key) for key, ids, _ in failed]
+            assert all(r.completion_ids for r in again)  # the failed requests, sent again as they were
     finally:
         deregister(router.url, url)
         spare.stop()
         await restore(replicas, tiny_models, base_version)
+
+
+def router_health(router_url: str, url: str) -> bool | None:
+    """Whether the router's ``GET /workers`` lists ``url`` healthy (``None``: not listed)."""
+    with http() as client:
+        workers = client.get(router_url + "/workers").json()["workers"]
+    return next((bool(w["is_healthy"]) for w in workers if w["url"].rstrip("/") == url), None)
