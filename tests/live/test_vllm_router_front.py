@@ -360,14 +360,19 @@ Sent = tuple[str, list[int], "GenerateResult | BaseException"]
 """One request of :func:`traffic`: its session key, prompt, and result (or the exception it raised)."""
 
 
-async def traffic(client: Client, stop: asyncio.Event, prefix: str, outcomes: list[Sent]) -> None:
+async def traffic(
+    client: Client, stop: asyncio.Event, prefix: str, outcomes: list[Sent], lora: str | None = None
+) -> None:
     """Requests through the front, four at a time over new session keys, until ``stop`` is set: each appended to
-    ``outcomes`` once it ended."""
+    ``outcomes`` once it ended. With ``lora``, every other request asks for that adapter."""
     i = 0
     while not stop.is_set():
         sent = [(f"{prefix}-{i + k}", [*PROMPT, 300 + (i + k) % 50]) for k in range(4)]
         ended = await asyncio.gather(
-            *(client.generate(prompt_ids=ids, sampling=SHORT, session=key) for key, ids in sent),
+            *(
+                client.generate(prompt_ids=ids, sampling=SHORT, session=key, lora=lora if k % 2 else None)
+                for k, (key, ids) in enumerate(sent)
+            ),
             return_exceptions=True,
         )
         outcomes.extend((key, ids, outcome) for (key, ids), outcome in zip(sent, ended, strict=True))
@@ -375,12 +380,12 @@ async def traffic(client: Client, stop: asyncio.Event, prefix: str, outcomes: li
 
 
 @contextlib.asynccontextmanager
-async def under_traffic(client: Client, prefix: str) -> AsyncIterator[list[Sent]]:
+async def under_traffic(client: Client, prefix: str, lora: str | None = None) -> AsyncIterator[list[Sent]]:
     """Requests run through the front while the body runs (see :func:`traffic`); the list of them is complete
     once the block is left (every request sent has ended)."""
     stop = asyncio.Event()
     outcomes: list[Sent] = []
-    running = asyncio.create_task(traffic(client, stop, prefix, outcomes))
+    running = asyncio.create_task(traffic(client, stop, prefix, outcomes, lora))
     try:
         yield outcomes
     finally:
@@ -409,8 +414,10 @@ async def test_a_replica_added_mid_run_is_caught_up_before_it_serves(
     tmp_path: Path,
 ) -> None:
     """``fleet.add`` brings a new replica to the fleet's weights, version and adapters, and only then registers it
-    with the router: when the router first lists it, it is caught up and has served nothing. The next admin
-    operation reaches it. ``fleet.remove`` deregisters it while requests run; none fails."""
+    with the router: requests running through the add (half of them on the fleet's adapter) all succeed and all
+    answer with the fleet's version, though the new replica started on another; when the router first lists it,
+    it is on the fleet's version and adapters. The next admin operation reaches it. ``fleet.remove`` deregisters
+    it while requests run; none fails."""
     url = spare.ensure().url
     new = write_perturbed_weights(tiny_models.dense, tmp_path / "front-add", seed=12, scale=0.3)
     seen: dict[str, Any] = {}
@@ -423,30 +430,33 @@ async def test_a_replica_added_mid_run_is_caught_up_before_it_serves(
                 return url in await asyncio.to_thread(listed, raw, router.url)
 
             await wait_for(registered, "the router listing the added replica", within=vllm_server.START_TIMEOUT_S)
-        seen.update(
-            version=await weight_version(url),
-            adapters=await adapters(url),
-            finished=await finished(url),
-            paused=await is_paused(url),
-        )
+        seen.update(version=await weight_version(url), adapters=await adapters(url), paused=await is_paused(url))
 
     try:
         async with Client(front_config(router.url, tiny_models)) as client:
             assert (await client.admin.weight_sync(path=str(new), version="front-add", mode="wait")).ok
             assert await client.admin.load_lora(LoraAdapter(name=ADAPTER, path=str(tiny_models.lora))) == [True, True]
             assert await finished(url) == 0
+            assert await weight_version(url) == base_version
 
-            async with under_traffic(client, "add") as during_add:
+            async with under_traffic(client, "add", lora=ADAPTER) as during_add:
                 watcher = asyncio.create_task(watch())
                 try:
                     member = await client.fleet.add(url)
                     await asyncio.wait_for(watcher, timeout=SETTLE_S)
                 finally:
                     watcher.cancel()
+
+                async def spare_serves() -> bool:
+                    return await finished(url) >= 4
+
+                await wait_for(spare_serves, "the added replica serving its share of new sessions")
             assert member.state == "serving"
-            assert seen == {"version": "front-add", "adapters": {ADAPTER}, "finished": 0, "paused": False}, seen
+            assert seen == {"version": "front-add", "adapters": {ADAPTER}, "paused": False}, seen
             assert sorted(m.url for m in client.fleet.members()) == sorted([*replicas, url])
             assert not failures(during_add), failures(during_add)[:3]
+            versions = {r.weight_version for _, _, r in during_add if isinstance(r, GenerateResult)}
+            assert versions == {"front-add"}, f"answers during the add came from weight versions {versions}"
 
             # the next admin operation reaches the new replica too
             assert await client.admin.pause(mode="keep") == [True, True, True]
