@@ -254,6 +254,10 @@ class FrontFleet(Fleet):
         #: the front's server narrowed to that replica, so its ``base_url`` is the front's).
         self._urls: list[str] = []
         self._first: asyncio.Future[None] | None = None
+        #: Replicas :meth:`add` is catching up: the router does not list them until it registers them.
+        self._adding: set[str] = set()
+        #: Counts this client's registrations and deregistrations: a worker list read across one is stale.
+        self._changes = 0
 
     def _find(self, url: str) -> int | None:
         url = url.rstrip("/")
@@ -319,12 +323,16 @@ class FrontFleet(Fleet):
         if type(self.front).register is Front.register:
             await self.front.register(url)  # raises UnsupportedOperationError, before anything changes
         index = self._join(url, None)
+        self._adding.add(self._urls[index])
         try:
             await self._catch_up(index, raise_error=True, admit=False)
             await self.front.register(self._balancer.servers[index].base_url)
         except BaseException:
             self._balancer.retire(index)
             raise
+        finally:
+            self._adding.discard(self._urls[index])
+            self._changes += 1
         self._balancer.admit(index)
         self._point_front()
         return self._member(index)
@@ -344,6 +352,7 @@ class FrontFleet(Fleet):
         if listed.id is None and type(self.front) is SglangRouterFront:
             listed = next((r for r in await self.front.replicas() if r.url == base), listed)
         await self.front.deregister(listed)
+        self._changes += 1
         self._listed.pop(base, None)
         self._balancer.retire(index)
         self._errors.pop(index, None)
@@ -378,7 +387,7 @@ class FrontFleet(Fleet):
         :raises FrontError: the front cannot list its replicas, or lists none the router routes to.
         :raises AdminError: (``strict``) a replica the router routes to could not be caught up.
         """
-        listed = await self.front.replicas()
+        listed = await self._read()
         if not any(r.healthy is not False for r in listed):
             raise self.front.error(
                 f"lists no replica it routes to ({len(listed)} listed, none healthy): nothing to send admin "
@@ -396,8 +405,19 @@ class FrontFleet(Fleet):
         return [
             i
             for i, state in enumerate(b.states)
-            if state == "joining" and self._listed.get(self._urls[i], Replica(url="")).healthy is not False
+            if state == "joining"
+            and self._urls[i] not in self._adding  # add catches it up itself
+            and self._listed.get(self._urls[i], Replica(url="")).healthy is not False
         ]
+
+    async def _read(self) -> list[Replica]:
+        """The replicas the front lists, read again when this client registered or deregistered one while the
+        list was read (it may predate that change)."""
+        while True:
+            changes = self._changes
+            listed = await self.front.replicas()
+            if changes == self._changes:
+                return listed
 
     def _apply_listed(self, listed: Sequence[Replica]) -> None:
         b = self._balancer
@@ -412,7 +432,7 @@ class FrontFleet(Fleet):
                 front = self.front
                 log.warning("%s front %s reports %s unhealthy: out until caught up", front.kind, front.url, replica.url)
         for i, url in enumerate(self._urls):
-            if b.states[i] != "gone" and url not in self._listed:
+            if b.states[i] != "gone" and url not in self._listed and url not in self._adding:
                 b.retire(i)
                 self._errors.pop(i, None)
                 self._client.driver.emit("fleet", "leave", url, time.perf_counter(), None)
@@ -422,7 +442,7 @@ class FrontFleet(Fleet):
         """:meth:`sync`, with failures counted and reported through ``observe`` instead of raised."""
         started = time.perf_counter()
         try:
-            listed = await self.front.replicas()
+            listed = await self._read()
         except FrontError as exc:
             self._client.driver.emit("fleet", "discover", self.front.url, started, exc)
             log.warning("%s", exc)
