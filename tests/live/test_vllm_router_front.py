@@ -451,7 +451,9 @@ async def test_a_replica_added_mid_run_is_caught_up_before_it_serves(
             async with under_traffic(client, "add", lora=ADAPTER) as during_add:
                 watcher = asyncio.create_task(watch())
                 try:
+                    started = time.monotonic()
                     member = await client.fleet.add(url)
+                    add_s = time.monotonic() - started
                     await asyncio.wait_for(watcher, timeout=SETTLE_S)
                 finally:
                     watcher.cancel()
@@ -484,7 +486,9 @@ async def test_a_replica_added_mid_run_is_caught_up_before_it_serves(
             assert len({r.completion_ids for _, r in landed}) == 1, "the replicas serve different weights"
 
             async with under_traffic(client, "remove") as during_remove:
+                started = time.monotonic()
                 await client.fleet.remove(url)
+                remove_s = time.monotonic() - started
                 after_remove = len(during_remove)
 
                 async def traffic_went_on() -> bool:
@@ -496,7 +500,8 @@ async def test_a_replica_added_mid_run_is_caught_up_before_it_serves(
             assert sorted(m.url for m in client.fleet.members()) == sorted(replicas)
             assert not failures(during_remove), failures(during_remove)[:3]
             sys.stderr.write(
-                f"\n[front] add under traffic: {len(during_add)} requests, 0 failed; 8 new keys after the add -> "
+                f"\n[front] add (catch-up + registration) {add_s:.2f}s, remove {remove_s:.2f}s; "
+                f"add under traffic: {len(during_add)} requests, 0 failed; 8 new keys after the add -> "
                 f"replica {[i for i, _ in landed]}; remove under traffic: {len(during_remove)} requests, 0 failed\n"
             )
             assert await client.admin.pause(mode="keep") == [True, True]
