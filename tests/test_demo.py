@@ -36,6 +36,17 @@ def test_the_demo_runs_and_every_check_holds(tiny_models, capsys, backend) -> No
     assert "demo finished" in out
 
 
+def test_the_demo_with_json_prints_one_object_per_check_then_a_summary(tiny_models, capsys) -> None:
+    assert main(["demo", "--json", "--backend", "reference", "--models-dir", str(tiny_models.root)]) == 0
+    out, err = capsys.readouterr()
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert len(lines) == 14 and all(line == {"check": line["check"], "ok": True} for line in lines[:-1])
+    assert "every turn starts with the previous turn's exact ids" in {line["check"] for line in lines[:-1]}
+    summary = lines[-1]
+    assert (summary["demo"], summary["backend"], summary["checks"]) == ("finished", "reference", 13)
+    assert err == ""
+
+
 def test_list_shows_the_reference_backend_and_its_capabilities(capsys) -> None:
     assert main(["list"]) == 0
     out = capsys.readouterr().out

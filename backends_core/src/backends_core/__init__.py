@@ -7,6 +7,8 @@ distributions registered under the ``backends_core.backends`` entry-point group.
 
 from __future__ import annotations
 
+import logging
+
 from backends_core.client import Client, GenerateStream
 from backends_core.config import AdminPolicy, ClientConfig, FleetPolicy, FrontConfig, Limits, RetryPolicy, Timeouts
 from backends_core.errors import (
@@ -71,6 +73,9 @@ from backends_core.types import (
 
 __version__ = "0.1.0"
 
+# a library's loggers print nothing until the application configures logging (README: Logging)
+logging.getLogger("backends_core").addHandler(logging.NullHandler())
+
 __all__ = [
     "AdminError",
     "AdminPolicy",
@@ -95,6 +100,7 @@ __all__ = [
     "FleetPolicy",
     "FleetState",
     "FrontConfig",
+    "FrontError",
     "GenerateRequest",
     "GenerateResult",
     "GenerateStream",
@@ -105,7 +111,6 @@ __all__ = [
     "LoraAdapter",
     "Member",
     "MembershipError",
-    "FrontError",
     "NetworkError",
     "ParserNotFoundError",
     "Refusal",

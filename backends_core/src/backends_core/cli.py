@@ -1,36 +1,57 @@
 """The ``backends`` command line.
 
 Exit codes scripts can trust: 0 success; 1 an operation failed (on any server); 2 bad usage, configuration or
-input. ``--json`` prints machine-readable output on stdout; progress goes to stderr.
+input (130: interrupted). ``--json`` prints one JSON object per line on stdout and errors as one JSON object on
+stderr; progress goes to stderr. The shared machinery (exit codes, JSON output, error reporting, checked argument
+types) lives in :mod:`backends_core.cli_common`.
 
-Configuration comes from ``--config FILE`` (TOML/JSON; ``--section`` picks a table), else ``$BACKENDS_CONFIG``,
-and flags (``--backend``, ``--url``, ``--model``, ``--tokenizer``) override it.
+Configuration comes in layers (:meth:`ClientConfig.load`): ``--config FILE`` (TOML/JSON; ``--section`` picks a
+table), else ``$BACKENDS_CONFIG``; over it ``$BACKENDS_URL``, ``$BACKENDS_BACKEND``, ``$BACKENDS_MODEL``,
+``$BACKENDS_TOKENIZER``; over those the flags ``--url``, ``--backend``, ``--model``, ``--tokenizer``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import importlib.metadata as md
 import json
-import os
+import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
 import numpy as np
 
+from backends_core.cli_common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    JsonArgumentParser,
+    UsageError,
+    add_json_flag,
+    emit,
+    int_list,
+    nonnegative_int,
+    positive_int,
+    run_main,
+)
 from backends_core.client import Client
 from backends_core.config import ClientConfig
 from backends_core.driver import CAPABILITY_HOOKS
-from backends_core.errors import AdminError, BackendError, ConfigError, InvalidRequestError
+from backends_core.errors import (
+    FIRST_PARTY_EXTRAS,
+    BackendError,
+    BackendNotFoundError,
+    ConfigError,
+    InvalidRequestError,
+)
 from backends_core.plugins import available_backends, implemented_hooks, make_plugin_manager
 from backends_core.types import GenerateResult, LoraAdapter, SamplingParams
 
-__all__ = ["main"]
-
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
 
 class Progress:
@@ -51,33 +72,10 @@ class Progress:
             print(file=sys.stderr)
 
 
-def _out(args: argparse.Namespace, value: Any, text: str) -> None:
-    print(json.dumps(value, default=_jsonable) if args.json else text)
-
-
-def _jsonable(value: Any) -> Any:
-    if attrs.has(type(value)):
-        return attrs.asdict(
-            value, value_serializer=lambda _i, _a, v: _jsonable(v) if isinstance(v, np.ndarray | BaseException) else v
-        )
-    if isinstance(value, np.ndarray):
-        return [None if isinstance(x, float) and x != x else x for x in value.tolist()]
-    if isinstance(value, BaseException):
-        return f"{type(value).__name__}: {value}"
-    raise TypeError(f"cannot serialise {type(value).__name__}")
-
-
 def _config(args: argparse.Namespace) -> ClientConfig:
-    path = args.config or os.environ.get("BACKENDS_CONFIG")
-    data: dict[str, Any] = ClientConfig.from_file(path, section=args.section).to_mapping() if path else {}
-    for flag, key in (("backend", "backend"), ("model", "model"), ("tokenizer", "tokenizer")):
-        if getattr(args, flag, None):
-            data[key] = getattr(args, flag)
-    if getattr(args, "url", None):
-        data["base_url"] = args.url
-    if "backend" not in data or "base_url" not in data:
-        raise ConfigError(["give --backend and --url, or a --config file (or $BACKENDS_CONFIG) that sets them"])
-    return ClientConfig.from_mapping(data)
+    """The config file, then ``$BACKENDS_*``, then the flags (:meth:`ClientConfig.load`)."""
+    flags = {"backend": args.backend, "base_url": args.url, "model": args.model, "tokenizer": args.tokenizer}
+    return ClientConfig.load(args.config, section=args.section, flags=flags)
 
 
 def _run(args: argparse.Namespace, body: Callable[[Client], Awaitable[int]]) -> int:
@@ -150,7 +148,8 @@ def _list(args: argparse.Namespace) -> int:
             }
         )
     if args.json:
-        print(json.dumps(rows, indent=2))
+        for row in rows:
+            emit(True, row)
         return EXIT_OK
     if not rows:
         print('no backends installed; try: pip install "backends[vllm]"')
@@ -182,7 +181,14 @@ def _state(args: argparse.Namespace) -> int:
                 f"{r.server}: {'up' if r.reachable else 'DOWN'} ready={r.ready} {detail}"
                 + (f" error={r.error}" if r.error else "")
             )
-        _out(args, {"servers": reports, "capabilities": sorted(client.capabilities)}, "\n".join(lines))
+        if reports.disagreement:
+            lines.append("DISAGREEMENT: " + "; ".join(reports.disagreement))
+        state = {
+            "servers": list(reports),
+            "disagreement": reports.disagreement,
+            "capabilities": sorted(client.capabilities),
+        }
+        emit(args, state, "\n".join(lines))
         return EXIT_OK if all(r.reachable and r.error is None for r in reports) else EXIT_FAILED
 
     return _run(args, body)
@@ -194,7 +200,7 @@ def _admin_op(
     def command(args: argparse.Namespace) -> int:
         async def body(client: Client) -> int:
             values = await call(client, args)
-            _out(
+            emit(
                 args,
                 {"operation": name, "servers": client.base_urls, "results": values},
                 "\n".join(f"{url}: ok" for url in client.base_urls),
@@ -213,20 +219,18 @@ def _update_weights(client: Client, args: argparse.Namespace) -> Awaitable[Any]:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    sampling = _sampling(args)  # checked before anything is sent
+
     async def body(client: Client) -> int:
+        # the completion is decoded with the tokenizer a --prompt is rendered with, or with --tokenizer; it is loaded
+        # (and a bad one reported) before anything is sent
+        tokenizer = client.tokenizer if args.prompt is not None or client.config.tokenizer else None
         if args.prompt_ids:
-            ids = [int(x) for x in args.prompt_ids.split(",")]
-            result = await client.generate(prompt_ids=ids, sampling=_sampling(args))
+            result = await client.generate(prompt_ids=args.prompt_ids, sampling=sampling)
         else:
-            result = await client.generate(
-                messages=[{"role": "user", "content": args.prompt}], sampling=_sampling(args)
-            )
-        text = (
-            client.tokenizer.decode(list(result.completion_ids))
-            if (client.config.tokenizer or client.config.model)
-            else ""
-        )
-        _out(
+            result = await client.generate(messages=[{"role": "user", "content": args.prompt}], sampling=sampling)
+        text = tokenizer.decode(list(result.completion_ids)) if tokenizer is not None else ""
+        emit(
             args,
             _result_record(result, text=text),
             f"{text}\n[{len(result.completion_ids)} tokens, {result.finish_reason}]",
@@ -320,10 +324,28 @@ def _teacher(args: argparse.Namespace) -> int:
     return _run(args, body)
 
 
+def _messages_file(path: str) -> list[dict[str, Any]]:
+    """The ``--messages`` file: a JSON list of message objects, each with a string ``role``."""
+    try:
+        messages = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise InvalidRequestError(f"--messages {path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise InvalidRequestError(f"--messages {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"--messages {path}:{exc.lineno}: not JSON: {exc.msg}") from None
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError(f"--messages {path}: must hold a non-empty JSON list of messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidRequestError(f"--messages {path}: $[{i}] must be an object, got {type(message).__name__}")
+        if not isinstance(message.get("role"), str):
+            raise InvalidRequestError(f"--messages {path}: $[{i}].role must be a string")
+    return messages
+
+
 def _check_tokenizer(args: argparse.Namespace) -> int:
-    messages = (
-        json.loads(Path(args.messages).read_text()) if args.messages else [{"role": "user", "content": args.prompt}]
-    )
+    messages = _messages_file(args.messages) if args.messages else [{"role": "user", "content": args.prompt}]
 
     async def body(client: Client) -> int:
         check = await client.check_tokenizer(messages)
@@ -334,7 +356,7 @@ def _check_tokenizer(args: argparse.Namespace) -> int:
                 f"MISMATCH at position {check.first_difference}: "
                 f"local {check.local_token!r} vs server {check.server_token!r}"
             )
-        _out(args, check, text)
+        emit(args, check, text)
         return EXIT_OK if check.match else EXIT_FAILED
 
     return _run(args, body)
@@ -343,15 +365,21 @@ def _check_tokenizer(args: argparse.Namespace) -> int:
 DEMO_HINT = 'the demo runs on the test kit\'s embedded engine: pip install "backends-core[testing]"'
 
 
+def _check_backend_installed(name: str) -> None:
+    """Refuse a backend name nothing installed registers (exit 2), before anything is built or started."""
+    installed = [info.name for info in available_backends()]
+    if name not in installed:
+        raise BackendNotFoundError(name, installed)
+
+
 def _demo(args: argparse.Namespace) -> int:
     try:
         from backends_testkit.demo import run_demo
     except ModuleNotFoundError as exc:
         if exc.name is None or not exc.name.startswith("backends_testkit"):
             raise
-        print(f"error: {DEMO_HINT}", file=sys.stderr)
-        return EXIT_USAGE
-
+        raise MissingInstallError(DEMO_HINT) from None
+    _check_backend_installed(args.backend)
     return run_demo(
         backend=args.backend,
         urls=args.url or (),
@@ -359,7 +387,138 @@ def _demo(args: argparse.Namespace) -> int:
         model=args.model,
         models_dir=args.models_dir,
         seed=args.seed,
+        json_lines=bool(getattr(args, "json", False)),
     )
+
+
+class MissingInstallError(ConfigError):
+    """An optional part of the installation a verb needs is missing (the message says what to install): exit 2."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__([message])
+
+    def __str__(self) -> str:
+        return self.messages[0]
+
+
+def _serve_hint(backend: str) -> str:
+    """What to install to serve ``backend``'s emulator."""
+    if backend == "reference":
+        return 'the reference emulator is part of the test kit: pip install "backends-core[testing]"'
+    drivers = {info.name: info.distribution for info in available_backends()}
+    return (
+        f"no emulator of backend {backend!r} is installed: it comes with the backend's testing extra, "
+        f'pip install "{drivers.get(backend, f"backends-{backend}")}[testing]"'
+    )
+
+
+#: The entry-point group emulators register in (``backends_testkit.emulators.EMULATOR_GROUP``, read here from
+#: package metadata so the test kit is imported only when it is there).
+EMULATOR_GROUP = "backends_testkit.emulators"
+
+
+def _installed_emulators() -> set[str]:
+    """Backends whose emulator an installed distribution registers (from package metadata; nothing is imported)."""
+    return {ep.name for ep in md.entry_points(group=EMULATOR_GROUP)}
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """Serve the embedded emulator of ``--backend`` on a port until Ctrl-C or SIGTERM (then exit 0)."""
+    installed = [info.name for info in available_backends()]
+    servable = args.backend in installed or args.backend in (*FIRST_PARTY_EXTRAS, "reference")
+    if not servable:  # a mistyped or unknown name: named with the installed ones and close matches
+        raise BackendNotFoundError(args.backend, installed)
+    try:
+        from backends_testkit.emulators import NoEmulatorError, make_emulator
+        from backends_testkit.engine import ReferenceEngine
+        from backends_testkit.tinymodel import build_tiny_models, default_models_dir
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not exc.name.startswith("backends_testkit"):
+            raise
+        raise MissingInstallError(_serve_hint(args.backend)) from None
+    if args.backend not in installed or args.backend not in _installed_emulators():
+        raise MissingInstallError(_serve_hint(args.backend))
+    if args.port > 65535:
+        raise UsageError(f"argument --port: must be in [0, 65535], got {args.port}")
+
+    async def serve() -> int:
+        root = Path(args.models_dir) if args.models_dir else default_models_dir(seed=args.seed)
+        models = build_tiny_models(root, seed=args.seed)
+        model_dir = models.moe if args.moe else models.dense
+        engine = ReferenceEngine(model_dir, seed=args.seed)
+        try:
+            try:
+                emulator = make_emulator(args.backend, engine, routed_experts=args.moe)
+            except NoEmulatorError as exc:  # several distributions claim the name
+                raise MissingInstallError(str(exc)) from None
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, stop.set)
+            try:
+                async with emulator.serve(host=args.host, port=args.port) as url:
+                    await _answers(url)
+                    ready = {
+                        "url": url,
+                        "backend": args.backend,
+                        "model": engine.model_name,
+                        "tokenizer": str(model_dir),
+                        "moe": args.moe,
+                    }
+                    emit(
+                        args,
+                        ready,
+                        f"serving the {args.backend} emulator of {engine.model_name} at {url} (Ctrl-C stops it)\n"
+                        f"try: backends generate --backend {args.backend} --url {url} --model {engine.model_name} "
+                        f'--tokenizer {model_dir} --prompt "hello"',
+                    )
+                    await stop.wait()
+            finally:
+                for signum in (signal.SIGINT, signal.SIGTERM):
+                    loop.remove_signal_handler(signum)
+        finally:
+            await engine.aclose()
+        return EXIT_OK
+
+    return asyncio.run(serve())
+
+
+async def _answers(url: str) -> None:
+    """One request to the server just started, so the URL is printed only once it answers HTTP (any status)."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=30.0) as http:
+        await http.get(f"{url}/")
+
+
+def _versions() -> dict[str, Any]:
+    """The installed distributions of backends, from package metadata (nothing is imported): backends-core,
+    the umbrella, the test kit, every backend's driver and every emulator's distribution."""
+    dists: dict[str, dict[str, Any]] = {}
+
+    def entry(name: str, version: str) -> dict[str, Any]:
+        return dists.setdefault(name, {"distribution": name, "version": version, "backends": [], "emulators": []})
+
+    for name in ("backends-core", "backends", "backends-testkit"):
+        with contextlib.suppress(md.PackageNotFoundError):
+            entry(name, md.version(name))
+    for info in available_backends():
+        entry(info.distribution, info.version)["backends"].append(info.name)
+    for ep in md.entry_points(group=EMULATOR_GROUP):
+        if ep.dist is not None:
+            entry(ep.dist.name, ep.dist.version)["emulators"].append(ep.name)
+    core = dists.get("backends-core", {}).get("version")
+    return {"backends_core": core, "distributions": list(dists.values())}
+
+
+def _print_versions(as_json: bool) -> int:
+    versions = _versions()
+    lines = []
+    for d in versions["distributions"]:
+        roles = [f"{kind}: {', '.join(sorted(d[kind]))}" for kind in ("backends", "emulators") if d[kind]]
+        lines.append(f"{d['distribution']} {d['version']}" + (f" ({'; '.join(roles)})" if roles else ""))
+    emit(as_json, versions, "\n".join(lines))
+    return EXIT_OK
 
 
 # -- parser ----------------------------------------------------------------------------------------------
@@ -372,24 +531,35 @@ def _client_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", action="append", help="server base URL (repeat for a fleet; overrides the config)")
     p.add_argument("--model", help="served model name")
     p.add_argument("--tokenizer", help="local tokenizer directory (to render messages)")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_json_flag(p)
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--top-logprobs", type=int, default=0)
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="completion tokens at most (default: 64)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0; 0: greedy)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: none, the server's choice)")
+    p.add_argument(
+        "--top-logprobs", type=nonnegative_int, default=0, help="top logprobs per completion token (default: 0)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="backends", description="One client layer between RL trainers and inference servers."
+    parser = JsonArgumentParser(
+        prog="backends",
+        description="One client layer between RL trainers and inference servers.",
+        epilog="exit codes: 0 ok, 1 an operation failed on some server, 2 bad usage, configuration or input",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument(
+        "--version",
+        dest="show_version",
+        action="store_true",
+        help="print the installed versions of backends-core and every backend distribution, then exit",
+    )
+    parser.add_argument("--json", action="store_true", help="machine-readable output (also accepted after the command)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("list", help="installed backends with version and capabilities")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    add_json_flag(p)
     p.set_defaults(func=_list)
 
     for name, help_ in (("state", "aggregated state of every server"), ("health", "alias of state")):
@@ -399,7 +569,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pause", help="pause generation on every server")
     _client_flags(p)
-    p.add_argument("--mode", choices=["abort", "wait", "keep"], default="wait")
+    p.add_argument(
+        "--mode",
+        choices=["abort", "wait", "keep"],
+        default="wait",
+        help="abort requests in flight, wait for them, or keep them frozen until resume (default: wait)",
+    )
     p.set_defaults(func=_admin_op("pause", lambda c, a: c.admin.pause(a.mode)))
 
     p = sub.add_parser("resume", help="resume generation on every server")
@@ -416,9 +591,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("load-lora", help="load (or with --replace hot-swap) a LoRA adapter on every server")
     _client_flags(p)
-    p.add_argument("name")
-    p.add_argument("path")
-    p.add_argument("--replace", action="store_true")
+    p.add_argument("name", help="the adapter's name (what requests ask for)")
+    p.add_argument("path", help="the adapter's directory as the servers see it")
+    p.add_argument("--replace", action="store_true", help="replace a loaded adapter of that name in place")
     p.set_defaults(
         func=_admin_op(
             "load-lora", lambda c, a: c.admin.load_lora(LoraAdapter(name=a.name, path=a.path, replace=a.replace))
@@ -427,7 +602,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("unload-lora", help="unload a LoRA adapter on every server")
     _client_flags(p)
-    p.add_argument("name")
+    p.add_argument("name", help="the adapter's name")
     p.set_defaults(func=_admin_op("unload-lora", lambda c, a: c.admin.unload_lora(a.name)))
 
     p = sub.add_parser("generate", help="one generation")
@@ -435,7 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_flags(p)
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", help="a user message (rendered with the chat template)")
-    group.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    group.add_argument("--prompt-ids", type=int_list, help="comma-separated prompt token ids, e.g. 1,2,3")
     p.set_defaults(func=_generate)
 
     p = sub.add_parser("rollout", help="JSONL of conversations in, JSONL of results out (+ .npz routed experts)")
@@ -453,7 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="group size: samples per conversation (generate_group; sample i seeded with --seed + i), "
         'overridden by a line\'s "n"',
     )
-    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--concurrency", type=positive_int, default=64, help="requests in flight at most (default: 64)")
     p.add_argument(
         "--routed-experts", action="store_true", help="ask for MoE routing; saved to OUTPUT.routed_experts.npz"
     )
@@ -463,8 +638,8 @@ def build_parser() -> argparse.ArgumentParser:
     _client_flags(p)
     p.add_argument("input", help='JSONL: {"id"?, "token_ids": [...]} per line')
     p.add_argument("output", help='JSONL: {"id", "token_ids", "logprobs": [null, ...]}')
-    p.add_argument("--concurrency", type=int, default=64)
-    p.add_argument("--top-logprobs", type=int, default=0)
+    p.add_argument("--concurrency", type=positive_int, default=64, help="requests in flight at most (default: 64)")
+    p.add_argument("--top-logprobs", type=nonnegative_int, default=0, help="top logprobs per position (default: 0)")
     p.set_defaults(func=_teacher)
 
     p = sub.add_parser("check-tokenizer", help="compare local chat-template rendering with the server's /tokenize")
@@ -480,32 +655,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-url", default=None, help="a real server serving the tiny MoE model with routed experts")
     p.add_argument("--model", default="tiny-qwen3", help="served model name on --url servers")
     p.add_argument("--models-dir", default=None, help="where to build the tiny models (default: a user cache dir)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the tiny models, engines and sampling (default: 0)")
+    add_json_flag(p)
     p.set_defaults(func=_demo)
+
+    p = sub.add_parser(
+        "serve",
+        help="serve a backend's embedded emulator (numpy engine, tiny model) on a port, to try the CLI without a GPU",
+    )
+    p.add_argument(
+        "--backend", required=True, help="whose server to emulate: vllm, sglang, dynamo, reference or any installed"
+    )
+    p.add_argument("--moe", action="store_true", help="serve the tiny MoE model (answers routed experts)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument(
+        "--port", type=nonnegative_int, default=8000, help="port to listen on (default: 8000; 0: a free one)"
+    )
+    p.add_argument("--models-dir", default=None, help="where to build the tiny models (default: a user cache dir)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the tiny models and the engine (default: 0)")
+    add_json_flag(p)
+    p.set_defaults(func=_serve)
     return parser
 
 
+def _dispatch(args: argparse.Namespace) -> int:
+    if getattr(args, "show_version", False):
+        return _print_versions(bool(getattr(args, "json", False)))
+    func = getattr(args, "func", None)
+    if func is None:
+        raise UsageError("a command is required (see backends --help)", usage=build_parser().format_usage())
+    return int(func(args))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args))
-    except (ConfigError, InvalidRequestError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except AdminError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        for outcome in exc.results:
-            verdict = "ok" if outcome.ok else f"FAILED: {type(outcome.error).__name__}: {outcome.error}"
-            print(f"  {outcome.server}: {verdict}", file=sys.stderr)
-        if exc.state:
-            print(f"  state: {exc.state}", file=sys.stderr)
-        return EXIT_FAILED
-    except BackendError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except OSError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    """Run the CLI; returns the exit status (see :mod:`backends_core.cli_common`)."""
+    return run_main(lambda: build_parser().parse_args(argv), argv, _dispatch)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from backends_core.multiturn.messages import as_plain, check_content_parts, norm
 from backends_core.multiturn.rendering import load_tokenizer
 from backends_core.multiturn.turn_cache import TurnCache
 from backends_core.parsing import CompletionParser
-from backends_core.server import Server
+from backends_core.server import REQUEST_ID, Server
 from backends_core.types import (
     GenerateRequest,
     GenerateResult,
@@ -51,6 +51,10 @@ from backends_core.types import (
 __all__ = ["Client", "GenerateStream"]
 
 log = logging.getLogger("backends_core.client")
+#: Failover and cooldown: a server taken out of rotation, where its request went, a server back in rotation.
+balance_log = logging.getLogger("backends_core.balancer")
+#: Multi-turn: a session's messages re-rendered in full (``StatelessPolicy.on_break = "rerender"``).
+multiturn_log = logging.getLogger("backends_core.multiturn")
 
 #: The session key of the request being sent, for the session header hook.
 _SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("backends_session", default=None)
@@ -359,7 +363,13 @@ class Client:
             check_content_parts(plain)
             ids = None
             if session is not None and self.config.stateless.enabled:
-                ids = self._reuse_turns(session, plain, tools=tools, chat_template_kwargs=chat_template_kwargs)
+                ids = self._reuse_turns(
+                    session,
+                    plain,
+                    tools=tools,
+                    chat_template_kwargs=chat_template_kwargs,
+                    request_id=fields.get("request_id"),
+                )
             if ids is None:
                 ids = self.render(plain, tools=tools, chat_template_kwargs=chat_template_kwargs)
             fields["messages"] = tuple(plain)
@@ -401,6 +411,7 @@ class Client:
         *,
         tools: Sequence[Mapping[str, Any]] | None,
         chat_template_kwargs: Mapping[str, Any] | None,
+        request_id: str | None = None,
     ) -> list[int] | None:
         """Prompt ids reusing this session's earlier turn, ``None`` to render in full (first turn, or a break
         the policy says to re-render). Counted in :attr:`bridge_stats`."""
@@ -419,7 +430,9 @@ class Client:
             if self.config.stateless.on_break == "raise":
                 raise
             stats.rerendered += 1
-            log.warning("session %s: re-rendering all %d messages (%s)", session, len(messages), exc)
+            multiturn_log.warning(
+                "session %s: re-rendering all %d messages (%s) [request %s]", session, len(messages), exc, request_id
+            )
             return None
         stats.successes += 1
         self.driver.emit("bridge", "stateless", None, started, None, session=session)
@@ -485,6 +498,7 @@ class Client:
         pinned = None if server is None else self.server_index(server)
         tried: set[int] = set()
         token = _SESSION.set(session)
+        named = REQUEST_ID.set(request.request_id)
         try:
             while True:
                 index, sent = await self._route(request, pinned=pinned, session=session, tried=tried)
@@ -502,6 +516,7 @@ class Client:
                 self._served(index, results[-1])
                 return results
         finally:
+            REQUEST_ID.reset(named)
             _SESSION.reset(token)
 
     async def _route(
@@ -525,7 +540,12 @@ class Client:
                     tried.add(index)
                     if pinned is not None or self.balancer.exhausted(tried):
                         raise stale
-                    log.warning("%s", stale)
+                    balance_log.warning(
+                        "%s; out of rotation for %g s (cooldown); request %s goes to another server",
+                        stale,
+                        self.balancer.cooldown,
+                        request.request_id,
+                    )
                     continue
                 self.versions.trust(target)
             salt = self.config.fleet.salt_with_weight_version and request.cache_salt is None
@@ -539,12 +559,37 @@ class Client:
         tried.add(index)
         if down:  # whatever comes back on this address is looked at again before it serves
             self.versions.forget(self.servers[index])
-        return exc.maybe_processed or pinned is not None or self.balancer.exhausted(tried)
+        if exc.maybe_processed:
+            fate = "may have reached the engine: not sent again"
+        elif pinned is not None:
+            fate = "was pinned to it: not sent elsewhere"
+        elif self.balancer.exhausted(tried):
+            fate = "has no other server left to try"
+        else:
+            fate = "fails over to another server"
+        if down:
+            balance_log.warning(
+                "%s unreachable (%s): out of rotation for %g s (cooldown); request %s %s",
+                self.servers[index].base_url,
+                type(exc.__cause__ or exc).__name__,
+                self.balancer.cooldown,
+                REQUEST_ID.get(),
+                fate,
+            )
+        return fate != "fails over to another server"
 
     def _served(self, index: int, result: GenerateResult) -> None:
         """Account for an answered attempt on server ``index``."""
+        back = self.balancer.load[index].failures
         self.balancer.release(index, ok=True)
         target = self.servers[index]
+        if back:
+            balance_log.info(
+                "%s answered again after %d failure(s): back in rotation [request %s]",
+                target.base_url,
+                back,
+                result.request_id,
+            )
         served = result.weight_version
         if served is not None and served != self.versions.get(target):
             self.versions.set(target, served)  # it moved on: later requests get the new salt
@@ -935,6 +980,7 @@ class GenerateStream:
                 self._events = client.driver.generate_stream(client.servers[index], sent)
             assert self._index is not None
             token = _SESSION.set(self._session)  # read when the request is sent (the session header)
+            named = REQUEST_ID.set(self.request.request_id)
             try:
                 event = await anext(self._events)
             except RequestError as exc:
@@ -953,6 +999,7 @@ class GenerateStream:
                 self._ended = True
                 raise
             finally:
+                REQUEST_ID.reset(named)
                 _SESSION.reset(token)
             if isinstance(event, GenerateResult):
                 await self._drop_events()

@@ -25,6 +25,7 @@ from backends_core.converters import format_error, make_converter
 from backends_core.errors import ConfigError
 
 __all__ = [
+    "ENVIRONMENT",
     "AdminPolicy",
     "ClientConfig",
     "FleetPolicy",
@@ -35,13 +36,35 @@ __all__ = [
     "Timeouts",
 ]
 
+#: The environment layer of :meth:`ClientConfig.load`: each variable and the field it sets. ``BACKENDS_URL``
+#: holds one URL or several separated by commas or whitespace. ``BACKENDS_CONFIG`` (a file) and
+#: ``BACKENDS_SECTION`` (its table) choose the file layer.
+ENVIRONMENT: Mapping[str, str] = {
+    "BACKENDS_URL": "base_url",
+    "BACKENDS_BACKEND": "backend",
+    "BACKENDS_MODEL": "model",
+    "BACKENDS_TOKENIZER": "tokenizer",
+}
+
+#: How :meth:`ClientConfig.load` names a flag in its errors: the ``backends`` CLI's option for the field.
+_FLAG_NAMES = {"base_url": "--url"}
+
 _BACKEND_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+class _FieldError(ConfigError):
+    """A validator's complaint about one field of an attrs class: reported at that field's path
+    (``$.timeouts.read``), not at the class's (``$.timeouts``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def _positive_or_none(name: str) -> Any:
     def check(_inst: Any, _attr: Any, value: float | None) -> None:
         if value is not None and not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-            raise ConfigError(f"{name} must be a positive number of seconds or null, got {value!r}")
+            raise _FieldError(name, f"{name} must be a positive number of seconds or null, got {value!r}")
 
     return check
 
@@ -49,20 +72,20 @@ def _positive_or_none(name: str) -> Any:
 def _at_least(minimum: float) -> Any:
     def check(_inst: Any, attr: Any, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int | float) or not value >= minimum:
-            raise ConfigError(f"{attr.name} must be a number >= {minimum}, got {value!r}")
+            raise _FieldError(attr.name, f"{attr.name} must be a number >= {minimum}, got {value!r}")
 
     return check
 
 
 def _fraction(_inst: Any, attr: Any, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
-        raise ConfigError(f"{attr.name} must be a number from 0 to 1, got {value!r}")
+        raise _FieldError(attr.name, f"{attr.name} must be a number from 0 to 1, got {value!r}")
 
 
 def _one_of(*choices: str) -> Any:
     def check(_inst: Any, attr: Any, value: Any) -> None:
         if value not in choices:
-            raise ConfigError(f"{attr.name} must be one of {list(choices)}, got {value!r}")
+            raise _FieldError(attr.name, f"{attr.name} must be one of {list(choices)}, got {value!r}")
 
     return check
 
@@ -70,9 +93,10 @@ def _one_of(*choices: str) -> Any:
 def _instance(cls: type) -> Any:
     def check(_inst: Any, attr: Any, value: Any) -> None:
         if not isinstance(value, cls):
-            raise ConfigError(
+            raise _FieldError(
+                attr.name,
                 f"{attr.name} must be a {cls.__name__}, got {type(value).__name__} "
-                "(plain data goes through ClientConfig.from_mapping)"
+                "(plain data goes through ClientConfig.from_mapping)",
             )
 
     return check
@@ -168,6 +192,13 @@ class RetryPolicy:
         return float(wait * (1.0 - self.jitter * random.random()))
 
 
+def _check_discovery(_inst: Any, _attr: Any, value: Any) -> None:
+    try:
+        _discovery(value)
+    except ConfigError as exc:
+        raise _FieldError("discovery", str(exc.messages[0])) from None
+
+
 @attrs.frozen(kw_only=True)
 class FleetPolicy:
     """How requests spread over servers (see :mod:`backends_core.balancer`).
@@ -191,7 +222,7 @@ class FleetPolicy:
     cooldown: float = attrs.field(default=5.0, validator=_at_least(0))
     session_header: str = "X-Session-ID"
     salt_with_weight_version: bool = True
-    discovery: str | Callable[[], Any] | None = attrs.field(default=None, validator=lambda _i, _a, v: _discovery(v))
+    discovery: str | Callable[[], Any] | None = attrs.field(default=None, validator=_check_discovery)
     refresh_interval: float | None = attrs.field(default=30.0, validator=_positive_or_none("refresh_interval"))
 
 
@@ -227,15 +258,21 @@ class FrontConfig:
     :param workers_url: where the front lists its replicas, when not at ``base_url`` (Dynamo's frontend serves
         ``/v1/rl/workers`` on its own port, ``DYN_RL_PORT``).
     :param replicas: the replicas' URLs, for kind ``"static"`` only.
+    :param evict_unreachable: a replica the router lists but that cannot be reached at all (connection refused or
+        timed out: it serves nothing) is deregistered from a router that takes registrations, so the router stops
+        sending it requests, and leaves the fleet; ``False``: it is only skipped by admin operations until it
+        answers again (then caught up).
     :param session_header: the header carrying a session's key; ``None``: the one the router honours (see the
         kind's documentation; vllm-router honours ``x-session-id`` under ``--policy consistent_hash``,
-        sglang-router ``X-SMG-Routing-Key`` under ``--policy manual``).
+        sglang-router ``X-SMG-Routing-Key`` under ``--policy manual``, Dynamo's frontend ``x-dynamo-session-id``
+        when started with ``--router-session-affinity-ttl-secs``).
     """
 
     kind: str = attrs.field()
     workers_url: str | None = attrs.field(default=None)
     replicas: tuple[str, ...] = attrs.field(default=(), converter=_urls)
     session_header: str | None = attrs.field(default=None)
+    evict_unreachable: bool = True
 
     @kind.validator
     def _check_kind(self, _attr: Any, value: Any) -> None:
@@ -292,7 +329,7 @@ def _deadlines(value: Mapping[str, float]) -> dict[str, float]:
     out = {}
     for op, seconds in dict(value).items():
         if not isinstance(seconds, int | float) or isinstance(seconds, bool) or not seconds > 0:
-            raise ConfigError(f"deadline of {op!r} must be a positive number of seconds, got {seconds!r}")
+            raise _FieldError("deadlines", f"deadline of {op!r} must be a positive number of seconds, got {seconds!r}")
         out[op] = float(seconds)
     return out
 
@@ -346,12 +383,12 @@ class StatelessPolicy:
 
 def _parser_name(_inst: Any, attr: Any, value: Any) -> None:
     if value is not None and (not isinstance(value, str) or not value.strip()):
-        raise ConfigError(f"{attr.name} must be a parser name (e.g. vLLM's) or null, got {value!r}")
+        raise _FieldError(attr.name, f"{attr.name} must be a parser name (e.g. vLLM's) or null, got {value!r}")
 
 
 def _check_backend(_inst: Any, _attr: Any, value: str) -> None:
     if not _BACKEND_NAME.match(value):
-        raise ConfigError(f"backend must match [a-z][a-z0-9_]* (an entry-point name), got {value!r}")
+        raise _FieldError("backend", f"backend must match [a-z][a-z0-9_]* (an entry-point name), got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -414,7 +451,7 @@ class ClientConfig:
     @base_url.validator
     def _check_base_url(self, _attr: Any, value: tuple[str, ...]) -> None:
         if not value:
-            raise ConfigError("base_url needs at least one server URL")
+            raise _FieldError("base_url", "base_url needs at least one server URL")
 
     @front.validator
     def _check_front(self, _attr: Any, value: FrontConfig | None) -> None:
@@ -440,16 +477,17 @@ class ClientConfig:
     @admin_base_url.validator
     def _check_admin(self, _attr: Any, value: tuple[str, ...]) -> None:
         if value and len(value) != len(self.base_url):
-            raise ConfigError(
-                f"admin_base_url has {len(value)} URL(s) but base_url has {len(self.base_url)}: give one per server"
+            raise _FieldError(
+                "admin_base_url",
+                f"admin_base_url has {len(value)} URL(s) but base_url has {len(self.base_url)}: give one per server",
             )
 
     @api_key_var.validator
     @admin_api_key_var.validator
     def _check_key_var(self, attr: Any, value: str | None) -> None:
         if value is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", value):
-            raise ConfigError(
-                f"{attr.name} must be an environment variable NAME, got something else ({len(value)} chars)"
+            raise _FieldError(
+                attr.name, f"{attr.name} must be an environment variable NAME, got something else ({len(value)} chars)"
             )
 
     @property
@@ -477,31 +515,173 @@ class ClientConfig:
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], *, section: str | None = None) -> ClientConfig:
-        """Load from a ``.toml`` or ``.json`` file; ``section`` picks a sub-table (e.g. ``"client"``)."""
-        p = Path(path)
+        """Load from a ``.toml`` or ``.json`` file; ``section`` picks a sub-table (e.g. ``"client"``).
+
+        A file whose client config sits in a table while no ``section`` is given gets the hint to pass it
+        (``the file has a [client] table: pass --section client``)."""
+        data = _read_file(Path(path), section)
         try:
-            raw = p.read_bytes()
-        except OSError as exc:
-            raise ConfigError([f"cannot read config file: {exc}"], source=str(p)) from exc
+            return cls.from_mapping(data, source=str(path))
+        except ConfigError as exc:
+            raise ConfigError(_section_hint(exc.messages, data, section), source=str(path)) from exc
+
+    @classmethod
+    def load(
+        cls,
+        file: str | os.PathLike[str] | None = None,
+        *,
+        section: str | None = None,
+        environ: Mapping[str, str] | None = None,
+        flags: Mapping[str, Any] | None = None,
+    ) -> ClientConfig:
+        """Build a config from three layers, each replacing the top-level fields it sets in the ones before:
+
+        1. a config file (:meth:`from_file`): ``file``, else ``$BACKENDS_CONFIG``; its table ``section``, else
+           ``$BACKENDS_SECTION`` (a section without a file is an error);
+        2. the environment (:data:`ENVIRONMENT`): ``BACKENDS_URL`` (one URL, or several separated by commas or
+           whitespace), ``BACKENDS_BACKEND``, ``BACKENDS_MODEL``, ``BACKENDS_TOKENIZER``;
+        3. ``flags``: field name → value, e.g. the ``backends`` CLI's ``--url`` as ``{"base_url": [...]}``;
+           ``None`` values are not set.
+
+        An empty (or blank) variable counts as unset. The whole config is validated once, after merging, so a
+        file may leave ``base_url`` to ``$BACKENDS_URL``. Every error names where its value came from: the
+        variable (``BACKENDS_URL: 'x' is not an http(s) URL with a host @ $.base_url``), the flag (``--url: ...``)
+        or the file.
+
+        :param file: config file (``.toml`` or ``.json``); ``None``: ``$BACKENDS_CONFIG``, if set.
+        :param section: table of the file holding the client config; ``None``: ``$BACKENDS_SECTION``, if set.
+        :param environ: the environment to read (default ``os.environ``).
+        :param flags: the top layer, by field name.
+        :raises ConfigError: a value (or the file) is invalid, or ``backend`` / ``base_url`` is set nowhere.
+        """
+        env = os.environ if environ is None else environ
+        origin: dict[str, str] = {}  # top-level field -> the variable or flag that set it
+        path: str | os.PathLike[str] | None = file if file is not None else _variable(env, "BACKENDS_CONFIG")
+        if section is None and (section := _variable(env, "BACKENDS_SECTION")) is not None and path is None:
+            raise ConfigError([f"BACKENDS_SECTION: names table [{section}], but no config file is given"])
+        if section is not None and path is None:
+            raise ConfigError([f"section={section!r} names a table, but no config file is given"])
+        data: dict[str, Any] = {}
+        if path is not None:
+            try:
+                raw = _read_file(Path(path), section)
+            except ConfigError as exc:
+                if file is not None:
+                    raise
+                raise ConfigError([f"BACKENDS_CONFIG: {m}" for m in exc.messages], source=exc.source) from exc
+            if not isinstance(raw, Mapping):
+                raise ConfigError([f"expected a table/object at $, got {type(raw).__name__}"], source=str(path))
+            data.update(raw)
+        for variable, field in ENVIRONMENT.items():
+            value = _variable(env, variable)
+            if value is not None:
+                data[field] = [u for u in re.split(r"[,\s]+", value) if u] if field == "base_url" else value.strip()
+                origin[field] = variable
+        for field, value in (flags or {}).items():
+            if value is not None:
+                data[field] = value
+                origin[field] = _FLAG_NAMES.get(field, "--" + field.replace("_", "-"))
         try:
-            if p.suffix == ".toml":
-                data: Any = tomllib.loads(raw.decode())
-            elif p.suffix == ".json":
-                data = json.loads(raw)
-            else:
-                raise ConfigError([f"config files must end in .toml or .json, got {p.suffix!r}"], source=str(p))
-        except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError([f"cannot parse: {exc}"], source=str(p)) from exc
-        if section is not None:
-            if not isinstance(data, dict) or section not in data:
-                raise ConfigError([f"no [{section}] section"], source=str(p))
-            data = data[section]
-        return cls.from_mapping(data, source=str(p))
+            return cls.from_mapping(data)
+        except ConfigError as exc:
+            messages = _section_hint(exc.messages, data, section) if path is not None else exc.messages
+            raise _located(messages, origin, None if path is None else str(path)) from exc
 
     def to_mapping(self) -> dict[str, Any]:
         """Plain data that :meth:`from_mapping` reads back to an equal config."""
         out: dict[str, Any] = _converter.unstructure(self)
         return out
+
+
+def _read_file(path: Path, section: str | None) -> Any:
+    """The parsed contents of a ``.toml`` or ``.json`` config file, or of its table ``section``."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError([f"cannot read config file: {exc}"], source=str(path)) from exc
+    try:
+        if path.suffix == ".toml":
+            data: Any = tomllib.loads(raw.decode())
+        elif path.suffix == ".json":
+            data = json.loads(raw)
+        else:
+            raise ConfigError([f"config files must end in .toml or .json, got {path.suffix!r}"], source=str(path))
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"cannot parse: {exc}"], source=str(path)) from exc
+    if section is None:
+        return data
+    if not isinstance(data, dict) or section not in data:
+        tables = _tables(data, among=None)
+        has = f"the file's tables: {', '.join(f'[{t}]' for t in tables)}" if tables else "the file has no table"
+        raise ConfigError([f"no [{section}] table ({has})"], source=str(path))
+    return data[section]
+
+
+def _tables(data: Any, *, among: frozenset[str] | None) -> list[str]:
+    """The keys of ``data`` holding tables, except the names in ``among`` (the client config's own fields)."""
+    if not isinstance(data, Mapping):
+        return []
+    return [k for k, v in data.items() if isinstance(v, Mapping) and (among is None or k not in among)]
+
+
+def _section_hint(messages: Sequence[str], data: Any, section: str | None) -> list[str]:
+    """``messages`` with the hint to pass ``--section`` on the unknown-field error of a file read without one
+    whose client config sits in a table."""
+    tables = [] if section is not None else _tables(data, among=_CLIENT_FIELDS)
+    if not tables:
+        return list(messages)
+    clients = [t for t in tables if {"backend", "base_url"} & set(data[t])]
+    if len(clients) == 1 or len(tables) == 1:
+        table = clients[0] if len(clients) == 1 else tables[0]
+        hint = f"the file has a [{table}] table: pass --section {table}"
+    elif clients:
+        choices = " or ".join(f"--section {t}" for t in clients)
+        hint = f"the file has client tables {', '.join(f'[{t}]' for t in clients)}: pass {choices}"
+    else:
+        hint = f"the file has tables {', '.join(f'[{t}]' for t in tables)}: pass --section with the client's table"
+    out = []
+    for message in messages:
+        head, at, path = message.rpartition(" @ ")
+        out.append(f"{head}; {hint}{at}{path}" if path == "$" and head.startswith("unknown field") else message)
+    return out
+
+
+def _variable(env: Mapping[str, str], name: str) -> str | None:
+    """The value of variable ``name``; ``None`` when it is unset or blank."""
+    value = env.get(name)
+    return value if value is not None and value.strip() else None
+
+
+#: Where to set each required field, for :func:`_located`'s error when it is set nowhere.
+_REQUIRED = {
+    "backend": "give --backend (or $BACKENDS_BACKEND), or set backend in the config file",
+    "base_url": "give --url (or $BACKENDS_URL), or set base_url in the config file",
+}
+
+
+def _located(messages: Sequence[str], origin: Mapping[str, str], file: str | None) -> ConfigError:
+    """The error of a merged config: each message led by the variable or flag that set the field it names (a
+    message about a file's field names the file)."""
+    missing = [m for m in messages if m.startswith("required field missing")]
+    if {m.rpartition(" @ ")[2] for m in missing} == {"$.backend", "$.base_url"}:
+        both = "give --backend and --url (or $BACKENDS_BACKEND and $BACKENDS_URL), or a config file that sets them"
+        messages = [f"no backend and no base_url: {both} @ $", *(m for m in messages if m not in missing)]
+    located, from_file = [], []
+    for message in messages:
+        path = message.rpartition(" @ ")[2]
+        field = re.split(r"[.\[]", path.removeprefix("$."), maxsplit=1)[0] if path.startswith("$.") else ""
+        if message.startswith("required field missing") and field in _REQUIRED:
+            located.append(f"no {field}: {_REQUIRED[field]} @ {path}")
+        elif field in origin:
+            located.append(f"{origin[field]}: {message}")
+        else:
+            from_file.append(len(located))
+            located.append(message)
+    if file is None or len(from_file) == len(located):
+        return ConfigError(located, source=file)
+    for i in from_file:  # mixed origins: the file's messages name it
+        located[i] = f"{file}: {located[i]}"
+    return ConfigError(located)
 
 
 def _key(var: str | None, field: str) -> str | None:
@@ -513,15 +693,29 @@ def _key(var: str | None, field: str) -> str | None:
     return key
 
 
+#: Separates a validator's message from its field's name in :func:`_format_exception`'s output, until
+#: :func:`_messages` moves the field into the path.
+_FIELD = "\x1f"
+
+
 def _messages(exc: BaseException) -> list[str]:
     if isinstance(exc, cattrs.BaseValidationError):
-        return cattrs.transform_error(exc, path="$", format_exception=_format_exception)
-    if isinstance(exc, ConfigError):
-        return [f"{m} @ $" for m in exc.messages]
-    return [f"{_format_exception(exc, None)} @ $"]
+        lines = cattrs.transform_error(exc, path="$", format_exception=_format_exception)
+    else:
+        lines = [f"{_format_exception(exc, None)} @ $"]
+    out = []
+    for line in lines:
+        message, _, rest = line.partition(_FIELD)
+        if rest:  # "message<FIELD>name @ $.path" -> "message @ $.path.name"
+            name, _, path = rest.partition(" @ ")
+            line = f"{message} @ {path}.{name}"
+        out.append(line)
+    return out
 
 
 def _format_exception(exc: BaseException, type_: Any) -> str:
+    if isinstance(exc, _FieldError):
+        return "; ".join(exc.messages) + _FIELD + exc.field
     if isinstance(exc, ConfigError):
         return "; ".join(exc.messages)
     return format_error(exc, type_)
@@ -558,7 +752,10 @@ def _structure_discovery(value: Any, _type: Any) -> str | None:
 
 
 def _structure_interval(value: Any, _type: Any) -> float | None:
-    _positive_or_none("refresh_interval")(None, None, value)
+    if value is not None and not (
+        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    ):
+        raise ConfigError(f"refresh_interval must be a positive number of seconds or null, got {value!r}")
     return None if value is None else float(value)
 
 
@@ -600,3 +797,4 @@ def _make_converter() -> cattrs.Converter:
 
 
 _converter = _make_converter()
+_CLIENT_FIELDS = frozenset(field.name for field in attrs.fields(ClientConfig))

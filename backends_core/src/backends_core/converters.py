@@ -9,9 +9,11 @@ Unknown keys in server responses are ignored (servers add fields); structuring e
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Any, TypeVar
 
+import attrs
 import cattrs
 
 from backends_core.errors import ResponseParseError
@@ -73,7 +75,7 @@ def format_error(exc: BaseException, type_: Any) -> str:
     if isinstance(exc, KeyError):
         return "required field missing" + (f" (expected {getattr(type_, '__name__', type_)})" if type_ else "")
     if isinstance(exc, cattrs.ForbiddenExtraKeysError):
-        return f"unknown field(s) {sorted(exc.extra_fields)}"
+        return f"unknown field(s) {sorted(exc.extra_fields)}" + _did_you_mean(exc)
     literal = re.match(r"^(.*) not in literal typing\.Literal\[(.*)\]$", str(exc))
     if literal:
         return f"expected one of [{literal.group(2)}], got {literal.group(1)!r}"
@@ -81,3 +83,15 @@ def format_error(exc: BaseException, type_: Any) -> str:
         return str(exc)
     text = cattrs.v.format_exception(exc, type_)
     return text if not text.startswith("unknown error") else f"{type(exc).__name__}: {exc}"
+
+
+def _did_you_mean(exc: cattrs.ForbiddenExtraKeysError) -> str:
+    """``"; did you mean 'timeouts'?"`` for each unknown key close to a field of the class (a typo), else ``""``."""
+    if not attrs.has(exc.cl):
+        return ""
+    known = [field.alias or field.name for field in attrs.fields(exc.cl)]
+    close = {key: difflib.get_close_matches(key, known, n=1, cutoff=0.6) for key in sorted(exc.extra_fields)}
+    hints = {key: match[0] for key, match in close.items() if match}
+    if len(exc.extra_fields) == 1 and hints:
+        return f"; did you mean {next(iter(hints.values()))!r}?"
+    return "".join(f"; {key!r}: did you mean {match!r}?" for key, match in hints.items())

@@ -8,11 +8,16 @@ so one silent server can never hang the fleet. The requests of idempotent operat
 (:func:`~backends_core.server.idempotent_requests`): :meth:`~backends_core.server.Server.request` retries them
 after a transport failure or a 5xx with the admin plane's policy (``AdminPolicy.retries`` and ``backoff``).
 :meth:`Admin.weight_sync` is the whole update choreography with resume guaranteed on every server it paused.
+
+The ``backends_core.fleet`` logger reports each operation on each server (INFO when it changed something,
+WARNING when it failed; the read-only ``health``, ``ready`` and ``state`` only when they fail) and each phase of a
+weight sync (INFO, WARNING when it failed somewhere).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
@@ -23,6 +28,7 @@ from backends_core.config import AdminPolicy
 from backends_core.errors import (
     AdminError,
     InvalidRequestError,
+    MembershipError,
     RequestTimeout,
     WeightVersionMismatch,
 )
@@ -47,6 +53,11 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+log = logging.getLogger("backends_core.fleet")
+
+#: Operations that only read: not logged when they succeed (membership and version checks run them often).
+_READS = frozenset({"health", "ready", "state"})
 
 
 def _base_url(server: Server) -> str:
@@ -313,11 +324,21 @@ class Admin:
                 f"admin_{operation} exceeded its {deadline} s deadline", method="admin", url=server.admin_url
             )
             error.__cause__ = exc
+            log.warning("admin_%s on %s: %s", operation, server.base_url, error)
             return ServerOutcome(server=server.base_url, error=error, duration_s=time.perf_counter() - started)
         except Exception as exc:
             if operation in _CHANGES_WEIGHTS:  # it may have switched before failing: look again before salting
                 self.versions.forget(server)
-            return ServerOutcome(server=server.base_url, error=exc, duration_s=time.perf_counter() - started)
+            duration = time.perf_counter() - started
+            log.warning(
+                "admin_%s on %s failed after %.2f s: %s: %s",
+                operation,
+                server.base_url,
+                duration,
+                type(exc).__name__,
+                exc,
+            )
+            return ServerOutcome(server=server.base_url, error=exc, duration_s=duration)
         if operation == "state" and isinstance(value, ServerState):
             self.versions.set(server, value.weight_version)
         elif operation in _CHANGES_WEIGHTS:
@@ -325,7 +346,10 @@ class Admin:
                 self.versions.forget(server)
             else:
                 self.versions.set(server, version)
-        return ServerOutcome(server=server.base_url, value=value, duration_s=time.perf_counter() - started)
+        duration = time.perf_counter() - started
+        if operation not in _READS:
+            log.info("admin_%s on %s: done in %.2f s", operation, server.base_url, duration)
+        return ServerOutcome(server=server.base_url, value=value, duration_s=duration)
 
     def outcomes(self, servers: Sequence[Server] | None = None) -> AdminOutcomes:
         """The same operations on every server (or ``servers``), returning each server's
@@ -340,6 +364,11 @@ class Admin:
         version: str | None = None,
     ) -> list[ServerOutcome[T]]:
         self._driver.require(f"admin_{operation}")
+        if not servers:  # an operation on no server would report success for nothing
+            raise MembershipError(
+                f"admin_{operation}: no server serves (behind a front, the replicas are listed by the first admin "
+                "operation or client.fleet.refresh())"
+            )
         return list(await asyncio.gather(*(self._one(operation, s, call, version) for s in servers)))
 
     @staticmethod
@@ -616,8 +645,10 @@ class Admin:
         phases: dict[str, list[ServerOutcome[Any]]] = {}
         paused: list[Server] = []
         failure: _Failure | None = None
+        log.info("weight_sync to %r on %d server(s): pause (%s)", version, len(servers), mode)
         try:
             phases["pause"] = await self.outcomes(servers).pause(mode, clear_cache=False)
+            _log_phase(version, "pause", phases["pause"])
             paused = [s for s, o in zip(servers, phases["pause"], strict=True) if o.ok]
             if len(paused) < len(servers):
                 failure = ("pause", phases["pause"], "nothing was updated; the paused servers were resumed")
@@ -628,18 +659,23 @@ class Admin:
         finally:
             if paused:
                 phases["resume"] = await self.outcomes(paused).resume()
+                _log_phase(version, "resume", phases["resume"])
         stuck = [o.server for o in phases.get("resume", ()) if not o.ok]
         if stuck:
             note = f"left paused: {', '.join(stuck)} (resume them with admin.resume())"
             failure = ("resume", phases["resume"], note) if failure is None else (*failure[:2], f"{failure[2]}; {note}")
         if failure is None and "admin_state" in self._driver.capabilities:
             phases["verify"] = outcomes = [_check_version(o, version) for o in await self.outcomes(servers).state()]
+            _log_phase(version, "verify", outcomes)
             if not all(o.ok for o in outcomes):
                 failure = ("verify", outcomes, f"the servers that failed the check may not serve {version!r}")
+        duration = time.perf_counter() - started
         if failure is not None:
             phase, outcomes, state = failure
+            log.warning("weight_sync to %r failed in its %s phase after %.2f s: %s", version, phase, duration, state)
             raise AdminError(f"weight_sync: {phase}", outcomes, phases=phases, state=state)
-        return SyncReport(version=version, phases=phases, duration_s=time.perf_counter() - started)
+        log.info("weight_sync to %r done on %d server(s) in %.2f s", version, len(servers), duration)
+        return SyncReport(version=version, phases=phases, duration_s=duration)
 
     async def _apply(
         self,
@@ -661,6 +697,7 @@ class Admin:
             phases["update"] = await self.outcomes(servers).update_weights_distributed(
                 group_name, tensors, version=version
             )
+        _log_phase(version, "update", phases["update"])
         self.record.updated(phases["update"], WeightsRecord(version=version, path=path, group_name=group_name))
         done = [o.server for o in phases["update"] if o.ok]
         if len(done) < len(phases["update"]):
@@ -668,6 +705,7 @@ class Admin:
         self._remember(version)
         if flush_cache and mode != "keep" and "admin_flush_cache" in self._driver.capabilities:
             phases["flush"] = await self.outcomes(servers).flush_cache()
+            _log_phase(version, "flush", phases["flush"])
             if not all(o.ok for o in phases["flush"]):
                 return (
                     "flush_cache",
@@ -757,6 +795,22 @@ class AdminOutcomes:
 
 #: A failed phase of a weight sync: its name, its outcomes, and the state it left.
 _Failure = tuple[str, list[ServerOutcome[Any]], str]
+
+
+def _log_phase(version: str, phase: str, outcomes: Sequence[ServerOutcome[Any]]) -> None:
+    """One line for a weight sync's phase: INFO when it succeeded everywhere, else WARNING naming where it failed."""
+    failed = [o for o in outcomes if not o.ok]
+    if failed:
+        log.warning(
+            "weight_sync to %r: %s failed on %d of %d server(s): %s",
+            version,
+            phase,
+            len(failed),
+            len(outcomes),
+            "; ".join(f"{o.server}: {type(o.error).__name__}: {o.error}" for o in failed),
+        )
+    else:
+        log.info("weight_sync to %r: %s ok on %d server(s)", version, phase, len(outcomes))
 
 
 def _check_version(outcome: ServerOutcome[Any], version: str) -> ServerOutcome[Any]:

@@ -28,7 +28,9 @@ Kinds (``FrontConfig.kind``; a plugin adds one with the ``fronts`` hook):
   ``X-SMG-Routing-Key`` (honoured under ``--policy manual``); registration ``POST /workers``,
   ``DELETE /workers/{id}``, applied in the background (waited for, under the admin deadline).
 * ``static``: any router; the replicas are ``FrontConfig.replicas``; no registration.
-* ``dynamo`` (Dynamo's frontend, from the ``dynamo`` backend): workers from ``GET /v1/rl/workers``.
+* ``dynamo`` (Dynamo's frontend, from the ``dynamo`` backend): workers from ``GET /v1/rl/workers`` on the
+  frontend's ``DYN_RL_PORT``; sessions by ``x-dynamo-session-id`` (honoured when the frontend runs with
+  ``--router-session-affinity-ttl-secs``); workers register themselves.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from backends_core.errors import (
     MembershipError,
     RequestError,
     ResponseParseError,
+    TransportError,
     UnsupportedOperationError,
 )
 from backends_core.membership import Fleet, Member
@@ -254,6 +257,8 @@ class FrontFleet(Fleet):
         #: the front's server narrowed to that replica, so its ``base_url`` is the front's).
         self._urls: list[str] = []
         self._first: asyncio.Future[None] | None = None
+        #: Members found unreachable by the last check (kept out of that operation's catch-ups).
+        self._unreachable: set[int] = set()
         #: Replicas :meth:`add` is catching up: the router does not list them until it registers them.
         self._adding: set[str] = set()
         #: Counts this client's registrations and deregistrations: a worker list read across one is stale.
@@ -349,7 +354,7 @@ class FrontFleet(Fleet):
             raise MembershipError(f"{url} is not a member of the fleet (members: {[m.url for m in self.members()]})")
         base = self._urls[index]
         listed = self._listed.get(base) or Replica(url=base)
-        if listed.id is None and type(self.front) is SglangRouterFront:
+        if base not in self._listed:  # its router-side name (an id) as the router lists it now
             listed = next((r for r in await self.front.replicas() if r.url == base), listed)
         await self.front.deregister(listed)
         self._changes += 1
@@ -394,11 +399,58 @@ class FrontFleet(Fleet):
                 "operations to"
             )
         self._apply_listed(listed)
+        await self._check_reachable()
         joining = self._joining()
         try:
             await asyncio.gather(*(self._catch_up(i, raise_error=strict) for i in joining))
         finally:
             self._point_front()
+
+    async def _check_reachable(self) -> None:
+        """Ask each serving replica whether it is alive (``admin_health``); one that cannot be reached at all
+        serves nothing: it is evicted (see :meth:`_evict`) instead of failing the operation about to run."""
+        client = self._client
+        if self.front.admin_through_front or "admin_health" not in client.driver.capabilities:
+            return
+        b = self._balancer
+        self._unreachable.clear()
+        members = [*b.serving(), *self._joining()]
+        if not members:
+            return
+        outcomes = await client.admin.outcomes([b.servers[i] for i in members]).health()
+        dead = [
+            (i, o.error)
+            for i, o in zip(members, outcomes, strict=True)
+            if isinstance(o.error, TransportError) and not o.error.maybe_processed
+        ]
+        await asyncio.gather(*(self._evict(i, error) for i, error in dead))
+
+    async def _evict(self, index: int, error: BaseException) -> None:
+        """Replica ``index`` cannot be reached: deregister it from the router and drop it (``evict_unreachable``
+        and a router that takes registrations), else keep it out until it answers and is caught up."""
+        url = self._urls[index]
+        b = self._balancer
+        started = time.perf_counter()
+        front = self.front
+        if front.config.evict_unreachable and type(front).deregister is not Front.deregister:
+            try:
+                await front.deregister(self._listed.get(url) or Replica(url=url))
+            except (FrontError, RequestError) as exc:
+                log.warning("%s cannot be reached (%s) and %s refused to deregister it: %s", url, error, front.url, exc)
+            else:
+                self._changes += 1
+                self._listed.pop(url, None)
+                b.retire(index)
+                self._errors[index] = error
+                self._client.driver.emit("fleet", "leave", url, started, error)
+                log.warning(
+                    "%s cannot be reached (%s): deregistered from %s and out of the fleet", url, error, front.url
+                )
+                return
+        b.states[index] = "joining"
+        self._errors[index] = error
+        self._unreachable.add(index)
+        log.warning("%s cannot be reached (%s): skipped until it answers and is caught up", url, error)
 
     def _joining(self) -> list[int]:
         b = self._balancer
@@ -406,6 +458,7 @@ class FrontFleet(Fleet):
             i
             for i, state in enumerate(b.states)
             if state == "joining"
+            and i not in self._unreachable
             and self._urls[i] not in self._adding  # add catches it up itself
             and self._listed.get(self._urls[i], Replica(url="")).healthy is not False
         ]
@@ -449,6 +502,7 @@ class FrontFleet(Fleet):
             return
         self._client.driver.emit("fleet", "discover", self.front.url, started, None, urls=[r.url for r in listed])
         self._apply_listed(listed)
+        await self._check_reachable()
         await asyncio.gather(*(self._catch_up(i, raise_error=False) for i in self._joining()))
         self._point_front()
 

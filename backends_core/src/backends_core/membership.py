@@ -162,7 +162,9 @@ class Fleet:
         event = self._drained[index] = asyncio.Event()
         b.retire(index)
         self._errors.pop(index, None)
-        self._client.driver.emit("fleet", "leave", self._balancer.servers[index].base_url, started, None)
+        url = self._balancer.servers[index].base_url
+        self._client.driver.emit("fleet", "leave", url, started, None)
+        log.info("%s left the fleet (removed; %d request(s) in flight)", url, b.load[index].in_flight)
         if drain:
             await event.wait()
 
@@ -201,6 +203,7 @@ class Fleet:
         self._errors.pop(index, None)
         client.driver.emit("fleet", "catch_up", url, started, None, version=version)
         client.driver.emit("fleet", "join", url, started, None)
+        log.info("%s joined the fleet (caught up to weight version %s)", url, version)
 
     async def _replay(self, server: Server) -> str | None:
         """Bring ``server`` to the recorded weights and adapters; the version it then serves (``None`` when
@@ -302,6 +305,7 @@ class Fleet:
             b.retire(i)
             self._errors.pop(i, None)
             self._client.driver.emit("fleet", "leave", url, time.perf_counter(), None)
+            log.info("%s left the fleet (discovery no longer lists it)", url)
 
     def start(self) -> None:
         """Refresh every ``FleetPolicy.refresh_interval`` seconds from now on, when there is something to refresh

@@ -11,6 +11,9 @@ retry layer: the fleet declares which admin operations are safe to repeat (:func
 backend declares an answer of its server that means "not now" for one request (:class:`Refusal`); neither loops.
 Waits follow the server's ``Retry-After`` when it sends one, else the policy's backoff with jitter.
 
+Every retry is logged at INFO on the ``backends_core.server`` logger: method, URL, what failed, the attempt, the wait,
+and the caller's request id (:data:`REQUEST_ID`); never a header, so never a key.
+
 Bodies are encoded and decoded by :mod:`backends_core.jsonio`; ``large_strings`` lets a backend name keys whose
 big string values (base64 routed experts) come back as ``memoryview`` objects of the raw body.
 
@@ -28,7 +31,9 @@ import contextvars
 import email.utils
 import functools
 import json
+import logging
 import math
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -42,7 +47,13 @@ from backends_core.errors import NetworkError, RequestTimeout, ResponseParseErro
 from backends_core.jsonio import dumps, loads, loads_lifting
 from backends_core.sse import ResponseStream
 
-__all__ = ["Plane", "Refusal", "Server", "StatusHint", "idempotent_requests"]
+__all__ = ["REQUEST_ID", "Plane", "Refusal", "Server", "StatusHint", "idempotent_requests"]
+
+log = logging.getLogger("backends_core.server")
+
+#: The caller's id of the request being sent (``GenerateRequest.request_id``), named in log lines; the client sets
+#: it around each generation.
+REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("backends_request_id", default=None)
 
 #: Where a request goes: the data plane (generation, scoring) or the admin plane (separate pool and timeout).
 Plane = Literal["data", "admin"]
@@ -213,11 +224,30 @@ class Server:
                 if reset and plane in self._reset_suspected and not answer_started(exc):
                     self._reset_suspected.discard(plane)
                     attempt -= 1
+                    log.info(
+                        "%s %s: connection reset after the server's last 5xx (%s); sent again on a fresh "
+                        "connection [request %s]",
+                        method,
+                        _Shown(url, self.secrets),
+                        type(exc).__name__,
+                        REQUEST_ID.get(),
+                    )
                     continue
                 # a fleet's data plane fails a refused connection over to another server instead
                 unsent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
                 if attempt < attempts and (resend or (unsent and not (self.failover and plane == "data"))):
-                    await asyncio.sleep(policy.delay(attempt))
+                    wait = policy.delay(attempt)
+                    log.info(
+                        "%s %s: %s (attempt %d of %d); retrying in %.2f s [request %s]",
+                        method,
+                        _Shown(url, self.secrets),
+                        _Shown(exc, self.secrets),
+                        attempt,
+                        attempts,
+                        wait,
+                        REQUEST_ID.get(),
+                    )
+                    await asyncio.sleep(wait)
                     continue
                 raise _map_transport(exc, method, url) from exc
             if response.status_code >= 500:
@@ -239,12 +269,33 @@ class Server:
                     exc.args = (_redact(str(exc), self.secrets),)
                     raise
             if response.status_code in statuses and attempt < attempts:
-                await asyncio.sleep(policy.delay(attempt, retry_after(response)))
+                wait = policy.delay(attempt, retry_after(response))
+                log.info(
+                    "%s %s: status %d (attempt %d of %d); retrying in %.2f s [request %s]",
+                    method,
+                    _Shown(url, self.secrets),
+                    response.status_code,
+                    attempt,
+                    attempts,
+                    wait,
+                    REQUEST_ID.get(),
+                )
+                await asyncio.sleep(wait)
                 continue
             if refusal is not None and refused_until is not None and response.status_code == refusal.status:
                 remaining = refused_until - time.monotonic()
                 if remaining > 0:
-                    await asyncio.sleep(min(refusal.interval, remaining))
+                    wait = min(refusal.interval, remaining)
+                    log.info(
+                        "%s %s: status %d means not now; asking again in %.2f s (for %.1f s more) [request %s]",
+                        method,
+                        _Shown(url, self.secrets),
+                        response.status_code,
+                        wait,
+                        remaining,
+                        REQUEST_ID.get(),
+                    )
+                    await asyncio.sleep(wait)
                     attempt -= 1
                     continue
             body = _redact(_error_body(response), self.secrets)
@@ -276,6 +327,28 @@ class Server:
             yield answer
         finally:
             await answer.aclose()
+
+
+class _Shown:
+    """A URL or an exception as a log line shows it: formatted only if the line is emitted, with this server's
+    secrets and any password in a URL (``//user:pass@host``) replaced."""
+
+    __slots__ = ("secrets", "value")
+
+    def __init__(self, value: object, secrets: set[str]) -> None:
+        self.value = value
+        self.secrets = secrets
+
+    def __str__(self) -> str:
+        value = self.value
+        if isinstance(value, BaseException):
+            text = f"{type(value).__name__}: {value}" if str(value) else type(value).__name__
+        else:
+            text = str(value)
+        return _USERINFO.sub("//<redacted>@", _redact(text, self.secrets))
+
+
+_USERINFO = re.compile(r"//[^/@\s]+@")
 
 
 async def _send(

@@ -181,7 +181,9 @@ def _blocking(method: Callable[Concatenate[S, P], Awaitable[T]]) -> Callable[Con
 
     @functools.wraps(method)
     def mirror(self: _Mirror[S], /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return self._portal.run(what, lambda: method(self._target, *args, **kwargs))
+        # by name: a subclass of the target's class (FrontFleet for Fleet) answers with its own method
+        bound: Callable[P, Awaitable[T]] = getattr(self._target, what)
+        return self._portal.run(what, lambda: bound(*args, **kwargs))
 
     return mirror
 
@@ -192,7 +194,8 @@ def _on_loop(method: Callable[Concatenate[S, P], T]) -> Callable[Concatenate[_Mi
 
     @functools.wraps(method)
     def mirror(self: _Mirror[S], /, *args: P.args, **kwargs: P.kwargs) -> T:
-        return self._portal.call(what, lambda: method(self._target, *args, **kwargs))
+        bound: Callable[P, T] = getattr(self._target, what)
+        return self._portal.call(what, lambda: bound(*args, **kwargs))
 
     return mirror
 
@@ -206,7 +209,8 @@ def _wrapping(
 
     @functools.wraps(method)
     def mirror(self: _Mirror[S], /, *args: P.args, **kwargs: P.kwargs) -> W:
-        return face(self._portal, self._portal.call(what, lambda: method(self._target, *args, **kwargs)))
+        bound: Callable[P, R] = getattr(self._target, what)
+        return face(self._portal, self._portal.call(what, lambda: bound(*args, **kwargs)))
 
     name = getattr(face, "__name__", None)
     if name is not None:  # help() shows the blocking face, not the async object

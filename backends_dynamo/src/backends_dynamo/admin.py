@@ -72,6 +72,7 @@ from backends_core.config import ClientConfig
 from backends_core.errors import (
     AdminError,
     ConfigError,
+    FrontError,
     InvalidRequestError,
     RequestError,
     RequestTimeout,
@@ -368,6 +369,8 @@ def worker_urls(server: Server, options: DynamoOptions) -> tuple[str, ...]:
     """System URLs of the workers behind ``server``: as its front discovered them (``[front] kind = "dynamo"``),
     else as configured."""
     if server.replicas is not None:
+        if not server.replicas:  # an operation on no worker would report success for nothing
+            raise FrontError(server.base_url, "dynamo", "no worker behind it serves (none listed, or none caught up)")
         return server.replicas
     return options.workers(server.base_url, server.admin_url)
 

@@ -1,4 +1,6 @@
-"""The backends test kit, an opt-in pytest plugin: ``pytest_plugins = ["backends_testkit"]``.
+"""The backends test kit, a pytest plugin registered through pytest's ``pytest11`` entry point: installing
+``backends-core[testing]`` makes its options and fixtures available to every pytest run of that environment
+(``-p no:backends_testkit`` turns it off).
 
 It provides tiny models built locally (:mod:`.tinymodel`), the numpy reference engine (:mod:`.engine`),
 scriptable fakes (:mod:`.fakes`) and the conformance suite every backend subclasses (:mod:`.conformance`).

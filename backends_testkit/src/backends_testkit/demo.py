@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import io
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -20,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from backends_core import Client, ClientConfig, GenerateResult, LoraAdapter, SamplingParams
+from backends_core.cli_common import EXIT_FAILED, emit, error_object, exit_code
 from backends_core.errors import BackendError
 from backends_testkit.emulators import NoEmulatorError, make_emulator
 from backends_testkit.engine import ReferenceEngine
@@ -46,10 +50,17 @@ class DemoFailure(AssertionError):
     """An invariant the demo shows did not hold."""
 
 
+#: Where a check that held is also reported (the JSON lines of ``backends demo --json``), if anywhere.
+_on_check: contextvars.ContextVar[Callable[[str], None] | None] = contextvars.ContextVar("_on_check", default=None)
+
+
 def check(condition: bool, what: str) -> None:
     if not condition:
         raise DemoFailure(what)
     print(f"  ok  {what}")
+    report = _on_check.get()
+    if report is not None:
+        report(what)
 
 
 @contextlib.asynccontextmanager
@@ -365,16 +376,50 @@ def run_demo(
     model: str = "tiny-qwen3",
     models_dir: str | None = None,
     seed: int = 0,
+    json_lines: bool = False,
 ) -> int:
-    """Run the demo; returns the process exit status (0 when every check held)."""
+    """Run the demo; returns the process exit status: 0 when every check held, 1 when one did not or a server
+    failed, 2 for a configuration error (the ``backends`` CLI's codes).
+
+    :param json_lines: write one JSON object per line on stdout instead of the tour's prose:
+        ``{"check": what, "ok": true}`` for each check that held, then ``{"demo": "finished", "backend", "checks",
+        "duration_s"}``; a failure ends with ``{"demo": "failed", ...}`` on stdout and the error object of
+        :func:`backends_core.cli_common.error_object` on stderr.
+    """
+    stdout = sys.stdout
+    checks: list[str] = []
+    started = time.perf_counter()
+
+    def on_check(what: str) -> None:
+        checks.append(what)
+        emit(True, {"check": what, "ok": True}, file=stdout)
+
+    def summary(outcome: str) -> dict[str, object]:
+        return {
+            "demo": outcome,
+            "backend": backend,
+            "checks": len(checks),
+            "duration_s": round(time.perf_counter() - started, 3),
+        }
+
+    token = _on_check.set(on_check if json_lines else None)
     try:
-        asyncio.run(
-            run_demo_async(backend=backend, urls=urls, moe_url=moe_url, model=model, models_dir=models_dir, seed=seed)
-        )
-    except DemoFailure as exc:
-        print(f"  FAILED  {exc}")
-        return 1
-    except BackendError as exc:
-        print(f"  FAILED  {type(exc).__name__}: {exc}")
-        return 1
+        with contextlib.redirect_stdout(io.StringIO()) if json_lines else contextlib.nullcontext():
+            asyncio.run(
+                run_demo_async(
+                    backend=backend, urls=urls, moe_url=moe_url, model=model, models_dir=models_dir, seed=seed
+                )
+            )
+    except (DemoFailure, BackendError) as exc:
+        what = str(exc) if isinstance(exc, DemoFailure) else f"{type(exc).__name__}: {exc}"
+        if json_lines:
+            emit(True, summary("failed"), file=stdout)
+            emit(True, error_object(exc), file=sys.stderr)
+        else:
+            print(f"  FAILED  {what}")
+        return EXIT_FAILED if isinstance(exc, DemoFailure) else exit_code(exc)
+    finally:
+        _on_check.reset(token)
+    if json_lines:
+        emit(True, summary("finished"), file=stdout)
     return 0

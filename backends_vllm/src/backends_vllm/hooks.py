@@ -8,7 +8,13 @@ from typing import Any, Literal
 
 from backends_core import Server, StatusHint, hookimpl
 from backends_core.config import ClientConfig
-from backends_core.errors import InvalidRequestError, ServerRefusedError
+from backends_core.errors import (
+    ConfigError,
+    InvalidRequestError,
+    ResponseParseError,
+    ServerRefusedError,
+    ServerStatusError,
+)
 from backends_core.types import (
     SAMPLING_FEATURES,
     DistributedGroup,
@@ -172,6 +178,33 @@ async def tokenize_messages(
 # -- admin ------------------------------------------------------------------------------------------------
 
 
+_NOT_A_ROUTER = "vllm.not_a_router"  # Server.cache: its /list_workers was checked
+
+
+async def _refuse_a_router(server: Server) -> None:
+    """Refuse admin operations sent to a vllm-router as if it were a server: the router would pass each one to ONE
+    replica and answer with that replica's success (once per server; vLLM answers 404 on ``/list_workers``)."""
+    if server.cache.get(_NOT_A_ROUTER):
+        return
+    try:
+        raw = await server.request("GET", "/list_workers", plane="admin")
+    except ServerStatusError as exc:
+        if exc.status_code >= 500:  # no answer either way: asked again before the next admin call
+            return
+        raw = None
+    except ResponseParseError:
+        raw = None
+    if isinstance(raw, dict) and isinstance(raw.get("urls"), list):
+        raise ConfigError(
+            [
+                f"{server.admin_url} is a vllm-router in front of {len(raw['urls'])} replica(s), not a vLLM server: "
+                "an admin call through it reaches one replica; configure it as a front ([front] kind = "
+                "'vllm-router') so that admin operations reach every replica @ $.front"
+            ]
+        )
+    server.cache[_NOT_A_ROUTER] = True
+
+
 async def _admin(
     server: Server,
     method: str,
@@ -181,6 +214,7 @@ async def _admin(
     params: Mapping[str, Any] | None = None,
     expect: Literal["json", "text", "none"] = "json",
 ) -> Any:
+    await _refuse_a_router(server)
     return await server.request(
         method,
         path,

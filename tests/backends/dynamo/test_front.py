@@ -67,3 +67,41 @@ async def test_without_workers_url_the_error_says_where_dynamo_lists_its_workers
     )
     with pytest.raises(FrontError, match=r"DYN_RL_PORT .* set front.workers_url"):
         await DynamoFront(server, FrontConfig(kind="dynamo")).replicas()
+
+
+async def test_admin_behind_a_dynamo_front_reaches_the_workers_it_lists(tiny_models) -> None:
+    from backends_core import Client, FleetPolicy
+    from backends_dynamo_testing import DynamoEmulator
+    from backends_testkit.engine import ReferenceEngine
+
+    workers = ("http://w0:8081", "http://w1:8081")
+    async with ReferenceEngine(tiny_models.dense) as engine:
+        emulator = DynamoEmulator(engine, worker_urls=workers)
+        config = ClientConfig(
+            backend="dynamo",
+            base_url=FRONTEND,
+            model="tiny-qwen3",
+            front=FrontConfig(kind="dynamo", workers_url="http://frontend:8201"),
+            fleet=FleetPolicy(refresh_interval=None),
+        )
+        async with Client(config, transport=emulator.transport()) as client:
+            assert await client.admin.pause(mode="keep") == [True]
+            assert engine.state().paused
+            await client.admin.resume()
+            members = [(m.url, m.state) for m in client.fleet.members()]
+    assert members == [(workers[0], "serving"), (workers[1], "serving")]
+    engine_calls = [url for method, url in emulator.requests if "/engine/pause_generation" in url]
+    assert sorted(engine_calls) == [f"{w}/engine/pause_generation" for w in workers]
+    assert ("GET", "http://frontend:8201/v1/rl/workers") in emulator.requests
+
+
+def test_a_worker_listed_unavailable_is_an_unhealthy_replica_when_known_and_left_out_otherwise() -> None:
+    gone = {"instance_id": 7, "error": "Unavailable: TCP connection to 127.0.0.1:35581 failed", "routes": []}
+    alive = {"instance_id": 8, "system_url": "http://127.0.0.1:8282"}
+    raw = {"workers": [gone, alive]}
+    known = rl_workers(raw, front(), {"7": "http://127.0.0.1:8281"})
+    assert [(r.url, r.id, r.healthy) for r in known] == [
+        ("http://127.0.0.1:8281", "7", False),
+        ("http://127.0.0.1:8282", "8", True),
+    ]
+    assert [r.url for r in rl_workers(raw, front())] == ["http://127.0.0.1:8282"]

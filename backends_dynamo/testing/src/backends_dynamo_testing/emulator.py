@@ -4,9 +4,10 @@ the numpy :class:`~backends_testkit.engine.ReferenceEngine`.
 One handler serves both. Requests to a worker URL (``worker_urls``, default :data:`WORKER_URL`) get the
 worker's system routes (``/health``, ``/live``, ``/metrics``, ``/engine/<route>``); every other host gets the
 frontend (``/health``, ``/live``, ``/metrics``, ``/v1/models``, ``/v1/models/{id}``, ``/v1/models/{id}/ready``,
-``/busy_threshold``, ``/v1/chat/completions``, ``/v1/completions``). Unlike a real frontend, the emulated one
-also answers ``/engine/<route>`` (for the worker) so that a single URL is enough in-process and in
-``backends demo``; a real frontend answers those with 404.
+``/busy_threshold``, ``/v1/chat/completions``, ``/v1/completions``, and ``/v1/rl/workers``, the RL worker list).
+Unlike a real frontend, the emulated one also answers ``/engine/<route>`` (for the worker) and ``/v1/rl/workers``
+(a real one serves it on ``DYN_RL_PORT`` when started with ``DYN_ENABLE_RL=true``) so that a single URL is enough
+in-process and in ``backends demo``; a real frontend answers those with 404 on its HTTP port.
 
 Written on the test kit's :class:`~backends_testkit.emulator.EmulatorBase`: ``emulator.transport()`` answers
 in-process, ``emulator.asgi()`` under an ASGI server, ``emulator.serve()`` on a real port.
@@ -32,6 +33,25 @@ from backends_testkit.engine import ReferenceEngine
 
 __all__ = ["WORKER_ID", "WORKER_URL", "DynamoEmulator"]
 
+#: The routes a worker started with ``--enable-rl`` lists in ``/v1/rl/workers``.
+RL_ROUTES = frozenset(
+    {
+        "abort_request",
+        "destroy_weights_update_group",
+        "flush_cache",
+        "get_weight_version",
+        "init_weights_update_group",
+        "liveness_probe",
+        "load_lora",
+        "pause_generation",
+        "resume_generation",
+        "set_weight_version",
+        "unload_lora",
+        "update_weights_from_disk",
+        "update_weights_from_distributed",
+        "update_weights_from_tensor",
+    }
+)
 #: The worker system URL the emulator answers as, unless told others.
 WORKER_URL = "http://dynamo-worker.test:8081"
 #: The emulated worker's instance id: a u64 above 2**63, as real ones are.
@@ -82,6 +102,7 @@ class DynamoEmulator(EmulatorBase):
         self.worker = WorkerRoutes(self.deployment)
         self.generation = Generation(self.deployment)
         self._workers = {_origin(u) for u in worker_urls}
+        self._worker_urls = [u.rstrip("/") for u in worker_urls]
         self._created = int(time.time())
 
     def routes(self) -> dict[str, Route]:
@@ -107,7 +128,28 @@ class DynamoEmulator(EmulatorBase):
                     200, {"object": "list", "data": [self._model(n) for n in self.deployment.served_names()]}
                 )
             ),
+            "/v1/rl/workers": get(lambda: json_reply(200, self._rl_workers())),
         }
+
+    def _rl_workers(self) -> dict[str, Any]:
+        """The RL worker list (``../wire/dynamo-vllm/rl_workers.json``): workers started with ``--enable-rl``."""
+        workers = [
+            {
+                "namespace": "dynamo",
+                "component": "backend",
+                "endpoint": "rl",
+                "instance_id": WORKER_ID + i,
+                "transport": {"tcp": f"127.0.0.1:{35581 + i}/{i:016x}/dynamo/backend/rl"},
+                "request_plane_url": "dyn://dynamo.backend.rl",
+                "system_url": url,
+                "model": self.deployment.model_name,
+                "routes": sorted(RL_ROUTES),
+                "world_size": 1,
+            }
+            for i, url in enumerate(self._worker_urls)
+            if self.deployment.enable_rl
+        ]
+        return {"protocol_version": 1, "namespace": "dynamo", "workers": workers}
 
     def find_route(self, request: httpx.Request) -> Route | None:
         """A worker URL gets the worker's system port; ``/engine/<route>`` the worker's engine routes; the rest the
