@@ -97,6 +97,23 @@ def test_generate_rollout_and_teacher_files(servers, tiny_models, capsys, tmp_pa
     assert code == 0
     one = json.loads(out)
     assert len(one["completion_ids"]) == len(one["logprobs"]) >= 1
+    assert "top_logprobs" not in one
+    code, out = run(
+        [
+            "generate",
+            "--prompt-ids",
+            "1,2,3",
+            "--max-tokens",
+            "3",
+            "--top-logprobs",
+            "2",
+            "--json",
+            *flags(servers, tiny_models),
+        ],
+        capsys,
+    )
+    top = json.loads(out)["top_logprobs"]
+    assert code == 0 and len(top) == 3 and all(len(position) >= 2 for position in top)
     convs = tmp_path / "in.jsonl"
     convs.write_text(
         "\n".join(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": f"q{i}"}]}) for i in range(5))
@@ -115,8 +132,8 @@ def test_generate_rollout_and_teacher_files(servers, tiny_models, capsys, tmp_pa
         capsys,
     )
     assert code == 0
-    rows = [json.loads(line) for line in out_path.read_text().splitlines()]
-    assert [r["id"] for r in rows] == [f"c{i}" for i in range(5)]
+    rows = sorted((json.loads(line) for line in out_path.read_text().splitlines()), key=lambda r: r["id"])
+    assert [r["id"] for r in rows] == [f"c{i}" for i in range(5)]  # appended as they finish: any order
     routed = np.load(tmp_path / "out.routed_experts.npz")
     assert routed["c0"].shape == (len(rows[0]["prompt_ids"]) + len(rows[0]["completion_ids"]) - 1, 2, 2)
     seqs = tmp_path / "seqs.jsonl"
@@ -125,7 +142,7 @@ def test_generate_rollout_and_teacher_files(servers, tiny_models, capsys, tmp_pa
     )
     scored = tmp_path / "scored.jsonl"
     assert run(["teacher", str(seqs), str(scored), *flags(servers, tiny_models, moe=True)], capsys)[0] == 0
-    first = json.loads(scored.read_text().splitlines()[0])
+    (first,) = [row for row in map(json.loads, scored.read_text().splitlines()) if row["id"] == "c0"]
     assert first["logprobs"][0] is None
     np.testing.assert_allclose(first["logprobs"][len(rows[0]["prompt_ids"]) :], rows[0]["logprobs"], atol=1e-5)
 
@@ -165,12 +182,26 @@ def test_rollout_runs_groups_one_line_per_sample(servers, tiny_models, capsys, t
     ]
     convs.write_text("\n".join(json.dumps(line) for line in lines))
     out_path = tmp_path / "out.jsonl"
-    argv = ["rollout", str(convs), str(out_path), "--max-tokens", "4", "--n", "3", "--seed", "7"]
-    code, _ = run([*argv, *flags(servers, tiny_models)], capsys)
-    assert code == 1  # line c's group size is refused; the others ran
-    rows = [json.loads(line) for line in out_path.read_text().splitlines()]
-    assert [(r["id"], r.get("sample")) for r in rows] == [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1), ("c", None)]
-    assert "n must be an int >= 1, got 0" in rows[-1]["error"]
+    argv = [
+        "rollout",
+        str(convs),
+        str(out_path),
+        "--max-tokens",
+        "4",
+        "--n",
+        "3",
+        "--seed",
+        "7",
+        "--on-bad-row",
+        "skip",
+    ]
+    code = main([*argv, *flags(servers, tiny_models)])
+    assert code == 2  # line c's group size is a bad row: reported and skipped; the others ran
+    assert "group size must be an int >= 1, got 0 @ $.n" in capsys.readouterr().err
+    rows = sorted(
+        (json.loads(line) for line in out_path.read_text().splitlines()), key=lambda r: (r["id"], r.get("sample"))
+    )
+    assert [(r["id"], r.get("sample")) for r in rows] == [("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 1)]
     group_a = rows[:3]
     assert len({tuple(r["prompt_ids"]) for r in group_a}) == 1 and len({r["server"] for r in group_a}) == 1
     code, out = run(

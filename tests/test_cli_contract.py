@@ -291,3 +291,16 @@ def test_the_cli_module_does_not_import_the_test_kit() -> None:
     code = "import sys, backends_core.cli; print(sorted(m for m in sys.modules if m.startswith('backends_testkit')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_log_level_shows_the_librarys_retries_on_stderr_plain_or_as_json(tiny_models, capsys) -> None:
+    assert main(["health", "--log-level", "info", *client_flags(DEAD, tiny_models)]) == 1
+    err = capsys.readouterr().err
+    assert "INFO backends_core.server: GET http://127.0.0.1:9/health: ConnectError" in err
+    assert main(["--log-level", "INFO", "health", "--json", *client_flags(DEAD, tiny_models)]) == 1
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    logs = [x for x in lines if x.get("event") == "log"]
+    assert logs and {x["logger"] for x in logs} <= {"backends_core.server", "backends_core.fleet"}
+    assert all(set(x) == {"event", "logger", "level", "message"} for x in logs)
+    assert main(["health", *client_flags(DEAD, tiny_models)]) == 1
+    assert "backends_core.server" not in capsys.readouterr().err  # no --log-level: no log lines

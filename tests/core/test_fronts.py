@@ -12,6 +12,7 @@ import json
 from collections.abc import Awaitable, Callable
 from urllib.parse import unquote
 
+import attrs
 import httpx
 import pytest
 
@@ -362,6 +363,18 @@ async def test_admin_outcomes_before_the_replicas_are_listed_refuse_instead_of_s
         await client.fleet.refresh()
         assert [o.ok for o in await client.admin.outcomes().pause("keep", clear_cache=False)] == [True, True]
         await client.admin.resume()
+
+
+async def test_fleet_add_right_after_the_client_opens_is_not_undone_by_the_first_refresh(engines, tiny_models) -> None:
+    """The refresh the client starts when it opens reads the router's list before the new replica is registered;
+    applied after, that stale list must not take out the replica ``add`` is bringing in."""
+    r = router("sglang-router", engines)
+    refreshing = attrs.evolve(config(tiny_models, "sglang-router"), fleet=FleetPolicy())  # refreshes from the start
+    async with Client(refreshing, transport=r.transport()) as client:
+        member = await within(client.fleet.add("http://r2"))
+        members = {m.url: m.state for m in client.fleet.members()}
+    assert member.state == "serving"
+    assert sorted(members) == ["http://r0", "http://r1", "http://r2"] and members["http://r2"] == "serving"
 
 
 def kill(r: Router, host: str) -> None:

@@ -19,12 +19,11 @@ import importlib.metadata as md
 import json
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from backends_core import runs
 from backends_core.cli_common import (
     EXIT_FAILED,
     EXIT_OK,
@@ -32,6 +31,7 @@ from backends_core.cli_common import (
     JsonArgumentParser,
     UsageError,
     add_json_flag,
+    add_log_level_flag,
     emit,
     int_list,
     nonnegative_int,
@@ -49,27 +49,9 @@ from backends_core.errors import (
     InvalidRequestError,
 )
 from backends_core.plugins import available_backends, implemented_hooks, make_plugin_manager
-from backends_core.types import GenerateResult, LoraAdapter, SamplingParams
+from backends_core.types import LoraAdapter, SamplingParams
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
-
-
-class Progress:
-    """A one-line progress counter on stderr (only when stderr is a terminal)."""
-
-    def __init__(self, label: str, total: int | None = None) -> None:
-        self.label, self.total, self.done = label, total, 0
-        self.enabled = sys.stderr.isatty()
-
-    def step(self, n: int = 1) -> None:
-        self.done += n
-        if self.enabled:
-            of = f"/{self.total}" if self.total is not None else ""
-            print(f"\r{self.label}: {self.done}{of}", end="", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.enabled:
-            print(file=sys.stderr)
 
 
 def _config(args: argparse.Namespace) -> ClientConfig:
@@ -90,40 +72,6 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, top_logprobs=args.top_logprobs
     )
-
-
-def _result_record(result: GenerateResult, **extra: Any) -> dict[str, Any]:
-    return {
-        **extra,
-        "prompt_ids": list(result.prompt_ids),
-        "completion_ids": list(result.completion_ids),
-        "logprobs": result.logprobs.tolist(),
-        "finish_reason": result.finish_reason,
-        "stop_reason": result.stop_reason,
-        "weight_version": result.weight_version,
-        "server": result.server,
-        "request_id": result.request_id,
-    }
-
-
-def _jsonl(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InvalidRequestError(f"{path}:{n}: not JSON: {exc.msg}") from exc
-            if not isinstance(record, dict):
-                raise InvalidRequestError(f"{path}:{n}: each line must be a JSON object")
-            yield n, record
-
-
-def _write_jsonl(path: str, rows: Sequence[dict[str, Any]]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
 
 
 # -- commands --------------------------------------------------------------------------------------------
@@ -232,7 +180,7 @@ def _generate(args: argparse.Namespace) -> int:
         text = tokenizer.decode(list(result.completion_ids)) if tokenizer is not None else ""
         emit(
             args,
-            _result_record(result, text=text),
+            runs.result_row(result, text=text),
             f"{text}\n[{len(result.completion_ids)} tokens, {result.finish_reason}]",
         )
         return EXIT_OK
@@ -240,88 +188,33 @@ def _generate(args: argparse.Namespace) -> int:
     return _run(args, body)
 
 
+def _run_options(args: argparse.Namespace) -> runs.RunOptions:
+    return runs.RunOptions(
+        input=args.input,
+        output=args.output,
+        concurrency=args.concurrency,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        on_bad_row=args.on_bad_row,
+        json=args.json,
+        log_every=args.log_every,
+    )
+
+
 def _rollout(args: argparse.Namespace) -> int:
-    records = list(_jsonl(args.input))
-
-    async def body(client: Client) -> int:
-        limit = asyncio.Semaphore(args.concurrency)
-        progress = Progress("rollout", len(records))
-        routed: dict[str, np.ndarray] = {}
-
-        async def one(n: int, record: dict[str, Any]) -> list[dict[str, Any]]:
-            key = str(record.get("id", n))
-            size = record.get("n", args.n)
-            sampling = SamplingParams(
-                **{
-                    "max_tokens": args.max_tokens,
-                    "temperature": args.temperature,
-                    "seed": args.seed,
-                    "top_logprobs": args.top_logprobs,
-                    **record.get("sampling", {}),
-                }
-            )
-            async with limit:
-                try:
-                    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-                        raise InvalidRequestError(f"line {n}: n must be an int >= 1, got {size!r}")
-                    results = await client.generate_group(
-                        messages=record["messages"],
-                        tools=record.get("tools"),
-                        n=size,
-                        sampling=sampling,
-                        return_routed_experts=args.routed_experts,
-                        session=key,
-                    )
-                except (BackendError, KeyError) as exc:
-                    return [{"id": key, "error": f"{type(exc).__name__}: {exc}"}]
-                finally:
-                    progress.step()
-            rows = []
-            for i, result in enumerate(results):
-                extra: dict[str, Any] = {"id": key} if size == 1 else {"id": key, "sample": i}
-                if result.routed_experts is not None:
-                    routed[key if size == 1 else f"{key}/{i}"] = np.asarray(result.routed_experts.experts)
-                rows.append(_result_record(result, **extra))
-            return rows
-
-        groups = await asyncio.gather(*(one(n, r) for n, r in records))
-        rows = [row for group in groups for row in group]
-        progress.close()
-        _write_jsonl(args.output, rows)
-        if routed:
-            save_npz: Any = np.savez
-            save_npz(Path(args.output).with_suffix(".routed_experts.npz"), **routed)
-        failed = sum("error" in row for row in rows)
-        print(f"{len(rows) - failed} ok, {failed} failed -> {args.output}", file=sys.stderr)
-        return EXIT_FAILED if failed else EXIT_OK
-
-    return _run(args, body)
+    base = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_logprobs=args.top_logprobs)
+    job = runs.RolloutJob(
+        sampling={"max_tokens": base.max_tokens, "temperature": base.temperature, "top_logprobs": base.top_logprobs},
+        seed=args.seed,
+        n=args.n,
+        routed_experts=args.routed_experts,
+    )
+    return runs.execute(job, _run_options(args), lambda: _config(args))
 
 
 def _teacher(args: argparse.Namespace) -> int:
-    records = list(_jsonl(args.input))
-
-    async def body(client: Client) -> int:
-        limit = asyncio.Semaphore(args.concurrency)
-        progress = Progress("teacher", len(records))
-
-        async def one(n: int, record: dict[str, Any]) -> dict[str, Any]:
-            key = str(record.get("id", n))
-            async with limit:
-                try:
-                    scored = await client.teacher_logprobs(record["token_ids"], top_logprobs=args.top_logprobs)
-                except (BackendError, KeyError) as exc:
-                    return {"id": key, "error": f"{type(exc).__name__}: {exc}"}
-                finally:
-                    progress.step()
-            return {"id": key, "token_ids": list(scored.token_ids), "logprobs": [None, *scored.logprobs[1:].tolist()]}
-
-        rows = await asyncio.gather(*(one(n, r) for n, r in records))
-        progress.close()
-        _write_jsonl(args.output, rows)
-        return EXIT_FAILED if any("error" in row for row in rows) else EXIT_OK
-
-    return _run(args, body)
+    job = runs.TeacherJob(top_logprobs=args.top_logprobs)
+    return runs.execute(job, _run_options(args), lambda: _config(args))
 
 
 def _messages_file(path: str) -> list[dict[str, Any]]:
@@ -543,6 +436,30 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _run_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of file-to-file runs (rollout, teacher): see backends_core.runs."""
+    p.add_argument("--concurrency", type=positive_int, default=64, help="records in flight at once")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep OUTPUT's finished records and run the rest (failed or cut-off records run again)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="start OUTPUT over if it exists")
+    p.add_argument(
+        "--on-bad-row",
+        choices=["refuse", "skip"],
+        default="refuse",
+        help="a bad input row: refuse (default: report every bad row, send nothing, exit 2) or skip (report it, "
+        "run the others, exit 2 at the end); a repeated id is always refused",
+    )
+    p.add_argument(
+        "--log-every",
+        type=float,
+        default=10.0,
+        help="seconds between progress lines on stderr when it is not a terminal (0: every record)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = JsonArgumentParser(
         prog="backends",
@@ -556,6 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the installed versions of backends-core and every backend distribution, then exit",
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output (also accepted after the command)")
+    add_log_level_flag(parser, verb=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("list", help="installed backends with version and capabilities")
@@ -613,33 +531,48 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--prompt-ids", type=int_list, help="comma-separated prompt token ids, e.g. 1,2,3")
     p.set_defaults(func=_generate)
 
-    p = sub.add_parser("rollout", help="JSONL of conversations in, JSONL of results out (+ .npz routed experts)")
+    p = sub.add_parser(
+        "rollout",
+        help="JSONL of conversations in, JSONL of results appended as each finishes (+ .npz routed experts)",
+    )
     _client_flags(p)
     _sampling_flags(p)
-    p.add_argument("input", help='JSONL: {"id"?, "messages": [...], "tools"?, "sampling"?: {...}, "n"?} per line')
+    p.add_argument(
+        "input",
+        help='JSONL: {"id"?, "messages": [...], "tools"?, "sampling"?: {...}, "n"?, "metadata"?} per line '
+        "(id defaults to the line number)",
+    )
     p.add_argument(
         "output",
-        help='JSONL of results (ids, logprobs, finish reasons); a group gives one line per sample with "sample": i',
+        help="JSONL of results in the order they finish (ids, logprobs, finish reasons, top_logprobs when asked); "
+        'a group gives one line per sample with "sample": i; a failed record gives {"id", "error"}',
     )
     p.add_argument(
         "--n",
-        type=int,
+        type=positive_int,
         default=1,
-        help="group size: samples per conversation (generate_group; sample i seeded with --seed + i), "
+        help="group size: samples per conversation (generate_group; sample i seeded with the record's seed + i), "
         'overridden by a line\'s "n"',
     )
-    p.add_argument("--concurrency", type=positive_int, default=64, help="requests in flight at most (default: 64)")
     p.add_argument(
         "--routed-experts", action="store_true", help="ask for MoE routing; saved to OUTPUT.routed_experts.npz"
     )
+    _run_flags(p)
     p.set_defaults(func=_rollout)
 
     p = sub.add_parser("teacher", help="score a JSONL of token sequences with teacher logprobs")
     _client_flags(p)
-    p.add_argument("input", help='JSONL: {"id"?, "token_ids": [...]} per line')
-    p.add_argument("output", help='JSONL: {"id", "token_ids", "logprobs": [null, ...]}')
-    p.add_argument("--concurrency", type=positive_int, default=64, help="requests in flight at most (default: 64)")
-    p.add_argument("--top-logprobs", type=nonnegative_int, default=0, help="top logprobs per position (default: 0)")
+    p.add_argument("input", help='JSONL: {"id"?, "token_ids": [...], "metadata"?} per line')
+    p.add_argument(
+        "output", help='JSONL appended as each finishes: {"id", "token_ids", "logprobs": [null, ...], "top_logprobs"?}'
+    )
+    p.add_argument(
+        "--top-logprobs",
+        type=nonnegative_int,
+        default=0,
+        help="alternatives per position to write (0: none; index 0 empty)",
+    )
+    _run_flags(p)
     p.set_defaults(func=_teacher)
 
     p = sub.add_parser("check-tokenizer", help="compare local chat-template rendering with the server's /tokenize")

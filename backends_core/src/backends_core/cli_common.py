@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -125,6 +126,62 @@ def add_json_flag(parser: argparse.ArgumentParser) -> None:
         default=argparse.SUPPRESS,
         help="machine-readable output: one JSON object per line on stdout, errors as JSON on stderr",
     )
+    add_log_level_flag(parser)
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def add_log_level_flag(parser: argparse.ArgumentParser, *, verb: bool = True) -> None:
+    """``--log-level``: show the library's log lines (retries, failover, cooldown, admin phases, membership) on
+    stderr; as JSON objects with ``--json``. Accepted before the verb too."""
+    parser.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        type=str.upper,
+        default=argparse.SUPPRESS if verb else None,
+        help="show the library's log lines at this level and above on stderr (retries, failover, cooldown, admin "
+        "phases, membership; JSON objects with --json); default: none",
+    )
+
+
+class _JsonLogFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return json.dumps(
+            {"event": "log", "logger": record.name, "level": record.levelname, "message": record.getMessage()}
+        )
+
+
+class _OwnLoggers(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name.startswith("backends")
+
+
+_log_handler: logging.Handler | None = None
+
+
+def configure_logging(args: argparse.Namespace) -> None:
+    """Send the ``backends*`` loggers to stderr at ``args.log_level`` (nothing when it is not given)."""
+    global _log_handler
+    root = logging.getLogger()
+    if _log_handler is not None:  # main() called again in one process: this call's choice only
+        root.removeHandler(_log_handler)
+        _log_handler = None
+    level = getattr(args, "log_level", None)
+    if level is None:
+        return
+    handler = _log_handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_OwnLoggers())
+    handler.setFormatter(
+        _JsonLogFormatter()
+        if getattr(args, "json", False)
+        else logging.Formatter("%(levelname)s %(name)s: %(message)s")
+    )
+    root.addHandler(handler)
+    for name in ("backends_core", "backends_vllm", "backends_sglang", "backends_dynamo"):
+        logging.getLogger(name).setLevel(level)
+    if root.level > logging.getLevelName(level):
+        root.setLevel(level)
 
 
 def wants_json(args: argparse.Namespace | None, argv: Sequence[str] | None = None) -> bool:
@@ -232,6 +289,7 @@ def run_main(
     args: argparse.Namespace | None = None
     try:
         args = parse()
+        configure_logging(args)
         return int(command(args))
     except (BackendError, OSError, KeyboardInterrupt) as exc:
         return report_error(exc, as_json=wants_json(args, argv))

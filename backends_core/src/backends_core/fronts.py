@@ -257,10 +257,10 @@ class FrontFleet(Fleet):
         #: the front's server narrowed to that replica, so its ``base_url`` is the front's).
         self._urls: list[str] = []
         self._first: asyncio.Future[None] | None = None
+        #: URLs :meth:`add` is bringing in: a list read before their registration does not take them out.
+        self._adding: set[str] = set()
         #: Members found unreachable by the last check (kept out of that operation's catch-ups).
         self._unreachable: set[int] = set()
-        #: Replicas :meth:`add` is catching up: the router does not list them until it registers them.
-        self._adding: set[str] = set()
         #: Counts this client's registrations and deregistrations: a worker list read across one is stale.
         self._changes = 0
 

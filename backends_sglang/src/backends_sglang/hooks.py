@@ -32,7 +32,7 @@ import attrs
 
 from backends_core import Server, StatusHint, hookimpl
 from backends_core.config import ClientConfig
-from backends_core.errors import ConfigError, InvalidRequestError, ServerStatusError
+from backends_core.errors import ConfigError, InvalidRequestError, ServerStatusError, TransportError
 from backends_core.types import (
     SAMPLING_FEATURES,
     DistributedGroup,
@@ -67,35 +67,49 @@ def validate_backend_options(options: Mapping[str, Any], config: ClientConfig) -
 # -- generation -------------------------------------------------------------------------------------------
 
 
+async def _read_limit(source: Server, plane: Literal["data", "admin"]) -> int:
+    try:
+        raw = await source.request("GET", "/server_info", plane=plane)
+    except ServerStatusError as exc:
+        if exc.status_code != 404:
+            raise
+        raw = await source.request("GET", "/get_server_info", plane=plane)  # before /server_info existed
+    return wire.max_req_input_len(raw, source.url("", plane=plane).rstrip("/"))
+
+
 async def _max_req_input_len(server: Server) -> int:
     """The scheduler's prompt limit, read once per server (a wrong answer is remembered too: a router mistaken for
-    a server fails every request at once, without asking again)."""
+    a server fails every request at once, without asking again). Behind a front, a router has no engine limits:
+    the first replica serving behind it that answers gives them (the fleet runs one model)."""
     if _LIMIT not in server.cache:
-        source = server
-        plane: Literal["data", "admin"] = "data"
-        if server.front is not None:  # a router has no engine limits: read a replica's (the fleet runs one model)
-            if not server.replicas:
-                raise ConfigError(
-                    [
-                        f"no replica behind the {server.front} front {server.base_url} is known yet to read "
-                        "max_req_input_len from @ $.front"
-                    ]
-                )
-            source, plane = attrs.evolve(server, admin_url=server.replicas[0], cache={}), "admin"
         try:
-            try:
-                raw = await source.request("GET", "/server_info", plane=plane)
-            except ServerStatusError as exc:
-                if exc.status_code != 404:
-                    raise
-                raw = await source.request("GET", "/get_server_info", plane=plane)  # before /server_info existed
-            server.cache[_LIMIT] = wire.max_req_input_len(raw, source.url("", plane=plane).rstrip("/"))
+            if server.front is None:
+                server.cache[_LIMIT] = await _read_limit(server, "data")
+            else:
+                server.cache[_LIMIT] = await _replica_limit(server)
         except ConfigError as exc:
             server.cache[_LIMIT] = exc
     limit = server.cache[_LIMIT]
     if isinstance(limit, ConfigError):
         raise ConfigError(limit.messages)
     return int(limit)
+
+
+async def _replica_limit(server: Server) -> int:
+    if not server.replicas:
+        raise ConfigError(
+            [
+                f"no replica behind the {server.front} front {server.base_url} is known yet to read max_req_input_len "
+                "from @ $.front"
+            ]
+        )
+    unreachable: list[TransportError] = []
+    for url in server.replicas:
+        try:
+            return await _read_limit(attrs.evolve(server, admin_url=url, cache={}), "admin")
+        except TransportError as exc:  # a replica that died since the front listed it: ask the next one
+            unreachable.append(exc)
+    raise unreachable[-1]
 
 
 async def _check_length(server: Server, prompt: int, max_tokens: int) -> None:
@@ -230,7 +244,10 @@ async def _answers(server: Server, path: str) -> bool:
 
 @hookimpl
 async def admin_health(server: Server) -> bool:
-    return await _answers(server, "/health")
+    # Liveness from a route the HTTP process answers itself: SGLang's /health is /health_generate (a 1-token
+    # generation), which a paused server holds for 20 s, then answers 503 and marks itself unhealthy until the next
+    # health check passes.
+    return await _answers(server, "/model_info")
 
 
 @hookimpl

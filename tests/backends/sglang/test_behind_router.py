@@ -65,3 +65,34 @@ async def test_behind_an_sglang_router_front_the_prompt_limit_is_read_from_a_rep
     assert [(r.url.host, r.url.path) for r in info] == [("replica", "/server_info")]
     (sent,) = [r for r in seen if r.url.host == "router" and r.url.path == "/generate"]
     assert sent.headers["x-smg-routing-key"] == "k"
+
+
+async def test_behind_a_front_a_dead_replica_is_skipped_when_the_prompt_limit_is_read(
+    make_emulator, tiny_models
+) -> None:
+    seen: list[httpx.Request] = []
+    inner = router_transport(make_emulator().transport(), seen)
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "dead":
+            raise httpx.ConnectError("connection refused", request=request)
+        if request.url.path == "/workers":
+            workers = [{"url": u, "id": u[-4:], "is_healthy": True} for u in ("http://dead", "http://replica")]
+            return httpx.Response(200, json={"workers": workers})
+        return await inner.handle_async_request(request)
+
+    cfg = ClientConfig(
+        backend="sglang",
+        base_url="http://router",
+        model="tiny-qwen3",
+        tokenizer=str(tiny_models.dense),
+        front=FrontConfig(kind="sglang-router", evict_unreachable=False),
+        fleet=FleetPolicy(refresh_interval=None),
+    )
+    async with Client(cfg, transport=httpx.MockTransport(handle)) as client:
+        client.front_fleet.front.server.replicas = ("http://dead", "http://replica")  # as a listing just said
+        result = await client.generate(prompt_ids=[1, 2], sampling=SamplingParams(max_tokens=1))
+    assert len(result.completion_ids) == 1
+    assert [(r.url.host, r.url.path) for r in seen if r.url.path.endswith("server_info")] == [
+        ("replica", "/server_info")
+    ]

@@ -635,6 +635,17 @@ async def test_lora_replace_unloads_a_loaded_name_first() -> None:
     ]
 
 
+async def test_health_of_a_paused_server_asks_no_generation() -> None:
+    """SGLang's /health runs a 1-token generation: a paused server holds it and then answers 503 (and marks itself
+    unhealthy). Health (is it alive?) asks a route the HTTP process answers itself."""
+    fake = fake_sglang()
+    fake.add("GET", "/health", status=503, content=b"")
+    async with client(fake) as c:
+        await c.admin.pause("keep")
+        assert await c.admin.health() == [True]
+    assert [path for path, _ in fake.auth if path.startswith("/health")] == []
+
+
 async def test_abort_health_ready_sleep_and_wake() -> None:
     fake = fake_sglang()
     async with client(fake) as c:
@@ -675,7 +686,7 @@ async def test_the_admin_key_goes_to_control_routes_only(monkeypatch: pytest.Mon
         await c.admin.health()
     auth = dict(fake.auth)
     assert auth["/pause_generation"] == auth["/flush_cache"] == "Bearer admin-key"
-    for path in ("/generate", "/server_info", "/model_info", "/v1/loads", "/v1/models", "/health"):
+    for path in ("/generate", "/server_info", "/model_info", "/v1/loads", "/v1/models"):
         assert auth[path] == "Bearer user-key", path
 
 

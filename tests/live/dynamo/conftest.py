@@ -37,6 +37,8 @@ import pytest
 from backends_testkit.tinymodel import TinyModels
 
 _TIMINGS: dict[str, Any] = {}
+FRONT_SESSION_TTL_S = 3600
+"""The ``dynamo_front`` router's session-affinity idle TTL: longer than any test run."""
 
 
 def _record(key: str, value: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -128,6 +130,10 @@ def _vllm_deployment(
     tiny_models: TinyModels,
     factory: pytest.TempPathFactory,
     request: pytest.FixtureRequest,
+    *,
+    workers: int = 1,
+    rl_discovery: bool = False,
+    session_affinity_ttl_s: int | None = None,
 ) -> Iterator[dynamo_server.DynamoDeployment]:
     venv = venv_info.path
     workdir = factory.mktemp(name)
@@ -145,6 +151,9 @@ def _vllm_deployment(
         make_worker=make_worker,
         start_timeout=dynamo_server.VLLM_START_TIMEOUT_S,
         log_dir=log_dir,
+        workers=workers,
+        rl_discovery=rl_discovery,
+        session_affinity_ttl_s=session_affinity_ttl_s,
     )
     deployment.extra.update(model_dir=tiny_models.dense, lora_dir=tiny_models.lora)
     live_servers.stop_when_unused(request, deployment.stop)
@@ -180,6 +189,30 @@ def dynamo_vllm_2(
     )
 
 
+@pytest.fixture(scope="session")
+def dynamo_front(
+    dynamo_worker_venv: dynamo_server.VenvInfo,
+    tiny_models: TinyModels,
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
+) -> Iterator[dynamo_server.DynamoDeployment]:
+    """The Dynamo front: one frontend with RL worker discovery (``DYN_ENABLE_RL=true``, ``DYN_RL_PORT`` =
+    ``rl_port``; ``GET {rl_url}/v1/rl/workers``) and TWO Dynamo vLLM workers (``--enable-rl``, LoRA enabled)
+    sharing its file discovery, and session affinity on (``x-dynamo-session-id`` keeps a session on one worker).
+    ``add_worker()`` / ``remove_worker()`` change the membership."""
+    yield from _vllm_deployment(
+        "dynamo-front",
+        "setup_front",
+        dynamo_worker_venv,
+        tiny_models,
+        tmp_path_factory,
+        request,
+        workers=2,
+        rl_discovery=True,
+        session_affinity_ttl_s=FRONT_SESSION_TTL_S,
+    )
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if not _TIMINGS:
         return
@@ -190,7 +223,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             v = _TIMINGS[key]
             state = "built" if v["built_now"] else "cached"
             write(f"{key}: {state} in {v['seconds']}s, {v['size_mb']} MB ({v['path']})")
-    for key in ("setup_mocker", "setup_vllm", "setup_vllm_2"):
+    for key in ("setup_mocker", "setup_vllm", "setup_vllm_2", "setup_front"):
         if key in _TIMINGS:
             s = _TIMINGS[key]
             write(
@@ -203,7 +236,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     write(f"(recorded at {time.strftime('%Y-%m-%d %H:%M:%S')})")
 
 
-_RESTORED = ("dynamo_vllm", "dynamo_vllm_2")
+_RESTORED = ("dynamo_vllm", "dynamo_vllm_2", "dynamo_front")
 
 
 @pytest.fixture(autouse=True)

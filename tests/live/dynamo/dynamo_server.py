@@ -245,10 +245,28 @@ def _venv_env(venv: Path, workdir: Path) -> dict[str, str | None]:
     return env
 
 
-def frontend_process(venv: Path, workdir: Path, *, log_path: Path, name: str = "dynamo-frontend") -> ServerProcess:
-    """``python -m dynamo.frontend`` on ``127.0.0.1:<free port>`` (round-robin router)."""
+def frontend_process(
+    venv: Path,
+    workdir: Path,
+    *,
+    log_path: Path,
+    name: str = "dynamo-frontend",
+    rl_port: int | None = None,
+    session_affinity_ttl_s: int | None = None,
+) -> ServerProcess:
+    """``python -m dynamo.frontend`` on ``127.0.0.1:<free port>`` (round-robin router).
+
+    ``rl_port`` turns on RL worker discovery (``DYN_ENABLE_RL=true DYN_RL_PORT=<rl_port>``): the frontend then
+    serves ``GET /v1/rl/workers`` on that second port (the HTTP port answers 404 there), listing every worker
+    started with ``--enable-rl`` with its ``system_url``.
+    """
     argv = [str(venv / "bin" / "python"), "-m", "dynamo.frontend", "--http-host", "{host}", "--http-port", "{port}"]
-    return ServerProcess(argv, name=name, log_path=log_path, env=_venv_env(venv, workdir))
+    env = _venv_env(venv, workdir)
+    if rl_port is not None:
+        env.update({"DYN_ENABLE_RL": "true", "DYN_RL_PORT": str(rl_port)})
+    if session_affinity_ttl_s is not None:
+        env["DYN_ROUTER_SESSION_AFFINITY_TTL_SECS"] = str(session_affinity_ttl_s)
+    return ServerProcess(argv, name=name, log_path=log_path, env=env)
 
 
 def _system_env(venv: Path, workdir: Path) -> dict[str, str | None]:
@@ -335,6 +353,7 @@ class DynamoDeployment:
     :ivar frontend_url: the OpenAI-compatible frontend, ``http://127.0.0.1:<port>``.
     :ivar worker_system_urls: each worker's system port base URL (``/health``, ``/engine/<route>``).
     :ivar model: the served model name.
+    :ivar rl_port: the frontend's RL discovery port (``GET /v1/rl/workers``), when started with one.
     """
 
     name: str
@@ -346,10 +365,27 @@ class DynamoDeployment:
     start_timeout: float
     timings: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    rl_port: int | None = None
 
     @property
     def frontend_url(self) -> str:
         return self.frontend.url
+
+    @property
+    def rl_url(self) -> str:
+        """``http://127.0.0.1:<rl_port>``: where ``GET /v1/rl/workers`` is served."""
+        if self.rl_port is None:
+            raise LiveServerError(f"{self.name} was started without RL discovery (no rl_port)")
+        return f"http://{self.frontend.host}:{self.rl_port}"
+
+    def rl_workers(self) -> list[dict[str, Any]]:
+        """The frontend's ``GET /v1/rl/workers`` list (one entry per worker in discovery)."""
+        with httpx.Client(timeout=httpx.Timeout(30.0), trust_env=False) as client:
+            response = client.get(self.rl_url + "/v1/rl/workers")
+            response.raise_for_status()
+            workers = response.json()["workers"]
+        assert isinstance(workers, list)
+        return workers
 
     @property
     def worker_system_urls(self) -> list[str]:
@@ -436,6 +472,22 @@ class DynamoDeployment:
         self.wait_ready(self.start_timeout if timeout is None else timeout)
         return time.monotonic() - started
 
+    def add_worker(self, *, timeout: float | None = None) -> float:
+        """Start one more worker (the next index, a fresh system port) and wait until the frontend lists it
+        and serves; return the seconds from its start until then."""
+        index = len(self.workers)
+        self.workers.append(self.make_worker(index, None))
+        started = time.monotonic()
+        self.workers[index].start()
+        self.wait_ready(self.start_timeout if timeout is None else timeout)
+        return time.monotonic() - started
+
+    def remove_worker(self, index: int = -1) -> ServerProcess:
+        """Stop worker ``index`` (its whole process group) and drop it from :attr:`workers`; returns it."""
+        worker = self.workers.pop(index)
+        worker.stop(timeout=20.0)
+        return worker
+
     def stop(self) -> None:
         """Stop the frontend and every worker (each whole process group)."""
         for proc in reversed(self.processes):
@@ -451,11 +503,22 @@ def deployment(
     workers: int = 1,
     start_timeout: float,
     log_dir: Path,
+    rl_discovery: bool = False,
+    session_affinity_ttl_s: int | None = None,
 ) -> DynamoDeployment:
-    """A not-yet-started deployment (see :meth:`DynamoDeployment.start`)."""
+    """A not-yet-started deployment (see :meth:`DynamoDeployment.start`); ``rl_discovery`` starts the frontend
+    with ``DYN_ENABLE_RL=true`` on a free ``DYN_RL_PORT`` (:attr:`DynamoDeployment.rl_url`),
+    ``session_affinity_ttl_s`` with session affinity (:func:`frontend_process`)."""
     for sub in ("discovery", "home"):
         (workdir / sub).mkdir(parents=True, exist_ok=True)
-    frontend = frontend_process(frontend_venv, workdir, log_path=log_dir / f"{name}-frontend.log")
+    rl_port = free_system_port() if rl_discovery else None  # below 32768, like the system ports
+    frontend = frontend_process(
+        frontend_venv,
+        workdir,
+        log_path=log_dir / f"{name}-frontend.log",
+        rl_port=rl_port,
+        session_affinity_ttl_s=session_affinity_ttl_s,
+    )
     return DynamoDeployment(
         name=name,
         model=SERVED_MODEL_NAME,
@@ -464,6 +527,7 @@ def deployment(
         workers=[make_worker(i, None) for i in range(workers)],
         make_worker=make_worker,
         start_timeout=start_timeout,
+        rl_port=rl_port,
     )
 
 
