@@ -438,3 +438,59 @@ def test_the_sync_client_behind_a_front_registers_through_the_router(engines, ti
         assert [m.url for m in client.fleet.members()] == ["http://r0", "http://r1", "http://r2"]
         assert len(client.admin.fleet_state()) == 3
     assert "http://r2" in r.workers
+
+
+async def test_a_refresh_while_fleet_add_catches_up_keeps_the_replica_being_added(engines, tiny_models) -> None:
+    """A refresh reading the router's list during ``fleet.add``'s catch-up (the replica is registered only after
+    it) does not take the replica out: ``add`` returns it serving, and it stays a member."""
+    r = router("vllm-router", engines)
+    original = r.emulators["r2"].handle
+    catching_up, release = asyncio.Event(), asyncio.Event()
+
+    async def held(request: httpx.Request) -> httpx.Response:
+        catching_up.set()
+        await release.wait()
+        return await original(request)
+
+    r.emulators["r2"].handle = held  # type: ignore[method-assign]
+    async with Client(config(tiny_models), transport=r.transport()) as client:
+        await client.admin.resume()
+        adding = asyncio.create_task(client.fleet.add("http://r2"))
+        await within(catching_up.wait())
+        await within(client.fleet.refresh())  # the router does not list r2 yet
+        release.set()
+        member = await within(adding)
+        members = [(m.url, m.state) for m in client.fleet.members()]
+        assert await client.admin.resume() == [True, True, True]
+    assert member.state == "serving"
+    assert members == [("http://r0", "serving"), ("http://r1", "serving"), ("http://r2", "serving")]
+
+
+async def test_a_worker_list_read_before_fleet_remove_does_not_bring_the_replica_back(engines, tiny_models) -> None:
+    """A refresh whose read of the router's list was answered before ``fleet.remove`` deregistered a replica, and
+    is applied after, does not make the removed replica a member again."""
+    r = router("vllm-router", engines, listed=("r0", "r1", "r2"))
+    route = r.route
+    answered, release = asyncio.Event(), asyncio.Event()
+    hold = False
+
+    async def held(request: httpx.Request) -> httpx.Response:
+        response = await route(request)
+        if hold and request.url.path == "/workers" and request.method == "GET":
+            answered.set()
+            await release.wait()
+        return response
+
+    r.route = held  # type: ignore[method-assign]
+    async with Client(config(tiny_models), transport=r.transport()) as client:
+        await client.admin.resume()
+        hold = True
+        refreshing = asyncio.create_task(client.fleet.refresh())
+        await within(answered.wait())  # the list still has r2
+        hold = False
+        await within(client.fleet.remove("http://r2"))
+        release.set()
+        await within(refreshing)
+        members = [m.url for m in client.fleet.members()]
+        assert await client.admin.resume() == [True, True]
+    assert members == ["http://r0", "http://r1"]

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import vllm_server  # the same interpreter choice as the servers' venvs
 
-from backends_testkit.live import ServerProcess, ServerStartError, ensure_venv, log_tail, server_venvs_dir
+from backends_testkit.live import ServerProcess, ServerStartError, ensure_venv, free_port, log_tail, server_venvs_dir
 
 VLLM_ROUTER_VERSION = "0.1.17"
 SGLANG_ROUTER_VERSION = "0.3.2"
@@ -82,13 +82,21 @@ def ensure_sglang_router_venv() -> Path:
 
 
 def vllm_router_command(venv: Path, worker_urls: Sequence[str], *, policy: str) -> list[str]:
-    """The command line of vllm-router on ``{host}:{port}`` in front of ``worker_urls``."""
+    """The command line of vllm-router on ``{host}:{port}`` in front of ``worker_urls``.
+
+    Its Prometheus exporter gets a free port of its own: by default it binds 127.0.0.1:29000, and a second router
+    on the machine (another test run's) then panics at start-up ("Address already in use").
+    """
     return [
         str(venv / "bin" / "vllm-router"),
         "--host",
         "{host}",
         "--port",
         "{port}",
+        "--prometheus-host",
+        "{host}",
+        "--prometheus-port",
+        str(free_port()),
         "--worker-urls",
         *worker_urls,
         "--policy",

@@ -261,6 +261,8 @@ class FrontFleet(Fleet):
         self._adding: set[str] = set()
         #: Members found unreachable by the last check (kept out of that operation's catch-ups).
         self._unreachable: set[int] = set()
+        #: Counts this client's registrations and deregistrations: a worker list read across one is stale.
+        self._changes = 0
 
     def _find(self, url: str) -> int | None:
         url = url.rstrip("/")
@@ -335,6 +337,7 @@ class FrontFleet(Fleet):
             raise
         finally:
             self._adding.discard(self._urls[index])
+            self._changes += 1
         self._balancer.admit(index)
         self._point_front()
         return self._member(index)
@@ -354,6 +357,7 @@ class FrontFleet(Fleet):
         if base not in self._listed:  # its router-side name (an id) as the router lists it now
             listed = next((r for r in await self.front.replicas() if r.url == base), listed)
         await self.front.deregister(listed)
+        self._changes += 1
         self._listed.pop(base, None)
         self._balancer.retire(index)
         self._errors.pop(index, None)
@@ -388,7 +392,7 @@ class FrontFleet(Fleet):
         :raises FrontError: the front cannot list its replicas, or lists none the router routes to.
         :raises AdminError: (``strict``) a replica the router routes to could not be caught up.
         """
-        listed = await self.front.replicas()
+        listed = await self._read()
         if not any(r.healthy is not False for r in listed):
             raise self.front.error(
                 f"lists no replica it routes to ({len(listed)} listed, none healthy): nothing to send admin "
@@ -434,6 +438,7 @@ class FrontFleet(Fleet):
             except (FrontError, RequestError) as exc:
                 log.warning("%s cannot be reached (%s) and %s refused to deregister it: %s", url, error, front.url, exc)
             else:
+                self._changes += 1
                 self._listed.pop(url, None)
                 b.retire(index)
                 self._errors[index] = error
@@ -454,8 +459,18 @@ class FrontFleet(Fleet):
             for i, state in enumerate(b.states)
             if state == "joining"
             and i not in self._unreachable
+            and self._urls[i] not in self._adding  # add catches it up itself
             and self._listed.get(self._urls[i], Replica(url="")).healthy is not False
         ]
+
+    async def _read(self) -> list[Replica]:
+        """The replicas the front lists, read again when this client registered or deregistered one while the
+        list was read (it may predate that change)."""
+        while True:
+            changes = self._changes
+            listed = await self.front.replicas()
+            if changes == self._changes:
+                return listed
 
     def _apply_listed(self, listed: Sequence[Replica]) -> None:
         b = self._balancer
@@ -480,7 +495,7 @@ class FrontFleet(Fleet):
         """:meth:`sync`, with failures counted and reported through ``observe`` instead of raised."""
         started = time.perf_counter()
         try:
-            listed = await self.front.replicas()
+            listed = await self._read()
         except FrontError as exc:
             self._client.driver.emit("fleet", "discover", self.front.url, started, exc)
             log.warning("%s", exc)

@@ -6,6 +6,8 @@ import asyncio
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Literal
 
+import attrs
+
 from backends_core import Server, StatusHint, hookimpl
 from backends_core.config import ClientConfig
 from backends_core.errors import (
@@ -64,8 +66,15 @@ def _route_hint(path: str) -> StatusHint:
 
 
 async def _models(server: Server, *, refresh: bool = False) -> Any:
+    """The ``/v1/models`` answer (served names, ``max_model_len``), cached per server. Behind a front it is read
+    from a replica directly: vllm-router sends every ``GET /v1/models`` to one fixed replica, and keeps doing so
+    after that replica died, so through it one dead replica would fail every request of a client."""
     if refresh or _MODELS not in server.cache:
-        server.cache[_MODELS] = await server.request("GET", "/v1/models")
+        if server.front is not None and server.replicas:
+            replica = attrs.evolve(server, admin_url=server.replicas[0], cache={})
+            server.cache[_MODELS] = await replica.request("GET", "/v1/models", plane="admin")
+        else:
+            server.cache[_MODELS] = await server.request("GET", "/v1/models")
     return server.cache[_MODELS]
 
 
