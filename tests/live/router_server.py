@@ -105,7 +105,8 @@ def vllm_router_command(venv: Path, worker_urls: Sequence[str], *, policy: str) 
 
 
 def sglang_router_command(venv: Path, worker_urls: Sequence[str], *, policy: str) -> list[str]:
-    """The command line of sglang-router on ``{host}:{port}`` in front of ``worker_urls``."""
+    """The command line of sglang-router on ``{host}:{port}`` in front of ``worker_urls`` (its Prometheus exporter
+    on a free port of its own, as vllm-router's: it binds 0.0.0.0:29000 by default)."""
     return [
         str(venv / "bin" / "python"),
         "-m",
@@ -114,6 +115,10 @@ def sglang_router_command(venv: Path, worker_urls: Sequence[str], *, policy: str
         "{host}",
         "--port",
         "{port}",
+        "--prometheus-host",
+        "{host}",
+        "--prometheus-port",
+        str(free_port()),
         "--worker-urls",
         *worker_urls,
         "--policy",

@@ -16,6 +16,7 @@ from backends_core.errors import (
     ResponseParseError,
     ServerRefusedError,
     ServerStatusError,
+    TransportError,
 )
 from backends_core.types import (
     SAMPLING_FEATURES,
@@ -65,14 +66,25 @@ def _route_hint(path: str) -> StatusHint:
     return hint
 
 
+async def _replica_models(server: Server, replicas: Sequence[str]) -> Any:
+    """``/v1/models`` of the first of ``replicas`` that answers (one that died since the front listed it is
+    skipped)."""
+    unreachable: list[TransportError] = []
+    for url in replicas:
+        try:
+            return await attrs.evolve(server, admin_url=url, cache={}).request("GET", "/v1/models", plane="admin")
+        except TransportError as exc:
+            unreachable.append(exc)
+    raise unreachable[-1]
+
+
 async def _models(server: Server, *, refresh: bool = False) -> Any:
     """The ``/v1/models`` answer (served names, ``max_model_len``), cached per server. Behind a front it is read
     from a replica directly: vllm-router sends every ``GET /v1/models`` to one fixed replica, and keeps doing so
     after that replica died, so through it one dead replica would fail every request of a client."""
     if refresh or _MODELS not in server.cache:
         if server.front is not None and server.replicas:
-            replica = attrs.evolve(server, admin_url=server.replicas[0], cache={})
-            server.cache[_MODELS] = await replica.request("GET", "/v1/models", plane="admin")
+            server.cache[_MODELS] = await _replica_models(server, server.replicas)
         else:
             server.cache[_MODELS] = await server.request("GET", "/v1/models")
     return server.cache[_MODELS]

@@ -56,3 +56,29 @@ async def test_generation_behind_a_front_reads_the_model_list_from_a_replica_not
     asked = [(r.url.host, r.url.path) for r in seen]
     assert ("r0", "/v1/models") in asked and ("router", "/v1/models") not in asked
     assert ("router", "/inference/v1/generate") in asked
+
+
+async def test_a_replica_that_died_since_the_front_listed_it_is_skipped_for_the_model_list(
+    engine: ReferenceEngine, tiny_models: TinyModels
+) -> None:
+    seen: list[httpx.Request] = []
+    inner = router(VllmEmulator(engine), seen)
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "r0":
+            raise httpx.ConnectError("connection refused", request=request)
+        return await inner.handle_async_request(request)
+
+    config = ClientConfig(
+        backend="vllm",
+        base_url="http://router",
+        model="tiny-qwen3",
+        tokenizer=str(tiny_models.dense),
+        front=FrontConfig(kind="vllm-router", evict_unreachable=False),
+    )
+    async with Client(config, transport=httpx.MockTransport(handle)) as client:
+        assert client.front_fleet is not None
+        client.front_fleet.front.server.replicas = ("http://r0", "http://r1")  # as a listing just said
+        result = await client.generate(prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=2))
+    assert len(result.completion_ids) == 2
+    assert ("r1", "/v1/models") in [(r.url.host, r.url.path) for r in seen]

@@ -42,7 +42,7 @@ from backends_core import (
 )
 from backends_core.config import FrontConfig
 from backends_core.errors import FrontError
-from backends_testkit.live import ServerProcess, free_port
+from backends_testkit.live import ServerProcess
 from backends_testkit.tinymodel import TinyModels, write_perturbed_weights
 
 pytestmark = pytest.mark.live
@@ -74,11 +74,6 @@ def start_front(
         [
             *router_server.sglang_router_command(venv, worker_urls, policy=policy),
             *ASSIGNMENT,
-            # its metrics exporter binds 29000 by default, as does vllm-router's: a second router would die on it
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            str(free_port()),
         ],
         worker_urls=worker_urls,
         venv=venv,
