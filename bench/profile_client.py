@@ -3,7 +3,7 @@
     uv run python bench/profile_client.py [--client ours_ids] [--body plain] [--conc 1] [--n 400] [--top 25]
     uv run python bench/profile_client.py --admin 64 [--n 20] [--delay 0.05]
 
-Prints the functions with the most own time (tottime) and cumulative time. Used for the bounds in bench/README.md.
+Prints the functions with the most own CPU time (tottime) and cumulative time. Used for the bounds in bench/README.md.
 ``--admin N`` profiles ``n`` rounds of pause → update → resume over N emulated servers answering after ``--delay``
 seconds (the fleet fan-out of ``bench_fleet.py``: 4 admin calls per server and round) instead of generate calls.
 """
@@ -15,6 +15,7 @@ import asyncio
 import cProfile
 import io
 import pstats
+import time
 
 import _common as c
 from bench_client import Fixture, make_factory, run_calls
@@ -66,7 +67,7 @@ async def main() -> None:
         port = "re_obj" if args.body == "re" and args.client.startswith("renderers") else args.body
         call, close = await make_factory(args.client, server.url(port), args.body, fx)()
         await run_calls(call, 2 * args.conc, args.conc)
-        profile = cProfile.Profile()
+        profile = cProfile.Profile(time.process_time)  # CPU time: the machines are shared
         profile.enable()
         await run_calls(call, args.n, args.conc)
         profile.disable()
@@ -82,7 +83,7 @@ async def profile_admin(servers: int, rounds: int, delay: float) -> tuple[cProfi
         urls = [fleet.url(f"admin{i}") for i in range(servers)]
         async with Client(ClientConfig(backend="vllm", base_url=urls, model=c.MODEL)) as client:
             await client.admin.health()  # connections up
-            profile = cProfile.Profile()
+            profile = cProfile.Profile(time.process_time)  # CPU time: the machines are shared
             for r in range(rounds):
                 profile.enable()
                 await client.admin.pause(mode="wait")

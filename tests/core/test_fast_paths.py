@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
+import operator
 import io
 import json
 
@@ -16,12 +17,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from backends_core import GenerateResult, ResponseParseError, decode_routed_experts
-from backends_core.client import _all_token_ints
+from backends_core import GenerateResult, InvalidRequestError, ResponseParseError, decode_routed_experts
 from backends_core.driver import check_result
 from backends_core.jsonio import dumps, loads, loads_lifting
 from backends_core.routed_experts import _b64decode
 from backends_core.server import Server
+from backends_core.types import GenerateRequest, _token_ids
 
 B64_CHARS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 
@@ -172,9 +173,54 @@ def test_completion_ids_checks_name_the_first_bad_id(ids: tuple[object, ...], ba
     check_result(result(()), where="sample 0", url=None)
 
 
-def test_prompt_id_check_takes_ints_and_int_subclasses_but_no_bools() -> None:
-    class Token(enum.IntEnum):
-        A = 4
+def reference_token_ids(ids: tuple[object, ...], what: str) -> tuple[int, ...] | str:
+    """What the one-pass check must decide, item by item: ints and integer types (not bools), none negative."""
+    out = []
+    for i, v in enumerate(ids):
+        if isinstance(v, bool) or not hasattr(type(v), "__index__"):
+            return f"{what} must be a sequence of ints: item {i} is {v!r}"
+        if operator.index(v) < 0:
+            return f"{what} contains a negative token id: {operator.index(v)} at position {i}"
+        out.append(operator.index(v))
+    return tuple(out)
 
-    assert _all_token_ints([1, 2, 3]) and _all_token_ints((Token.A, 5)) and _all_token_ints([])
-    assert not _all_token_ints([1, True]) and not _all_token_ints([1.0]) and not _all_token_ints(["1"])
+
+class Token(enum.IntEnum):
+    A = 4
+
+
+token_items = st.one_of(
+    st.integers(min_value=-3, max_value=2**70),
+    st.integers(min_value=0, max_value=200).map(np.int64),
+    st.integers(min_value=0, max_value=200).map(np.uint32),
+    st.booleans(),
+    st.floats(allow_nan=True),
+    st.sampled_from(["1", b"1", None, Token.A, 1 + 0j]),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.one_of(st.integers(min_value=0, max_value=10**6), token_items), max_size=12))
+def test_token_id_check_decides_like_an_item_by_item_check(items: list[object]) -> None:
+    ids = tuple(items)
+    expected = reference_token_ids(ids, "prompt_ids")
+    try:
+        got: tuple[int, ...] | str = _token_ids(ids, "prompt_ids")
+    except InvalidRequestError as exc:
+        got = str(exc)
+    assert got == expected
+    if isinstance(got, tuple):
+        assert all(type(t) is int or type(t) is Token for t in got)
+
+
+def test_a_request_keeps_the_callers_tuple_of_ints_and_converts_other_sequences() -> None:
+    ids = (5, 6, 7)
+    assert GenerateRequest(prompt_ids=ids).prompt_ids is ids
+    assert GenerateRequest(prompt_ids=[5, 6, 7]).prompt_ids == ids
+    converted = GenerateRequest(prompt_ids=np.array([5, 6, 7])).prompt_ids
+    assert converted == ids and all(type(t) is int for t in converted)
+    for bad in ("567", b"567", {5: 1}, 5, None):
+        with pytest.raises(InvalidRequestError, match="sequence of ints"):
+            GenerateRequest(prompt_ids=bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequestError, match="item 1 is True"):
+        GenerateRequest(prompt_ids=[5, True])

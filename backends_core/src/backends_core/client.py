@@ -60,11 +60,6 @@ multiturn_log = logging.getLogger("backends_core.multiturn")
 _SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("backends_session", default=None)
 
 
-def _all_token_ints(ids: Sequence[Any]) -> bool:
-    """Every id is an ``int`` and none a ``bool``: one C pass over the types for the usual exact ints."""
-    return set(map(type, ids)) <= {int} or all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
-
-
 def _transport_args(
     transport: httpx.AsyncBaseTransport | None, limits: httpx.Limits, verify: ssl.SSLContext | bool
 ) -> dict[str, Any]:
@@ -377,9 +372,9 @@ class Client:
             sampling = self.template_stop(sampling, chat_template_kwargs=chat_template_kwargs)
         else:
             assert prompt_ids is not None
-            if isinstance(prompt_ids, str | bytes) or not _all_token_ints(prompt_ids):
-                raise InvalidRequestError("prompt_ids must be a sequence of ints")
-            ids = list(prompt_ids)
+            if isinstance(prompt_ids, str | bytes):
+                raise InvalidRequestError(f"prompt_ids must be a sequence of ints, got {type(prompt_ids).__name__}")
+            ids = prompt_ids  # checked by GenerateRequest, which keeps the caller's tuple as it is
         request = GenerateRequest(prompt_ids=ids, sampling=sampling or SamplingParams(), **fields)
         return self.driver.prepare_request(request)
 

@@ -29,7 +29,7 @@ from backends_core.errors import (
 from backends_core.events import Event, EventKind
 from backends_core.fronts import Front, merge_fronts
 from backends_core.parsing import ParserNotFoundError, ReasoningParserFactory, ToolParserFactory, merge_parsers
-from backends_core.plugins import implemented_hooks, make_plugin_manager
+from backends_core.plugins import HookCall, implemented_hooks, make_plugin_manager
 from backends_core.server import Server
 from backends_core.types import (
     SAMPLING_FEATURES,
@@ -71,6 +71,10 @@ class BackendDriver:
         self.config = config
         self.backend = config.backend
         self.pm: pluggy.PluginManager = make_plugin_manager(config.backend, plugin=plugin, extra_plugins=extra_plugins)
+        # the hooks of every generate call, called without pluggy's per-call machinery (same semantics)
+        self._prepare_request = HookCall(self.pm, "prepare_request")
+        self._post_generate = HookCall(self.pm, "post_generate")
+        self._parse_response = HookCall(self.pm, "parse_response")
         backend_plugin = self.pm.get_plugin(config.backend)
         #: Optional operations this backend implements (hook names).
         self.capabilities: frozenset[str] = implemented_hooks(self.pm, backend_plugin) & CAPABILITY_HOOKS
@@ -209,7 +213,7 @@ class BackendDriver:
         return list(ids)
 
     def prepare_request(self, request: GenerateRequest) -> GenerateRequest:
-        prepared = self.pm.hook.prepare_request(request=request, config=self.config)
+        prepared = self._prepare_request(request=request, config=self.config)
         if not isinstance(prepared, GenerateRequest):
             raise TypeError(f"prepare_request returned {type(prepared).__name__}, expected GenerateRequest")
         return prepared
@@ -219,9 +223,7 @@ class BackendDriver:
         self.check_sampling(request.sampling)
         started = time.perf_counter()
         try:
-            raw = await self.pm.hook.post_generate(
-                server=server, request=request, config=self.config, options=self.options
-            )
+            raw = await self._post_generate(server=server, request=request, config=self.config, options=self.options)
             results = self._parse(raw, request, server)
         except BaseException as exc:
             self.emit("generate", "generate", server.base_url, started, exc)
@@ -322,7 +324,7 @@ class BackendDriver:
 
     def _parse(self, raw: Any, request: GenerateRequest, server: Server) -> list[GenerateResult]:
         with self._parse_errors(server):
-            results = self.pm.hook.parse_response(
+            results = self._parse_response(
                 raw=raw, request=request, server_url=server.base_url, config=self.config, options=self.options
             )
         if not isinstance(results, list) or len(results) != request.sampling.n:

@@ -110,6 +110,40 @@ def make_plugin_manager(
     return pm
 
 
+class HookCall:
+    """One ``firstresult`` hook of a plugin manager, called as pluggy calls it, without its per-call machinery
+    on the request path: the implementations run last-registered first (``tryfirst``/``trylast`` respected),
+    each with the arguments it names, until one returns something other than ``None``; that is the result.
+
+    Anything pluggy does beyond that goes through pluggy itself: an implementation that is a wrapper, an
+    argument the call does not give (pluggy fills hookspec defaults), a plugin manager tracing its calls
+    (``BACKENDS_TRACE_HOOKS``). Plugins registered later are seen on the next call.
+    """
+
+    __slots__ = ("_caller", "_direct")
+
+    def __init__(self, pm: pluggy.PluginManager, name: str) -> None:
+        self._caller: pluggy.HookCaller = getattr(pm.hook, name)
+        spec = self._caller.spec
+        if spec is None or not spec.opts.get("firstresult"):
+            raise ValueError(f"hook {name!r} is not a firstresult hook")
+        self._direct = os.environ.get(TRACE_ENV) != "1"
+
+    def __call__(self, **kwargs: Any) -> Any:
+        impls = self._caller.get_hookimpls()
+        if not self._direct or any(i.hookwrapper or i.wrapper for i in impls):
+            return self._caller(**kwargs)
+        for impl in reversed(impls):
+            try:
+                args = [kwargs[name] for name in impl.argnames]
+            except KeyError:
+                return self._caller(**kwargs)
+            result = impl.function(*args)
+            if result is not None:
+                return result
+        return None
+
+
 def implemented_hooks(pm: pluggy.PluginManager, plugin: object) -> frozenset[str]:
     """Names of the hooks ``plugin`` implements."""
     return frozenset(caller.name for caller in pm.get_hookcallers(plugin) or ())

@@ -376,18 +376,24 @@ async def _send(
         )
     if client.is_closed:
         raise RuntimeError("Cannot send a request, as the client has been closed.")
-    merged = httpx.Headers(client.headers)
-    if headers:
-        merged.update(headers)
     cookies = client.cookies
-    request = httpx.Request(
-        method,
-        _request_url(url, params),
-        headers=merged,
-        cookies=cookies if cookies else None,
-        content=content,
-        extensions={"timeout": (timeout or client.timeout).as_dict()},
-    )
+    target = _request_url(url, params)
+    extensions = {"timeout": (timeout or client.timeout).as_dict()}
+    empty = not content and method in ("POST", "PUT", "PATCH")
+    own = tuple(headers.items()) if headers else ()
+    head = None if cookies else _head(target.netloc, tuple(client.headers.raw), own, empty_body=empty)
+    if head is None:
+        merged = httpx.Headers(client.headers)
+        if headers:
+            merged.update(headers)
+        request = httpx.Request(method, target, headers=merged, cookies=cookies, content=content, extensions=extensions)
+    else:
+        if content:
+            head = [*head, (b"Content-Length", b"%d" % len(content))]
+        request = httpx.Request(
+            method, target, headers=head, stream=httpx.ByteStream(content or b""), extensions=extensions
+        )
+        request.read()
     hooks = client.event_hooks
     for hook in hooks["request"]:
         await hook(request)
@@ -409,6 +415,25 @@ async def _send(
     for hook in hooks["response"]:
         await hook(response)
     return response
+
+
+@functools.lru_cache(maxsize=1024)
+def _head(
+    netloc: bytes, client_headers: tuple[tuple[bytes, bytes], ...], own: tuple[tuple[str, str], ...], *, empty_body: bool
+) -> list[tuple[bytes, bytes]] | None:
+    """The headers ``httpx.Request`` gives a request, in its order and spelling, but a body's ``Content-Length``
+    (the caller appends it, as httpx does): ``Host`` and, for a POST/PUT/PATCH without a body, ``Content-Length:
+    0`` first, then the client's headers updated with the call's. Worked out once per host, client headers, call
+    headers and kind of body; ``None`` when the headers set the body's framing themselves (httpx's own path
+    handles that)."""
+    merged = httpx.Headers(list(client_headers))
+    merged.update(dict(own))
+    if "Content-Length" in merged or "Transfer-Encoding" in merged:
+        return None
+    auto = [] if "Host" in merged else [(b"Host", netloc)]
+    if empty_body:
+        auto.append((b"Content-Length", b"0"))
+    return [*auto, *merged.raw]
 
 
 def _request_url(url: str, params: Mapping[str, Any] | None) -> httpx.URL:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+import operator
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
 import attrs
 import numpy as np
 import numpy.typing as npt
+import orjson
 
 from backends_core.errors import InvalidRequestError
 
@@ -75,7 +77,56 @@ def _text(_inst: Any, attr: attrs.Attribute[Any], value: Any) -> None:
 
 
 def _int_tuple(value: Sequence[int] | None) -> tuple[int, ...]:
-    return tuple(int(v) for v in value) if value is not None else ()
+    """``value`` as a tuple of ints: the caller's tuple itself when it already holds only exact ints (one C pass
+    over the types; a tuple is immutable, so sharing it is safe), else each item through ``int``."""
+    if value is None:
+        return ()
+    if set(map(type, value)) <= {int}:
+        return value if type(value) is tuple else tuple(value)
+    return tuple(int(v) for v in value)
+
+
+def _non_negative(ids: tuple[int, ...]) -> bool:
+    return not ids or min(ids) >= 0
+
+
+def _id_sequence(value: Any) -> tuple[Any, ...]:
+    """Converter of token-id fields: a tuple as it is (immutable, so shared, not copied), any other sequence into
+    one. The items are checked by :func:`_token_ids` once the object is built."""
+    if type(value) is tuple:
+        return value
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Iterable):
+        raise InvalidRequestError(f"token ids must be a sequence of ints, got {type(value).__name__}")
+    return tuple(value)
+
+
+#: The bytes of a JSON array of non-negative integer literals, as orjson writes one.
+_ID_ARRAY_BYTES = b"0123456789,[]"
+
+
+def _token_ids(ids: tuple[Any, ...], what: str) -> tuple[int, ...]:
+    """``ids`` when every item is a non-negative int, else a copy with integer types such as numpy's as ``int``;
+    :class:`InvalidRequestError` naming the first item that is not a token id (a bool, a float, a negative).
+
+    The usual case is decided by one C pass: orjson writes exact ints (and ``int`` subclasses other than ``bool``)
+    as bare digits, and anything else with a sign, a ``.``/exponent, a letter or a quote, or refuses it."""
+    try:
+        if not orjson.dumps(ids).translate(None, _ID_ARRAY_BYTES):
+            return ids
+    except TypeError:  # numpy integers, ints beyond 64 bits, objects orjson does not know: looked at one by one
+        pass
+    out = []
+    for i, v in enumerate(ids):
+        try:
+            if isinstance(v, bool):
+                raise TypeError
+            n = operator.index(v)
+        except TypeError:
+            raise InvalidRequestError(f"{what} must be a sequence of ints: item {i} is {v!r}") from None
+        if n < 0:
+            raise InvalidRequestError(f"{what} contains a negative token id: {n} at position {i}")
+        out.append(n)
+    return tuple(out)
 
 
 # -- structured output ----------------------------------------------------------------------------------
@@ -274,7 +325,7 @@ class SamplingParams:
         _check(0 <= self.top_logprobs <= 20, f"top_logprobs must be in [0, 20], got {self.top_logprobs!r}")
         _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         _check(
-            all(t >= 0 for t in self.stop_token_ids or ()), f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}"
+            _non_negative(self.stop_token_ids or ()), f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}"
         )
         _check(self.seed is None or isinstance(self.seed, int), f"seed must be an int or None, got {self.seed!r}")
         _check(
@@ -331,7 +382,7 @@ class GenerateRequest:
     :param model: served model name; ``None`` uses ``ClientConfig.model``.
     """
 
-    prompt_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    prompt_ids: tuple[int, ...] = attrs.field(converter=_id_sequence)
     sampling: SamplingParams = attrs.field(factory=SamplingParams, converter=_resolved_sampling)
     messages: tuple[Message, ...] | None = None
     tools: tuple[Mapping[str, Any], ...] | None = None
@@ -345,7 +396,9 @@ class GenerateRequest:
 
     def __attrs_post_init__(self) -> None:
         _check(len(self.prompt_ids) > 0, "prompt_ids is empty: a prompt needs at least one token")
-        _check(all(t >= 0 for t in self.prompt_ids), "prompt_ids contains a negative token id")
+        ids = _token_ids(self.prompt_ids, "prompt_ids")
+        if ids is not self.prompt_ids:
+            object.__setattr__(self, "prompt_ids", ids)
         _check(
             0 <= self.routed_experts_start < len(self.prompt_ids) + self.sampling.max_tokens,
             f"routed_experts_start must be in [0, prompt+max_tokens), got {self.routed_experts_start}",
@@ -461,7 +514,7 @@ class TeacherRequest:
     :param model: served model name; ``None`` uses ``ClientConfig.model``.
     """
 
-    token_ids: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    token_ids: tuple[int, ...] = attrs.field(converter=_id_sequence)
     top_logprobs: int = 0
     lora: str | None = None
     model: str | None = None
@@ -469,7 +522,9 @@ class TeacherRequest:
 
     def __attrs_post_init__(self) -> None:
         _check(len(self.token_ids) >= 2, "teacher scoring needs at least two token ids (position 0 has no logprob)")
-        _check(all(t >= 0 for t in self.token_ids), "token_ids contains a negative token id")
+        ids = _token_ids(self.token_ids, "token_ids")
+        if ids is not self.token_ids:
+            object.__setattr__(self, "token_ids", ids)
         _check(0 <= self.top_logprobs <= 20, f"top_logprobs must be in [0, 20], got {self.top_logprobs!r}")
 
 

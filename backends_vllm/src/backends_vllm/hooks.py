@@ -35,6 +35,7 @@ from backends_vllm import wire
 from backends_vllm.options import VllmOptions, parse_options
 
 _MODELS = "vllm.models"  # Server.cache key: the last /v1/models answer
+_MODEL_LENS = "vllm.model_lens"  # Server.cache key: (that answer, max_model_len and names per model)
 
 
 @hookimpl
@@ -90,12 +91,24 @@ async def _models(server: Server, *, refresh: bool = False) -> Any:
     return server.cache[_MODELS]
 
 
+async def _model_len(server: Server, model: str, *, refresh: bool = False) -> tuple[int, list[str]]:
+    """:func:`wire.max_model_len` of ``model`` in the cached ``/v1/models`` answer, worked out once per answer."""
+    models = await _models(server, refresh=refresh)
+    memo = server.cache.get(_MODEL_LENS)
+    if memo is None or memo[0] is not models:
+        memo = server.cache[_MODEL_LENS] = (models, {})
+    found: tuple[int, list[str]] | None = memo[1].get(model)
+    if found is None:
+        found = memo[1][model] = wire.max_model_len(models, model, server.base_url)
+    return found
+
+
 async def _check_length(server: Server, request: GenerateRequest, model: str | None) -> None:
     if model is None:
         return
-    limit, names = wire.max_model_len(await _models(server), model, server.base_url)
+    limit, names = await _model_len(server, model)
     if limit < 0:  # maybe an adapter loaded since we last looked
-        limit, names = wire.max_model_len(await _models(server, refresh=True), model, server.base_url)
+        limit, names = await _model_len(server, model, refresh=True)
     if limit < 0:
         raise InvalidRequestError(f"model {model!r} is not served by {server.base_url} (it serves {names})")
     needed = len(request.prompt_ids) + request.sampling.max_tokens

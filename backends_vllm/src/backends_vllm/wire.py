@@ -200,7 +200,7 @@ def generate_payload(request: GenerateRequest, model: str | None) -> dict[str, A
     with_extra(sampling, request.sampling, GENERATE_EXTRA, "/inference/v1/generate sampling_params")
     body: dict[str, Any] = {
         "model": request.lora or request.model or model,
-        "token_ids": list(request.prompt_ids),
+        "token_ids": request.prompt_ids,
         "sampling_params": sampling,
     }
     for key in ("request_id", "cache_salt", "priority"):
@@ -213,7 +213,7 @@ def completions_payload(request: GenerateRequest, model: str | None) -> dict[str
     """Body of ``POST /v1/completions`` with a token-id prompt."""
     body: dict[str, Any] = {
         "model": request.lora or request.model or model,
-        "prompt": list(request.prompt_ids),
+        "prompt": request.prompt_ids,
         **_sampling_fields(request),
         "logprobs": request.sampling.top_logprobs,
         "return_token_ids": True,
@@ -236,12 +236,12 @@ def teacher_payload(request: TeacherRequest, model: str | None, *, transport: st
     if transport == "generate":
         body: dict[str, Any] = {
             "model": name,
-            "token_ids": list(request.token_ids),
+            "token_ids": request.token_ids,
             "sampling_params": {**fields, "detokenize": False},
         }
         path = "/inference/v1/generate"
     else:
-        body = {"model": name, "prompt": list(request.token_ids), **fields}
+        body = {"model": name, "prompt": request.token_ids, **fields}
         path = "/v1/completions"
     if request.request_id is not None:
         body["request_id"] = request.request_id

@@ -172,7 +172,7 @@ def test_payloads_send_every_sampling_field_explicitly() -> None:
     assert gen["sampling_params"]["routed_experts_prompt_start"] == 1
     assert (gen["request_id"], gen["cache_salt"], gen["priority"], gen["model"]) == ("r1", "s", 2, "tiny-qwen3")
     cmpl = wire.completions_payload(request, "tiny-qwen3")
-    assert expected <= set(cmpl) and cmpl["prompt"] == [1, 2] and cmpl["return_tokens_as_token_ids"] is True
+    assert expected <= set(cmpl) and list(cmpl["prompt"]) == [1, 2] and cmpl["return_tokens_as_token_ids"] is True
     assert cmpl["routed_experts_prompt_start"] == 1
     assert wire.generate_payload(GenerateRequest(prompt_ids=[1], lora="tiny-lora"), "base")["model"] == "tiny-lora"
 
