@@ -11,16 +11,18 @@ import operator
 import io
 import json
 
+import attrs
 import httpx
 import hypothesis.strategies as st
 import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from backends_core import GenerateResult, InvalidRequestError, ResponseParseError, decode_routed_experts
+from backends_core import GenerateResult, InvalidRequestError, SamplingParams, ResponseParseError, decode_routed_experts
 from backends_core.driver import check_result
 from backends_core.jsonio import dumps, loads, loads_lifting
 from backends_core.routed_experts import _b64decode
+from backends_core.client import _with_cache_salt
 from backends_core.server import Server
 from backends_core.types import GenerateRequest, _token_ids
 
@@ -224,3 +226,20 @@ def test_a_request_keeps_the_callers_tuple_of_ints_and_converts_other_sequences(
             GenerateRequest(prompt_ids=bad)  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="item 1 is True"):
         GenerateRequest(prompt_ids=[5, True])
+
+
+def test_a_salted_request_equals_the_evolved_one_in_every_field() -> None:
+    request = GenerateRequest(
+        prompt_ids=[3, 4, 5],
+        sampling=SamplingParams(max_tokens=7, stop_token_ids=[2], n=2),
+        request_id="r",
+        priority=1,
+        lora="adapter",
+        return_routed_experts=True,
+        routed_experts_start=1,
+        model="m",
+    )
+    salted = _with_cache_salt(request, "weights:v2")
+    assert salted == attrs.evolve(request, cache_salt="weights:v2")
+    assert type(salted) is GenerateRequest and request.cache_salt is None
+    assert attrs.asdict(salted) == {**attrs.asdict(request), "cache_salt": "weights:v2"}

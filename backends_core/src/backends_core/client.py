@@ -60,6 +60,19 @@ multiturn_log = logging.getLogger("backends_core.multiturn")
 _SESSION: contextvars.ContextVar[str | None] = contextvars.ContextVar("backends_session", default=None)
 
 
+def _with_cache_salt(request: GenerateRequest, salt: str) -> GenerateRequest:
+    """``attrs.evolve(request, cache_salt=salt)`` without checking again what ``request`` was checked for when it
+    was built (its ids above all): a salt is any string, so the copy is as valid as the original."""
+    salted = object.__new__(GenerateRequest)
+    for field in _REQUEST_FIELDS:
+        object.__setattr__(salted, field, getattr(request, field))
+    object.__setattr__(salted, "cache_salt", salt)
+    return salted
+
+
+_REQUEST_FIELDS = tuple(field.name for field in attrs.fields(GenerateRequest))
+
+
 def _transport_args(
     transport: httpx.AsyncBaseTransport | None, limits: httpx.Limits, verify: ssl.SSLContext | bool
 ) -> dict[str, Any]:
@@ -598,7 +611,7 @@ class Client:
         salt = f"weights:{version}" if version is not None else ""
         if swaps is not None:
             salt += f"|lora:{request.lora}#{swaps}"
-        return attrs.evolve(request, cache_salt=salt)
+        return _with_cache_salt(request, salt)
 
     async def _look_up_version(self, server: Server) -> None:
         """Learn the weight version ``server`` serves (its ``admin_state``; one lookup however many requests
