@@ -7,9 +7,9 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
-import operator
 import io
 import json
+import operator
 
 import attrs
 import httpx
@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from backends_core import GenerateResult, InvalidRequestError, SamplingParams, ResponseParseError, decode_routed_experts
+from backends_core import GenerateResult, InvalidRequestError, ResponseParseError, SamplingParams, decode_routed_experts
+from backends_core.client import _with_cache_salt
 from backends_core.driver import check_result
 from backends_core.jsonio import dumps, loads, loads_lifting
 from backends_core.routed_experts import _b64decode
-from backends_core.client import _with_cache_salt
 from backends_core.server import Server
 from backends_core.types import GenerateRequest, _token_ids
 

@@ -175,3 +175,63 @@ def test_in_process_backend_registers_next_to_core_defaults() -> None:
     pm = make_plugin_manager("inproc", plugin=OnlyGenerate())
     assert pm.get_plugin("inproc") is not None
     assert pm.get_plugin("backends_core.defaults") is not None
+
+
+def ordered(name: str, answer: object, calls: list[str], **opts: bool) -> object:
+    """A plugin whose ``parse_response`` records its call and answers ``answer`` (``None`` hands the call on)."""
+
+    def parse_response(self: object, raw: object) -> object:
+        calls.append(name)
+        return answer
+
+    return type(f"Plugin_{name}", (), {"parse_response": hookimpl(**opts)(parse_response)})()
+
+
+@pytest.mark.parametrize(
+    "plugins",
+    [
+        [("a", "A", {}), ("b", "B", {})],  # the last registered runs first
+        [("a", "A", {"tryfirst": True}), ("b", "B", {})],
+        [("a", None, {}), ("b", None, {})],  # nobody answers: None
+        [("a", "A", {}), ("b", None, {}), ("c", None, {"trylast": True})],  # None falls through to the next
+    ],
+)
+def test_a_direct_hook_call_runs_what_pluggy_runs_in_its_order(plugins: list[tuple[str, object, dict]]) -> None:
+    from backends_core.plugins import HookCall
+
+    outcomes = []
+    for direct in (False, True):
+        calls: list[str] = []
+        pm = make_plugin_manager("x", plugin=OnlyGenerate())
+        pm.unregister(name="x")
+        for name, answer, opts in plugins:
+            pm.register(ordered(name, answer, calls, **opts), name=name)
+        kwargs = {"raw": {}, "request": None, "server_url": "u", "config": None, "options": None}
+        result = HookCall(pm, "parse_response")(**kwargs) if direct else pm.hook.parse_response(**kwargs)
+        outcomes.append((result, calls))
+    assert outcomes[0] == outcomes[1]
+
+
+def test_a_direct_hook_call_sees_plugins_registered_later_and_leaves_wrappers_to_pluggy() -> None:
+    from backends_core.plugins import HookCall
+
+    pm = make_plugin_manager("x", plugin=OnlyGenerate())
+    hook = HookCall(pm, "parse_response")
+    kwargs = {"raw": {}, "request": None, "server_url": "u", "config": None, "options": None}
+
+    def call() -> object:
+        return hook(**kwargs)
+
+    assert call() == []
+    calls: list[str] = []
+    pm.register(ordered("late", "late answer", calls), name="late")
+    assert call() == "late answer" and calls == ["late"]
+
+    class Wrapper:
+        @hookimpl(wrapper=True)
+        def parse_response(self, raw: object):  # type: ignore[no-untyped-def]
+            inner = yield
+            return ("wrapped", inner)
+
+    pm.register(Wrapper(), name="wrapper")
+    assert call() == ("wrapped", "late answer")

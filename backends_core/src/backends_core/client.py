@@ -369,7 +369,7 @@ class Client:
         if messages is not None:
             plain = [as_plain(m) for m in messages]
             check_content_parts(plain)
-            ids = None
+            ids: Sequence[int] | None = None
             if session is not None and self.config.stateless.enabled:
                 ids = self._reuse_turns(
                     session,

@@ -419,7 +419,11 @@ async def _send(
 
 @functools.lru_cache(maxsize=1024)
 def _head(
-    netloc: bytes, client_headers: tuple[tuple[bytes, bytes], ...], own: tuple[tuple[str, str], ...], *, empty_body: bool
+    netloc: bytes,
+    client_headers: tuple[tuple[bytes, bytes], ...],
+    own: tuple[tuple[str, str], ...],
+    *,
+    empty_body: bool,
 ) -> list[tuple[bytes, bytes]] | None:
     """The headers ``httpx.Request`` gives a request, in its order and spelling, but a body's ``Content-Length``
     (the caller appends it, as httpx does): ``Host`` and, for a POST/PUT/PATCH without a body, ``Content-Length:

@@ -324,9 +324,7 @@ class SamplingParams:
         )
         _check(0 <= self.top_logprobs <= 20, f"top_logprobs must be in [0, 20], got {self.top_logprobs!r}")
         _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        _check(
-            _non_negative(self.stop_token_ids or ()), f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}"
-        )
+        _check(_non_negative(self.stop_token_ids or ()), f"stop_token_ids must be >= 0, got {self.stop_token_ids!r}")
         _check(self.seed is None or isinstance(self.seed, int), f"seed must be an int or None, got {self.seed!r}")
         _check(
             self.structured is None or isinstance(self.structured, _STRUCTURED_KINDS),

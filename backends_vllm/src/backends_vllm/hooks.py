@@ -94,10 +94,10 @@ async def _models(server: Server, *, refresh: bool = False) -> Any:
 async def _model_len(server: Server, model: str, *, refresh: bool = False) -> tuple[int, list[str]]:
     """:func:`wire.max_model_len` of ``model`` in the cached ``/v1/models`` answer, worked out once per answer."""
     models = await _models(server, refresh=refresh)
-    memo = server.cache.get(_MODEL_LENS)
+    memo: tuple[Any, dict[str, tuple[int, list[str]]]] | None = server.cache.get(_MODEL_LENS)
     if memo is None or memo[0] is not models:
         memo = server.cache[_MODEL_LENS] = (models, {})
-    found: tuple[int, list[str]] | None = memo[1].get(model)
+    found = memo[1].get(model)
     if found is None:
         found = memo[1][model] = wire.max_model_len(models, model, server.base_url)
     return found
