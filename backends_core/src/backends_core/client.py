@@ -284,7 +284,9 @@ class Client:
         """The default render's prefix cache: its ``stats`` (:class:`~backends_core.multiturn.prefix_cache.
         RenderStats`), ``enabled = False`` to tokenize every prompt whole. A backend with its own ``render`` hook
         does not use it."""
-        cache: PrefixRenderCache = self.driver.pm.get_plugin("backends_core.defaults").prefix_cache
+        defaults = self.driver.pm.get_plugin("backends_core.defaults")
+        assert defaults is not None  # every plugin manager carries the core defaults
+        cache: PrefixRenderCache = defaults.prefix_cache
         return cache
 
     def parse_completion(self, result: GenerateResult) -> dict[str, Any]:

@@ -199,7 +199,13 @@ class PrefixRenderCache:
         entry = state.entries.get(key)
         if entry is not None:
             if not text.startswith(entry.text):
-                return self._full(tokenizer, text, "prefix_changed")
+                # the template renders these earlier messages differently now (a date, the last message's
+                # content): keep the part both renders share
+                del state.entries[key]
+                limit = _common_length(text, entry.text)
+                return self._store(
+                    state, key, shape, tokenizer, text, _last_token_end(state, text, limit), "prefix_changed"
+                )
             state.entries.move_to_end(key)
             self.stats.prefix_renders += 1
             return [*entry.ids, *encode(tokenizer, text[len(entry.text) :])]
@@ -223,9 +229,15 @@ class PrefixRenderCache:
         add_generation_prompt: bool,
         chat_template_kwargs: Mapping[str, Any] | None,
     ) -> list[int]:
-        """Find this list's prefix, tokenize the text in two pieces and whole, and keep the prefix only when
-        both agree."""
+        """Find this list's prefix and keep it if it splits the text exactly."""
         cut = self._cut(tokenizer, state, text, messages, tools, add_generation_prompt, chat_template_kwargs)
+        return self._store(state, key, shape, tokenizer, text, cut, "verify")
+
+    def _store(
+        self, state: _TokenizerState, key: Hashable, shape: Hashable, tokenizer: Any, text: str, cut: int, reason: str
+    ) -> list[int]:
+        """Tokenize ``text`` whole and in two pieces at ``cut``; keep the first piece as the prefix of ``key``
+        when both agree, else remember that ``shape`` does not split."""
         if cut <= 0:
             return self._full(tokenizer, text, "no_boundary")
         whole = encode(tokenizer, text)
@@ -239,7 +251,7 @@ class PrefixRenderCache:
         state.entries[key] = _Entry(text[:cut], tuple(prefix_ids))
         while len(state.entries) > self.max_entries:
             state.entries.popitem(last=False)
-        self.stats.full_renders["verify"] += 1
+        self.stats.full_renders[reason] += 1
         return whole
 
     @staticmethod
@@ -268,10 +280,14 @@ class PrefixRenderCache:
         except Exception:  # the template wants this content as it is: nothing to share
             return 0
         at = other.find(_SENTINEL)
-        limit = _common_length(text, other if at < 0 else other[:at])
-        cut = 0
-        for token in state.safe_tokens:
-            found = text.rfind(token, 0, limit)
-            if found >= 0:
-                cut = max(cut, found + len(token))
-        return cut
+        return _last_token_end(state, text, _common_length(text, other if at < 0 else other[:at]))
+
+
+def _last_token_end(state: _TokenizerState, text: str, limit: int) -> int:
+    """Where the last safe added token in ``text[:limit]`` ends, 0 when there is none."""
+    cut = 0
+    for token in state.safe_tokens:
+        found = text.rfind(token, 0, limit)
+        if found >= 0:
+            cut = max(cut, found + len(token))
+    return cut
