@@ -190,25 +190,26 @@ class PrefixRenderCache:
                 _freeze(chat_template_kwargs) if chat_template_kwargs else "",
                 add_generation_prompt,
             )
-            shape = (template_key, tuple(_message_shape(m) for m in messages))
-            key = (template_key, tuple(_message_key(m) for m in messages[:-1]), shape[1][-1])
+            last_shape = _message_shape(messages[-1])
+            key = (template_key, tuple(_message_key(m) for m in messages[:-1]), last_shape)
         except (_Uncacheable, TypeError):
             return self._full(tokenizer, text, "uncacheable")
-        if shape in state.not_splittable:
-            return self._full(tokenizer, text, "not_splittable")
         entry = state.entries.get(key)
-        if entry is not None:
-            if not text.startswith(entry.text):
-                # the template renders these earlier messages differently now (a date, the last message's
-                # content): keep the part both renders share
-                del state.entries[key]
-                limit = _common_length(text, entry.text)
-                return self._store(
-                    state, key, shape, tokenizer, text, _last_token_end(state, text, limit), "prefix_changed"
-                )
+        if entry is not None and text.startswith(entry.text):
             state.entries.move_to_end(key)
             self.stats.prefix_renders += 1
             return [*entry.ids, *encode(tokenizer, text[len(entry.text) :])]
+        # an entry was verified for its own messages; without one, the shape's verdict decides
+        shape = (template_key, *(_message_shape(m) for m in messages[:-1]), last_shape)
+        if entry is None and shape in state.not_splittable:
+            return self._full(tokenizer, text, "not_splittable")
+        if entry is not None:
+            # the template renders these earlier messages differently now (a date, the last message's content):
+            # keep the part both renders share
+            del state.entries[key]
+            limit = _common_length(text, entry.text)
+            cut = _last_token_end(state, text, limit)
+            return self._store(state, key, shape, tokenizer, text, cut, "prefix_changed")
         return self._first_use(
             tokenizer, state, key, shape, text, messages, tools, add_generation_prompt, chat_template_kwargs
         )
