@@ -194,14 +194,18 @@ _text = st.lists(
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(system=_text, shots=st.lists(_text, max_size=4), lasts=st.lists(_text, min_size=1, max_size=4))
-def test_any_contents_give_the_ids_of_the_whole_text(tok: Any, system: str, shots: list[str], lasts: list[str]) -> None:
+def test_any_contents_give_the_ids_of_the_whole_text(
+    tok: Any, templated: Any, system: str, shots: list[str], lasts: list[str]
+) -> None:
     prefix: list[dict[str, Any]] = [{"role": "system", "content": system}]
     prefix += [{"role": ("user", "assistant")[i % 2], "content": s} for i, s in enumerate(shots)]
     if len(prefix) % 2 == 0:
         prefix.append({"role": "assistant", "content": "ok"})
-    cache = PrefixRenderCache()
-    for messages in rows(prefix, lasts * 2):
-        assert cache.render(tok, messages) == full(tok, messages)
+    for tokenizer, kwargs in ((tok, None), (templated(LLAMA_STYLE), {"date_string": "01 Jan 2026"})):
+        cache = PrefixRenderCache()
+        for messages in rows(prefix, lasts * 2):
+            expected = full(tokenizer, messages, chat_template_kwargs=kwargs)
+            assert cache.render(tokenizer, messages, chat_template_kwargs=kwargs) == expected
 
 
 def test_a_tokenizer_that_cannot_be_split_is_found_once_per_shape_then_tokenized_whole(tok: Any) -> None:
@@ -217,6 +221,37 @@ def test_a_tokenizer_that_cannot_be_split_is_found_once_per_shape_then_tokenized
     leading.renders = 0
     cache.render(leading, rows(FEW_SHOT, ["r"])[0])
     assert leading.renders == 1  # no probe for a shape known not to split
+
+
+def _metaspace_tokenizer() -> Any:
+    """A sentencepiece-style tokenizer (Metaspace, ``prepend_scheme="first"``): only the start of the whole text
+    gets the word marker, so a piece tokenized on its own starts differently."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list("abcdefghijklmnopqrstuvwxyz?.!\n:0123456789")
+    vocab = {"<unk>": 0}
+    for piece in ["\u2581", *chars, *("\u2581" + ch for ch in chars)]:
+        vocab.setdefault(piece, len(vocab))
+    model = models.BPE(vocab=vocab, merges=[("\u2581", ch) for ch in chars], unk_token="<unk>")
+    backend = Tokenizer(model)
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in ("<|im_start|>", "<|im_end|>")])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    tok.chat_template = (
+        r"{%- for m in messages -%}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' -}}{%- endfor -%}"
+        r"{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+    )
+    return tok
+
+
+def test_a_sentencepiece_style_tokenizer_is_found_not_splittable_and_tokenized_whole() -> None:
+    tok = _metaspace_tokenizer()
+    cache = PrefixRenderCache()
+    for last in ("hi there", "what now?", "a"):
+        messages = [{"role": "system", "content": "be nice"}, {"role": "user", "content": last}]
+        assert cache.render(tok, messages) == full(tok, messages)
+    assert cache.stats.full_renders == {"mismatch": 1, "not_splittable": 2}
 
 
 def test_a_prefix_that_depends_on_the_last_message_is_tokenized_whole_and_counted(templated: Any) -> None:

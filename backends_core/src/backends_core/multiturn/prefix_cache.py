@@ -13,17 +13,23 @@ shared prefix text and tokenizes only the rest of each prompt:
   followed by the rest's. Only added tokens that match exactly as written are cut at (not normalized, no
   whitespace stripping, not single-word, not part of a longer added token);
 * an entry is used only when the prompt text starts with its prefix text, and the first time it is built its
-  ids are checked against the full prompt's: a mismatch marks the *shape* of the message list (roles, keys and
-  content types of every message) as not splittable for this template, and every later list of that shape is
-  tokenized whole (the tokenizer prepends a space to the first piece, say).
+  ids are checked against the whole text's: a mismatch marks the *shape* of the message list (roles, keys and
+  content types of every message) as not splittable for this template, and every later list of that shape
+  without a verified entry is tokenized whole (a tokenizer that marks the start of each piece, say). When the
+  text no longer starts with the entry's prefix (the template renders the earlier messages after the last
+  one's content, or the date), the entry shrinks to the part both renders share, checked again.
+
+The whole text is rendered every call on purpose: rendering only the last message would leave undetected a
+template that renders earlier messages according to the last one (Qwen3 shows reasoning only after the last
+real user query, and a user message that is a tool response is not one).
 
 Nothing else changes: errors come from the full render as before, and each call gets a fresh list. Every call
 is counted in :class:`RenderStats`: ``prefix_renders`` (tokenized from a cached prefix) or ``full_renders`` keyed
 by why the whole text was tokenized: ``verify`` (first use of a prefix, checked), ``mismatch`` (that check
 failed), ``not_splittable`` (the shape failed it before), ``prefix_changed`` (the template rendered the same
-earlier messages differently, a date say), ``no_boundary`` (no added token to cut at), ``uncacheable`` (tools,
-template variables or messages that are not JSON, a tokenizer that cannot be weakly referenced) or
-``disabled``.
+earlier messages differently: the prefix shrank, checked), ``no_boundary`` (no added token to cut at),
+``uncacheable`` (tools, template variables or messages that are not JSON, a tokenizer that cannot be weakly
+referenced) or ``disabled``.
 
 The cache is bounded (least recently used entries go first) and keeps only strings and ids: never the caller's
 messages, tools or variables. A tokenizer whose vocabulary is changed in place after use must get
@@ -32,6 +38,7 @@ messages, tools or variables. A tokenizer whose vocabulary is changed in place a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import weakref
 from collections import Counter, OrderedDict
@@ -196,7 +203,8 @@ class PrefixRenderCache:
             return self._full(tokenizer, text, "uncacheable")
         entry = state.entries.get(key)
         if entry is not None and text.startswith(entry.text):
-            state.entries.move_to_end(key)
+            with contextlib.suppress(KeyError):  # dropped meanwhile by a render on another thread
+                state.entries.move_to_end(key)
             self.stats.prefix_renders += 1
             return [*entry.ids, *encode(tokenizer, text[len(entry.text) :])]
         # an entry was verified for its own messages; without one, the shape's verdict decides
@@ -206,7 +214,7 @@ class PrefixRenderCache:
         if entry is not None:
             # the template renders these earlier messages differently now (a date, the last message's content):
             # keep the part both renders share
-            del state.entries[key]
+            state.entries.pop(key, None)
             limit = _common_length(text, entry.text)
             cut = _last_token_end(state, text, limit)
             return self._store(state, key, shape, tokenizer, text, cut, "prefix_changed")
