@@ -21,9 +21,11 @@ and calls/s of:
   object form of routed experts its splice parser recognises (it returns them undecoded, as base64);
 * ``ours_msgs_vary`` / ``renderers_msgs_vary``: ``ours_msgs`` / ``renderers_msgs`` over a pool of 64 chats that
   share the first five messages and differ in the last user message (each rendering to the same 1,024 ids),
-  used round-robin: a rollout batch's shared prefix, never a whole-prompt repeat. ``ours_msgs`` renders
-  through the client's default render (its prefix cache on; ``ours_msgs_nocache`` / ``ours_msgs_vary_nocache``
-  turn it off: the whole text is tokenized each call).
+  used round-robin: a rollout batch's shared prefix, never a whole-prompt repeat (the prefix cache's first use,
+  which renders twice and tokenizes the text whole and in two pieces, falls in the unmeasured warm-up).
+  ``ours_msgs`` renders through the client's default render (its prefix cache on); ``ours_msgs_nocache`` /
+  ``ours_msgs_vary_nocache`` (run only when named in ``--clients``) turn it off: the whole text is tokenized
+  each call, the render as it was before the cache.
 
 Each batch gets its own client (pool) and an unmeasured warm-up of 2×concurrency calls; batches run in a
 shuffled order each round; ratios are taken per round (same round, body, concurrency), then median [min-max].
@@ -60,8 +62,6 @@ CLIENTS = (
     "renderers_msgs",
     "renderers_msgs_vary",
 )
-#: Not run unless named in ``--clients``.
-EXTRA_CLIENTS = ("ours_msgs_nocache", "ours_msgs_vary_nocache")
 
 
 class Fixture:
