@@ -205,6 +205,33 @@ def chat_messages(tok: Any, prompt_tokens: int = PROMPT_TOKENS) -> list[dict[str
     raise RuntimeError(f"could not build a chat of exactly {prompt_tokens} tokens")
 
 
+def chat_variants(tok: Any, n: int = 64, prompt_tokens: int = PROMPT_TOKENS) -> list[list[dict[str, str]]]:
+    """``n`` chats that share :func:`chat_messages`'s first five messages and differ in the last user message,
+    each rendering to exactly ``prompt_tokens`` ids (a rollout batch: one prefix, distinct last turns)."""
+    base = chat_messages(tok, prompt_tokens)
+    words = len(base[-1]["content"].split())
+    suffixes = ("", *(" " + "x" * i for i in range(1, 40)), *("." * i for i in range(1, 40)))
+    out: list[list[dict[str, str]]] = []
+    seed = 1000
+    while len(out) < n:
+        seed += 1
+        for w in range(words + 2, words - 8, -1):
+            text = _text(w, seed)
+            if len(render_ids(tok, [*base[:-1], {"role": "user", "content": text}])) > prompt_tokens:
+                continue
+            found = None
+            for suffix in suffixes:
+                msgs = [*base[:-1], {"role": "user", "content": text + suffix}]
+                if len(render_ids(tok, msgs)) == prompt_tokens:
+                    found = msgs
+                    break
+            if found is not None:
+                out.append(found)
+                break
+    assert len({m[-1]["content"] for m in out}) == n
+    return out
+
+
 def render_ids(tok: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> list[int]:
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     return list(tok.encode(text, add_special_tokens=False))

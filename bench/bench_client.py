@@ -18,7 +18,14 @@ and calls/s of:
   own adapter over ``aiohttp``);
 * ``renderers_ids`` / ``renderers_msgs``: ``renderers.generate`` 0.1.12 (``Qwen3Renderer``, ``AsyncOpenAI`` with
   max_retries=0, pool 1000/100, keep-alive 3600 s, as in shared/PERF_BASELINE.md). For ``re`` it gets the
-  object form of routed experts its splice parser recognises (it returns them undecoded, as base64).
+  object form of routed experts its splice parser recognises (it returns them undecoded, as base64);
+* ``ours_msgs_vary`` / ``renderers_msgs_vary``: ``ours_msgs`` / ``renderers_msgs`` over a pool of 64 chats that
+  share the first five messages and differ in the last user message (each rendering to the same 1,024 ids),
+  used round-robin: a rollout batch's shared prefix, never a whole-prompt repeat (the prefix cache's first use,
+  which renders twice and tokenizes the text whole and in two pieces, falls in the unmeasured warm-up).
+  ``ours_msgs`` renders through the client's default render (its prefix cache on); ``ours_msgs_nocache`` /
+  ``ours_msgs_vary_nocache`` (run only when named in ``--clients``) turn it off: the whole text is tokenized
+  each call, the render as it was before the cache.
 
 Each batch gets its own client (pool) and an unmeasured warm-up of 2×concurrency calls; batches run in a
 shuffled order each round; ratios are taken per round (same round, body, concurrency), then median [min-max].
@@ -50,8 +57,10 @@ CLIENTS = (
     "ours_ids_httpx",
     "ours_ids_aiohttp",
     "ours_msgs",
+    "ours_msgs_vary",
     "renderers_ids",
     "renderers_msgs",
+    "renderers_msgs_vary",
 )
 
 
@@ -74,6 +83,8 @@ class Fixture:
             },
         }
         self.request_body = json.dumps(request, separators=(",", ":")).encode()
+        self.variants = c.chat_variants(self.tok)
+        self.variant_ids = [c.render_ids(self.tok, m) for m in self.variants]
 
 
 def make_factory(name: str, url: str, body: str, fx: Fixture) -> Factory:
@@ -176,17 +187,23 @@ def make_factory(name: str, url: str, body: str, fx: Fixture) -> Factory:
                 }
                 transport = kinds[name](limits=limits)
             client = Client(config, tokenizer=fx.tok, transport=transport)
+            client.render_cache.enabled = not name.endswith("_nocache")
             sampling = SamplingParams(max_tokens=c.COMPLETION_TOKENS, temperature=1.0, stop_token_ids=fx.stop)
+            vary = "_vary" in name
+            turn = iter(range(1 << 62))
             if name.startswith("ours_ids"):
                 kwargs: dict[str, Any] = {"prompt_ids": fx.prompt_ids}
             else:
                 kwargs = {"messages": fx.messages}
 
             async def call() -> Any:
+                if vary:
+                    kwargs["messages"] = fx.variants[next(turn) % len(fx.variants)]
                 return await client.generate(sampling=sampling, return_routed_experts=routed, **kwargs)
 
             result = await call()
-            assert list(result.completion_ids) == fx.completion and list(result.prompt_ids) == fx.prompt_ids
+            expected = fx.variant_ids[0] if vary else fx.prompt_ids
+            assert list(result.completion_ids) == fx.completion and list(result.prompt_ids) == expected
             assert (result.routed_experts is not None) == routed
             return call, client.aclose
 
@@ -208,19 +225,23 @@ def make_factory(name: str, url: str, body: str, fx: Fixture) -> Factory:
             renderer = Qwen3Renderer(fx.tok)
             sampling = {"max_tokens": c.COMPLETION_TOKENS, "temperature": 1.0}
             ids = fx.prompt_ids if name == "renderers_ids" else None
+            vary = "_vary" in name
+            turn = iter(range(1 << 62))
 
             async def call() -> Any:
+                messages = fx.variants[next(turn) % len(fx.variants)] if vary else fx.messages
                 return await renderers_generate(
                     client=oc,
                     renderer=renderer,
-                    messages=fx.messages,
+                    messages=messages,
                     model=c.MODEL,
                     prompt_ids=ids,
                     sampling_params=sampling,
                 )
 
             result = await call()
-            assert result["completion_ids"] == fx.completion and result["prompt_ids"] == fx.prompt_ids
+            expected = fx.variant_ids[0] if vary else fx.prompt_ids
+            assert result["completion_ids"] == fx.completion and result["prompt_ids"] == expected
             return call, oc.close
 
         return factory
@@ -290,6 +311,7 @@ def report(data: dict[str, Any], clients: list[str], bodies: list[str], concs: l
         ("ours_ids_lean", "lean"),
         ("renderers_ids", "rend_ids"),
         ("renderers_msgs", "rend_msgs"),
+        ("renderers_msgs_vary", "rend_msgs_vary"),
     ]
     pairs = [(p, label) for p, label in pairs if p in clients]
     headers = ["body", "conc", "client", "CPU µs/call", "calls/s", *[f"CPU ÷ {label}" for _, label in pairs]]

@@ -2,10 +2,15 @@
 
     uv run python bench/profile_client.py [--client ours_ids] [--body plain] [--conc 1] [--n 400] [--top 25]
     uv run python bench/profile_client.py --admin 64 [--n 20] [--delay 0.05]
+    uv run python bench/profile_client.py --render [--n 400]
 
 Prints the functions with the most own CPU time (tottime) and cumulative time. Used for the bounds in bench/README.md.
 ``--admin N`` profiles ``n`` rounds of pause → update → resume over N emulated servers answering after ``--delay``
 seconds (the fleet fan-out of ``bench_fleet.py``: 4 admin calls per server and round) instead of generate calls.
+``--render`` times (``time.process_time``, no profiler, no HTTP) the pieces of the default render of
+``bench_client.py``'s varying-last-message chats: the whole render through the prefix cache, the chat template
+alone, tokenizing the whole text, tokenizing the part after the cached prefix, and the template over the last
+message alone (what rendering only the tail would cost).
 """
 
 from __future__ import annotations
@@ -56,8 +61,12 @@ async def main() -> None:
     parser.add_argument("--sort", default="tottime")
     parser.add_argument("--admin", type=int, default=0, help="profile admin calls over this many servers")
     parser.add_argument("--delay", type=float, default=0.05, help="seconds each emulated server takes per admin call")
+    parser.add_argument("--render", action="store_true", help="time the pieces of the default render instead")
     args = parser.parse_args()
     c.pin(0)
+    if args.render:
+        render_pieces(args.n)
+        return
     if args.admin:
         profile, calls = await profile_admin(args.admin, args.n, args.delay)
         report(profile, f"pause → update → resume over {args.admin} servers, per admin call", calls, args)
@@ -73,6 +82,35 @@ async def main() -> None:
         profile.disable()
         await close()
     report(profile, f"{args.client} {args.body} c={args.conc}", args.n, args)
+
+
+def render_pieces(n: int) -> None:
+    """CPU µs per call of each piece of the default render over the 64 varying-last-message chats."""
+    import time
+
+    from backends_core.multiturn.prefix_cache import PrefixRenderCache
+    from backends_core.multiturn.rendering import encode, render_text
+
+    tok = c.tokenizer()
+    chats = c.chat_variants(tok)
+    cache = PrefixRenderCache()
+    cache.render(tok, chats[0])
+    texts = [render_text(tok, m) for m in chats]
+    [state] = cache._tokenizers.values()  # one tokenizer, one prefix
+    [entry] = state.entries.values()
+    pieces = {
+        "prefix cache render (template + tail ids)": lambda m, t: cache.render(tok, m),
+        "chat template (render_text, whole chat)": lambda m, t: render_text(tok, m),
+        "tokenize the whole text": lambda m, t: encode(tok, t),
+        "tokenize after the cached prefix": lambda m, t: encode(tok, t[len(entry.text) :]),
+        "chat template over the last message alone": lambda m, t: render_text(tok, m[-1:]),
+    }
+    print(f"prefix: {len(entry.text)} chars, {len(entry.ids)} ids; texts {len(texts[0])} chars")
+    for label, piece in pieces.items():
+        t0 = time.process_time()
+        for i in range(n):
+            piece(chats[i % len(chats)], texts[i % len(texts)])
+        print(f"  {label:<46} {(time.process_time() - t0) / n * 1e6:7.0f} µs")
 
 
 async def profile_admin(servers: int, rounds: int, delay: float) -> tuple[cProfile.Profile, int]:

@@ -33,6 +33,7 @@ from backends_core.membership import Fleet
 from backends_core.multiturn import BridgeStats, Conversation
 from backends_core.multiturn.extension import end_of_turn_stop_ids
 from backends_core.multiturn.messages import as_plain, check_content_parts, normalize_messages
+from backends_core.multiturn.prefix_cache import PrefixRenderCache
 from backends_core.multiturn.rendering import load_tokenizer
 from backends_core.multiturn.turn_cache import TurnCache
 from backends_core.parsing import CompletionParser
@@ -285,6 +286,16 @@ class Client:
                 )
             self._tokenizer = load_tokenizer(source)
         return self._tokenizer
+
+    @property
+    def render_cache(self) -> PrefixRenderCache:
+        """The default render's prefix cache: its ``stats`` (:class:`~backends_core.multiturn.prefix_cache.
+        RenderStats`), ``enabled = False`` to tokenize every prompt whole. A backend with its own ``render`` hook
+        does not use it."""
+        defaults = self.driver.pm.get_plugin("backends_core.defaults")
+        assert defaults is not None  # every plugin manager carries the core defaults
+        cache: PrefixRenderCache = defaults.prefix_cache
+        return cache
 
     def parse_completion(self, result: GenerateResult) -> dict[str, Any]:
         """The assistant message ``result``'s completion is, as the chat template would render it back.

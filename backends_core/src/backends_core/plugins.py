@@ -26,7 +26,7 @@ from backends_core.errors import (
 )
 from backends_core.fronts import BUILTIN_FRONTS
 from backends_core.hookspecs import hookimpl
-from backends_core.multiturn.rendering import encode, render_text
+from backends_core.multiturn.prefix_cache import PrefixRenderCache
 from backends_core.parsing import BUILTIN_REASONING_PARSERS, BUILTIN_TOOL_PARSERS
 
 __all__ = ["ENTRY_POINT_GROUP", "BackendInfo", "CoreDefaults", "available_backends", "make_plugin_manager"]
@@ -166,6 +166,10 @@ def _load_entry_point(backend: str) -> Any:
 class CoreDefaults:
     """Default implementations every plugin manager carries; backends override by implementing the hook."""
 
+    def __init__(self) -> None:
+        #: The default render's prefix cache (one per plugin manager, so per client).
+        self.prefix_cache = PrefixRenderCache()
+
     @hookimpl(trylast=True)
     def render(
         self,
@@ -179,14 +183,13 @@ class CoreDefaults:
             raise ConfigError(
                 ["rendering messages needs a tokenizer: set tokenizer (or model) to a local path @ $.tokenizer"]
             )
-        text = render_text(
+        return self.prefix_cache.render(
             tokenizer,
             messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs,
         )
-        return encode(tokenizer, text)
 
     @hookimpl(trylast=True)
     def prepare_request(self, request: Any) -> Any:

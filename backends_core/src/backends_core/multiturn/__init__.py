@@ -7,17 +7,22 @@
   (the caller sends the whole message list; the longest remembered prefix is reused).
 * :mod:`~backends_core.multiturn.messages`: one plain normal form per message, for rendering and comparison.
 * :mod:`~backends_core.multiturn.rendering`: the chat template through transformers.
+* :mod:`~backends_core.multiturn.prefix_cache`: :class:`PrefixRenderCache`, the default render's cache of a
+  batch's shared prefix ids (verified against the whole text), and its counters (:class:`RenderStats`).
 """
 
 from backends_core.multiturn.conversation import Conversation
 from backends_core.multiturn.extension import BridgeStats, clear_template_cache, extend_prompt
 from backends_core.multiturn.messages import as_plain, normal_forms, normalize_message, normalize_messages
+from backends_core.multiturn.prefix_cache import PrefixRenderCache, RenderStats
 from backends_core.multiturn.rendering import encode, load_tokenizer, render_text
 from backends_core.multiturn.turn_cache import Turn, TurnCache
 
 __all__ = [
     "BridgeStats",
     "Conversation",
+    "PrefixRenderCache",
+    "RenderStats",
     "Turn",
     "TurnCache",
     "as_plain",
