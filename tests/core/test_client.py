@@ -266,3 +266,21 @@ async def test_api_key_and_headers_are_sent(monkeypatch: pytest.MonkeyPatch) -> 
     async with Client(cfg, transport=httpx.MockTransport(handle), plugin=Tiny()) as client:
         await client.generate(prompt_ids=[1])
     assert seen[0]["authorization"] == "Bearer sk-1" and seen[0]["x-run"] == "42"
+
+
+async def test_template_stop_resolves_the_same_parameters_once_and_new_ones_again(tiny_models: Any) -> None:
+    from transformers import AutoTokenizer
+
+    from backends_core import SamplingParams
+    from backends_core.multiturn.extension import end_of_turn_stop_ids
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_models.dense), local_files_only=True)
+    async with Client(ClientConfig(backend="vllm", base_url="http://127.0.0.1:9", model="m"), tokenizer=tok) as client:
+        given = SamplingParams(max_tokens=5)
+        first = client.template_stop(given)
+        assert first.stop_token_ids == end_of_turn_stop_ids(tok) and given.stop_token_ids is None
+        assert client.template_stop(given) is first
+        other = SamplingParams(max_tokens=6)
+        assert client.template_stop(other) is not first and client.template_stop(other).max_tokens == 6
+        explicit = SamplingParams(max_tokens=5, stop_token_ids=[])
+        assert client.template_stop(explicit) is explicit

@@ -204,6 +204,8 @@ class Client:
         self._tokenizer = tokenizer
         self._parser: CompletionParser | None = None
         self._turns = TurnCache(config.stateless, parse=self.parse_completion)
+        #: the last ``template_stop`` call: (parameters given, end-of-turn ids, the resolved parameters)
+        self._template_stop_memo: tuple[SamplingParams, tuple[int, ...], SamplingParams] | None = None
         #: Multi-turn bridge counters shared by every conversation of this client.
         self.bridge_stats = BridgeStats()
         #: The router in front of the replicas (``config.front``), or ``None``.
@@ -421,7 +423,12 @@ class Client:
             raise InvalidRequestError(
                 f"cannot find the chat template's end-of-turn token ({exc}); pass sampling.stop_token_ids explicitly"
             ) from exc
-        return attrs.evolve(sampling, stop_token_ids=ids)
+        last = self._template_stop_memo
+        if last is not None and last[0] is sampling and last[1] == ids:
+            return last[2]  # the same parameters again (a batch's): the same resolved copy, checked once
+        resolved = attrs.evolve(sampling, stop_token_ids=ids)
+        self._template_stop_memo = (sampling, ids, resolved)
+        return resolved
 
     def _reuse_turns(
         self,
