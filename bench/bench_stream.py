@@ -190,4 +190,3 @@ if __name__ == "__main__":
             print(report(json.load(f)))
     else:
         main()
-

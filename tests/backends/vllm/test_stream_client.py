@@ -55,6 +55,12 @@ def client(events: list[bytes | Exception], raws: list[Any]) -> Client:
     return Client(config, transport=httpx.MockTransport(handler))
 
 
+async def read_deltas(c: Client, got: list[tuple[int, ...]]) -> None:
+    async with c.stream(prompt_ids=PROMPT, sampling=SAMPLING) as s:
+        async for delta in s:
+            got.append(delta.completion_ids)
+
+
 def sse(raws: list[Any]) -> list[bytes]:
     return [b"data: " + json.dumps(raw, separators=(",", ":")).encode() + b"\n\n" for raw in raws] + [
         b"data: [DONE]\n\n"
@@ -79,11 +85,9 @@ async def test_a_stream_cut_mid_way_is_a_network_error_after_the_deltas_that_arr
     raws = chunks()
     events: list[bytes | Exception] = [*sse(raws)[:2], httpx.ReadError("connection reset")]
     async with client(events, raws) as c:
-        got = []
+        got: list[tuple[int, ...]] = []
         with pytest.raises(NetworkError) as info:
-            async with c.stream(prompt_ids=PROMPT, sampling=SAMPLING) as s:
-                async for delta in s:
-                    got.append(delta.completion_ids)
+            await read_deltas(c, got)
     assert got == [(7,), (8,)]
     assert info.value.maybe_processed
 
@@ -103,9 +107,7 @@ async def test_a_bad_event_is_a_typed_parse_error(event: bytes | None, message: 
     else:
         events = [*sse(raws)[:1], event, *sse(raws)[1:]]
     async with client(events, raws) as c:
-        got = []
+        got: list[tuple[int, ...]] = []
         with pytest.raises(ResponseParseError, match=message):
-            async with c.stream(prompt_ids=PROMPT, sampling=SAMPLING) as s:
-                async for delta in s:
-                    got.append(delta.completion_ids)
+            await read_deltas(c, got)
     assert got == [(7,)]
