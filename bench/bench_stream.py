@@ -12,14 +12,17 @@ the :class:`SyncClient`'s loop thread is counted) and calls/s:
   Server-Sent Event per token, the usage chunk, ``[DONE]``; each event one HTTP chunk written on its own, see
   ``instant.py``);
 * ``ours_sync``: ``SyncClient.generate(prompt_ids=…)`` from a plain thread (no event loop in it), concurrency 1
-  only (a blocking caller makes one call at a time).
+  only (a blocking caller makes one call at a time);
+* ``floor_ids`` / ``floor_stream``: the floors beside them, a bare ``aiohttp.ClientSession`` posting pre-built
+  request bytes, then ``orjson.loads`` of the body / of each event's data (the body's pieces split at blank lines,
+  up to ``[DONE]``): what any Python client on aiohttp at least pays for the same answer.
 
 Concurrency 1 and 64 (``--conc``) for the async clients. Each batch gets its own client (pool) and an unmeasured
 warm-up of 2×concurrency calls; batches run in a shuffled order each round, each async batch on a fresh event
-loop. Ratios are taken per round (same round and concurrency): ``stream ÷ ids`` (CPU) and ``sync − ids``
-(µs of CPU per call), then median [min-max]. ``--stream-step-ms`` is passed to the instant server (a delay between
-streamed events; 0: each event in its own server loop iteration). The client is pinned to core 0 and the server to
-core 1 on a 2-core machine.
+loop. Ratios are taken per round (same round and concurrency): ``stream ÷ ids`` (CPU), ``sync − ids`` (µs of
+CPU per call) and each of ours ÷ its floor, then median [min-max]. ``--stream-step-ms`` is passed to the instant
+server (a delay between streamed events; 0: each event in its own server loop iteration). The client is pinned to
+core 0 and the server to core 1 on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import _common as c
+import orjson
 
-ASYNC_CLIENTS = ("ours_ids", "ours_stream")
+ASYNC_CLIENTS = ("ours_ids", "ours_stream", "floor_ids", "floor_stream")
 CLIENTS = (*ASYNC_CLIENTS, "ours_sync")
 
 
@@ -43,6 +47,19 @@ class Fixture:
         self.prompt_ids = c.render_ids(self.tok, c.chat_messages(self.tok))
         self.completion = c.completion_ids(self.tok)
         self.stop = c.stop_token_ids(self.tok)
+        self.request_body = orjson.dumps(
+            {
+                "model": c.MODEL,
+                "token_ids": self.prompt_ids,
+                "sampling_params": {
+                    "max_tokens": c.COMPLETION_TOKENS,
+                    "temperature": 1.0,
+                    "stop_token_ids": self.stop,
+                    "logprobs": 0,
+                    "skip_special_tokens": False,
+                },
+            }
+        )
 
     def sampling(self) -> Any:
         from backends_core import SamplingParams
@@ -59,7 +76,41 @@ class Fixture:
         assert len(result.logprobs) == len(self.completion)
 
 
+async def floor_client(name: str, url: str, fx: Fixture) -> tuple[Callable[[], Awaitable[Any]], Any]:
+    import aiohttp
+
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1000, keepalive_timeout=3600))
+    target = url + "/inference/v1/generate"
+    headers = {"content-type": "application/json"}
+    plain, streamed = fx.request_body, fx.request_body[:-1] + b',"stream":true}'
+
+    if name == "floor_ids":
+
+        async def call() -> Any:
+            async with session.post(target, data=plain, headers=headers) as r:
+                return orjson.loads(await r.read())
+
+    else:
+
+        async def call() -> Any:
+            events = []
+            pending = b""
+            async with session.post(target, data=streamed, headers=headers) as r:
+                async for piece in r.content.iter_any():
+                    *done, pending = (pending + piece).split(b"\n\n")
+                    for event in done:
+                        if event == b"data: [DONE]":
+                            return events
+                        events.append(orjson.loads(event[6:]))
+            return events
+
+    await call()
+    return call, session
+
+
 async def async_client(name: str, url: str, fx: Fixture) -> tuple[Callable[[], Awaitable[Any]], Any]:
+    if name.startswith("floor"):
+        return await floor_client(name, url, fx)
     from backends_core import Client
 
     client = Client(fx.config(url), tokenizer=fx.tok)
@@ -105,7 +156,7 @@ async def measure_async(name: str, url: str, fx: Fixture, n: int, conc: int) -> 
         await batch(n)
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     finally:
-        await client.aclose()
+        await (client.close() if name.startswith("floor") else client.aclose())
     return cpu / n * 1e6, n / wall
 
 
@@ -163,7 +214,8 @@ def report(data: dict[str, Any]) -> str:
     keys = list(rounds[0])
     order = {cl: i for i, cl in enumerate(CLIENTS)}
     keys.sort(key=lambda key: (int(key.split("|")[1]), order.get(key.split("|")[0], 99)))
-    headers = ["conc", "client", "CPU µs/call", "calls/s", "CPU ÷ ours_ids", "CPU − ours_ids (µs)"]
+    headers = ["conc", "client", "CPU µs/call", "calls/s", "CPU ÷ ours_ids", "CPU − ours_ids (µs)", "CPU ÷ its floor"]
+    floors = {"ours_ids": "floor_ids", "ours_stream": "floor_stream", "ours_sync": "floor_ids"}
     rows = []
     for key in keys:
         cl, k = key.split("|")
@@ -174,7 +226,11 @@ def report(data: dict[str, Any]) -> str:
         if base in rounds[0]:
             ratio = c.ratio_summary([rd[key][0] / rd[base][0] for rd in rounds])
             diff = c.summary([rd[key][0] - rd[base][0] for rd in rounds])
-        rows.append([k, cl, c.summary(cpu), c.summary(rate), ratio, diff])
+        floor = f"{floors.get(cl)}|{k}"
+        to_floor = "-"
+        if floor in rounds[0]:
+            to_floor = c.ratio_summary([rd[key][0] / rd[floor][0] for rd in rounds])
+        rows.append([k, cl, c.summary(cpu), c.summary(rate), ratio, diff, to_floor])
     m = data["machine"]
     return (
         f"{m['date']} · {m['cpu']} · {m['cores']} cores · pressure at start {m['cpu_pressure_at_start']}"

@@ -775,22 +775,22 @@ class StreamFold:
         if type(index) is not int or index != 0 or choice.get("routed_experts") is not None:
             return None
         ids = choice.get("token_ids")
-        if type(ids) is not list or not ids or not _all_of_type(ids, int):
-            return None
         block = choice.get("logprobs")
         content = block.get("content") if type(block) is dict else None
-        if type(content) is not list or len(content) != len(ids):
+        if type(ids) is not list or not ids or type(content) is not list or len(content) != len(ids):
             return None
-        try:
-            claimed = list(map(_TOKEN_ID, content))
-            values = list(map(_LOGPROB, content))
-        except (KeyError, TypeError):
-            return None
-        if claimed != ids or not _all_of_type(claimed, int):
-            return None
-        for value in values:  # NaN fails both comparisons, infinities one
-            if type(value) is not float or not PLACEHOLDER_LOGPROB < value <= 1e-3:
+        values = []
+        for token, entry in zip(ids, content, strict=True):  # mostly one: a chunk per engine step
+            if type(token) is not int or type(entry) is not dict:
                 return None
+            claimed = entry.get("token_id")
+            value = entry.get("logprob")
+            # NaN fails both comparisons, infinities one
+            if type(claimed) is not int or claimed != token or type(value) is not float:
+                return None
+            if not PLACEHOLDER_LOGPROB < value <= 1e-3:
+                return None
+            values.append(value)
         self.chunks += 1
         if self.request_id is None:
             self.request_id = rid
