@@ -330,6 +330,41 @@ def generate_body(
     return json.dumps(body, separators=(",", ":")).encode()
 
 
+def stream_events(completion: Sequence[int], *, prompt_tokens: int = PROMPT_TOKENS, seed: int = 0) -> list[bytes]:
+    """The Server-Sent Events of ``/inference/v1/generate`` with ``"stream": true`` and ``stream_options.
+    include_usage`` for the same sample as :func:`generate_body` (same ids, same logprob entries): as vLLM 0.32
+    sends them, one ``data: {chunk}\\n\\n`` per engine step of one token (each chunk's one choice with its new
+    ``token_ids`` and their ``logprobs.content``; finish and stop reasons and ``weight_versions`` on the chunk of
+    the last token), then the usage chunk (no choices), then ``data: [DONE]``."""
+    rng = random.Random(seed)
+    events = []
+    for i, t in enumerate(completion):
+        lp = -rng.random() * 3
+        last = i == len(completion) - 1
+        choice = {
+            "index": 0,
+            "finish_reason": "stop" if last else None,
+            "stop_reason": None,
+            "token_ids": [t],
+            "routed_experts": None,
+            "sampling_mask": None,
+            "weight_versions": [{"version": "default", "start": 0, "end": len(completion)}] if last else None,
+            "logprobs": {
+                "content": [{"token": f"token_id:{t}", "token_id": t, "logprob": lp, "rank": 1, "top_logprobs": []}]
+            },
+        }
+        chunk = {"request_id": "generate-tokens-bench", "usage": None, "output_mode": "tokens", "choices": [choice]}
+        events.append(chunk)
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + len(completion),
+        "completion_tokens": len(completion),
+    }
+    events.append({"request_id": "generate-tokens-bench", "usage": usage, "output_mode": "tokens", "choices": []})
+    out = [b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n" for e in events]
+    return [*out, b"data: [DONE]\n\n"]
+
+
 def models_body(max_model_len: int = 1 << 20) -> bytes:
     return json.dumps(
         {"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": max_model_len, "parent": None}]}

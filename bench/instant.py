@@ -1,6 +1,6 @@
 """The instant server of the benchmarks: a canned vLLM ``/inference/v1/generate`` in its own process.
 
-    uv run python bench/instant.py [--hold] [--admin N] [--admin-delay 0.05]
+    uv run python bench/instant.py [--hold] [--admin N] [--admin-delay 0.05] [--stream-step-ms 0]
 
 Prints one JSON line ``{"plain": port, "re": port, "re_obj": port, ...}`` once listening, then serves until killed.
 An ``asyncio.Protocol`` on uvloop (when installed) answering pre-encoded responses, so the server's own cost per
@@ -11,6 +11,11 @@ request stays far below the client's. Ports:
   0.32 sends it (base64 of a ``.npy``), which is what our vLLM backend parses;
 * ``re_obj``: the same routing as ``{"data": base64 raw, "shape", "start", "dtype"}``, the form renderers'
   splice parser recognises (it falls back to a full ``json.loads`` on the string form);
+* every port's ``/inference/v1/generate`` with ``"stream": true`` in the body answers the same sample as Server-Sent
+  Events the way vLLM 0.32 sends them (``_common.stream_events``: one ``data:`` event per token, the usage chunk,
+  ``[DONE]``), each event one HTTP chunk (``transfer-encoding: chunked``, as uvicorn frames a streamed response)
+  written on its own (one write per event, each in its own loop iteration; ``--stream-step-ms`` spaces them like
+  an engine's steps);
 * ``hold`` (``--hold``): answers ``plain`` but holds every generate request until ``POST /bench/release`` (on any
   port; later requests are answered at once until ``POST /bench/hold``): guaranteed in-flight requests;
 * ``admin0``… (``--admin N``): N emulated servers answering vLLM's admin routes after ``--admin-delay`` seconds
@@ -28,13 +33,22 @@ import json
 import _common as c
 
 
+def chunked(events: list[bytes]) -> tuple[bytes, list[bytes]]:
+    """The head of a streamed 200 answer and its HTTP chunks (one per event, then the last, empty one)."""
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\ntransfer-encoding: chunked\r\n\r\n"
+    pieces = [b"%x\r\n%s\r\n" % (len(e), e) for e in events]
+    pieces[-1] += b"0\r\n\r\n"
+    return head, pieces
+
+
 def response(body: bytes, status: str = "200 OK") -> bytes:
     head = f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
     return head.encode("latin1") + body
 
 
 class State:
-    def __init__(self, admin_delay: float) -> None:
+    def __init__(self, admin_delay: float, stream: tuple[bytes, list[bytes]], step: float) -> None:
+        self.stream, self.step = stream, step
         self.held: list[tuple[asyncio.Transport, bytes]] = []
         self.admin_delay = admin_delay
         self.versions: dict[int, str] = {}
@@ -108,6 +122,11 @@ class Protocol(asyncio.Protocol):
         state = self.state
         if path.endswith("/inference/v1/generate"):
             state.requests += 1
+            if b'"stream"' in body and json.loads(body).get("stream"):
+                head, pieces = state.stream
+                self.transport.write(head)
+                self._stream(pieces, 0)
+                return
             if self.kind == "hold" and state.holding:
                 state.held.append((self.transport, self.generate))
             else:
@@ -139,6 +158,18 @@ class Protocol(asyncio.Protocol):
         else:
             self.transport.write(answer)
 
+    def _stream(self, pieces: list[bytes], at: int) -> None:
+        """Write event ``at``, then schedule the next one (the next loop iteration, or ``--stream-step-ms`` later)."""
+        if self.transport is None or self.transport.is_closing():
+            return
+        self.transport.write(pieces[at])
+        if at + 1 < len(pieces):
+            loop = asyncio.get_running_loop()
+            if self.state.step > 0:
+                loop.call_later(self.state.step, self._stream, pieces, at + 1)
+            else:
+                loop.call_soon(self._stream, pieces, at + 1)
+
     def _write(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
@@ -150,6 +181,7 @@ async def main() -> None:
     parser.add_argument("--admin", type=int, default=0)
     parser.add_argument("--admin-delay", type=float, default=0.0)
     parser.add_argument("--no-pin", action="store_true")
+    parser.add_argument("--stream-step-ms", type=float, default=0.0, help="delay between streamed events")
     args = parser.parse_args()
     if not args.no_pin:
         c.pin(1)
@@ -168,7 +200,7 @@ async def main() -> None:
     for i in range(args.admin):
         bodies[f"admin{i}"] = plain
         kinds.append(f"admin{i}")
-    state = State(args.admin_delay)
+    state = State(args.admin_delay, chunked(c.stream_events(completion)), args.stream_step_ms / 1000)
     models = response(c.models_body())
     loop = asyncio.get_running_loop()
     ports: dict[str, int] = {}

@@ -3,6 +3,7 @@
     uv run python bench/profile_client.py [--client ours_ids] [--body plain] [--conc 1] [--n 400] [--top 25]
     uv run python bench/profile_client.py --admin 64 [--n 20] [--delay 0.05]
     uv run python bench/profile_client.py --render [--n 400]
+    uv run python bench/profile_client.py --client ours_stream [--conc 1] [--n 100]
 
 Prints the functions with the most own CPU time (tottime) and cumulative time. Used for the bounds in bench/README.md.
 ``--admin N`` profiles ``n`` rounds of pause → update → resume over N emulated servers answering after ``--delay``
@@ -11,6 +12,7 @@ seconds (the fleet fan-out of ``bench_fleet.py``: 4 admin calls per server and r
 ``bench_client.py``'s varying-last-message chats: the whole render through the prefix cache, the chat template
 alone, tokenizing the whole text, tokenizing the part after the cached prefix, and the template over the last
 message alone (what rendering only the tail would cost).
+``--client ours_stream`` profiles ``bench_stream.py``'s streamed call (every delta consumed) on the plain body.
 """
 
 from __future__ import annotations
@@ -74,7 +76,13 @@ async def main() -> None:
     fx = Fixture()
     with c.ServerProcess() as server:
         port = "re_obj" if args.body == "re" and args.client.startswith("renderers") else args.body
-        call, close = await make_factory(args.client, server.url(port), args.body, fx)()
+        if args.client == "ours_stream":
+            import bench_stream
+
+            call, client = await bench_stream.async_client(args.client, server.url("plain"), bench_stream.Fixture())
+            close = client.aclose
+        else:
+            call, close = await make_factory(args.client, server.url(port), args.body, fx)()
         await run_calls(call, 2 * args.conc, args.conc)
         profile = cProfile.Profile(time.process_time)  # CPU time: the machines are shared
         profile.enable()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
@@ -50,6 +51,10 @@ from backends_core.types import (
 __all__ = ["BackendDriver"]
 
 T = TypeVar("T")
+
+#: What a backend's code raises when a body is not the shape it expected: reported as a parse error of that body.
+_BACKEND_BUGS = (KeyError, TypeError, ValueError, IndexError, AttributeError)
+_FLOAT32 = np.dtype(np.float32)
 
 #: Optional hooks that count as capabilities.
 CAPABILITY_HOOKS = frozenset(
@@ -256,11 +261,14 @@ class BackendDriver:
         result: GenerateResult | None = None
         try:
             while True:
-                with self._parse_errors(server):
-                    try:
-                        event = await anext(events)
-                    except StopAsyncIteration:
-                        break
+                try:  # _parse_errors written out: this runs once per streamed event
+                    event = await anext(events)
+                except StopAsyncIteration:
+                    break
+                except BackendError:
+                    raise
+                except _BACKEND_BUGS as exc:
+                    raise self._parse_error(exc, server) from exc
                 if result is not None:
                     raise ResponseParseError("the stream went on after its final result", url=url)
                 if isinstance(event, StreamDelta):
@@ -317,10 +325,13 @@ class BackendDriver:
             yield
         except BackendError:
             raise
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
-            raise ResponseParseError(
-                f"backend {self.backend!r} could not parse the body: {type(exc).__name__}: {exc}", url=server.base_url
-            ) from exc
+        except _BACKEND_BUGS as exc:
+            raise self._parse_error(exc, server) from exc
+
+    def _parse_error(self, exc: Exception, server: Server) -> ResponseParseError:
+        return ResponseParseError(
+            f"backend {self.backend!r} could not parse the body: {type(exc).__name__}: {exc}", url=server.base_url
+        )
 
     def _parse(self, raw: Any, request: GenerateRequest, server: Server) -> list[GenerateResult]:
         with self._parse_errors(server):
@@ -493,11 +504,14 @@ def check_delta(delta: StreamDelta, *, where: str, url: str | None) -> None:
         bad = next((t for t in ids if not (type(t) is int and t >= 0)), ids)
         raise ResponseParseError(f"{where}: completion id {bad!r} is not a token id", url=url)
     lp = delta.logprobs
-    if not isinstance(lp, np.ndarray) or lp.dtype != np.float32 or lp.ndim != 1:
+    if not isinstance(lp, np.ndarray) or (lp.dtype is not _FLOAT32 and lp.dtype != np.float32) or lp.ndim != 1:
         raise ResponseParseError(f"{where}: logprobs must be a 1-D float32 array", url=url)
-    if lp.shape[0] != len(ids):
-        raise ResponseParseError(f"{where}: {lp.shape[0]} logprobs for {len(ids)} completion ids", url=url)
-    if lp.size and not np.isfinite(lp).all():
+    n = lp.shape[0]
+    if n != len(ids):
+        raise ResponseParseError(f"{where}: {n} logprobs for {len(ids)} completion ids", url=url)
+    # a few values: their sum as Python floats is finite exactly when each is (float32 values cannot overflow a
+    # float64 sum), cheaper than numpy's per-call overhead
+    if n and not (math.isfinite(sum(lp.tolist())) if n <= 64 else np.isfinite(lp).all()):
         bad = int(np.flatnonzero(~np.isfinite(lp))[0])
         raise ResponseParseError(f"{where}: logprob at position {bad} of the delta is {lp[bad]} (not finite)", url=url)
 

@@ -54,8 +54,15 @@ class ResponseStream:
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body's bytes in the pieces they arrived in."""
+        response = self._response
+        # without a content coding the transport's pieces are the body's: read them without httpx's decoding
+        # and re-chunking layers (one async generator per layer and piece)
+        if "content-encoding" in response.headers or not isinstance(response.stream, httpx.AsyncByteStream):
+            pieces = response.aiter_bytes()
+        else:
+            pieces = response.stream.__aiter__()
         try:
-            async for chunk in self._response.aiter_bytes():
+            async for chunk in pieces:
                 yield chunk
         except httpx.TransportError as exc:
             raise self._map_transport(exc, self.method, self.url) from exc
@@ -68,40 +75,27 @@ class ResponseStream:
         """The ``data`` of each Server-Sent Event, in order (multi-line data joined with ``\\n``; comments,
         ``event:``, ``id:`` and ``retry:`` lines skipped). A body that ends cleanly inside an event is not an event
         stream: :class:`ResponseParseError`."""
-        pending = b""
-        data: list[bytes] = []
+        reader = _EventReader(self.url)
         async for chunk in self.chunks():
-            pending += chunk
-            while True:
-                cut = pending.find(b"\n")
-                if cut < 0:
-                    break
-                line, pending = pending[:cut].rstrip(b"\r"), pending[cut + 1 :]
-                if not line:
-                    if data:
-                        yield b"\n".join(data)
-                        data = []
-                    continue
-                if line.startswith(b"data:"):
-                    value = line[5:]
-                    data.append(value[1:] if value.startswith(b" ") else value)
-        if data or pending.strip():  # a cut connection fails in the transport: this body is not an event stream
-            snippet = (b"\n".join(data) or pending)[:200].decode("utf-8", "replace")
-            raise ResponseParseError(
-                f"the body ended inside an event (not an event stream?): {snippet!r}", url=self.url
-            )
+            for data in reader.feed(chunk):
+                yield data
+        reader.end()
 
     async def json_events(self) -> AsyncIterator[Any]:
         """Each event's data decoded as JSON, up to (not including) a ``[DONE]`` event."""
-        async for data in self.events():
-            if data.strip() == DONE:
-                return
-            try:
-                yield loads(data)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ResponseParseError(
-                    f"stream event is not JSON: {data[:200].decode('utf-8', 'replace')!r}", url=self.url
-                ) from exc
+        reader = _EventReader(self.url)
+        async for chunk in self.chunks():
+            for data in reader.feed(chunk):
+                if data.strip() == DONE:
+                    return
+                try:
+                    value = loads(data)
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    raise ResponseParseError(
+                        f"stream event is not JSON: {data[:200].decode('utf-8', 'replace')!r}", url=self.url
+                    ) from exc
+                yield value
+        reader.end()
 
     def error(self, body: Any, *, status_code: int = 500, hint: str | None = None) -> ServerStatusError:
         """The error for a failure the server reported inside a started stream (its status line said 200):
@@ -115,3 +109,68 @@ class ResponseStream:
         if not self.closed:
             self.closed = True
             await self._response.aclose()
+
+
+class _EventReader:
+    """The Server-Sent Events of a body fed piece by piece: :meth:`feed` returns the ``data`` of each event the
+    piece completed.
+
+    Two ways through a piece, with the same events: the usual stream (``\\n`` line ends, one ``data: …`` line
+    per event) is split at the blank lines with bytes methods, one pass per piece; anything else (``\\r\\n``
+    line ends, several data lines, comments, other fields, a ``data`` line started in an earlier piece) goes line
+    by line.
+    """
+
+    __slots__ = ("data", "pending", "url")
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        #: bytes received after the last complete event (by lines: after the last line end)
+        self.pending = b""
+        #: by lines: the data lines of the event under way
+        self.data: list[bytes] = []
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        pending = self.pending + chunk if self.pending else chunk
+        events: list[bytes] = []
+        if self.data or b"\r" in pending:
+            self.pending = self._lines(pending, events)
+            return events
+        blocks = pending.split(b"\n\n")
+        self.pending = blocks.pop()
+        for block in blocks:
+            if block.startswith(b"data: ") and b"\n" not in block:
+                events.append(block[6:])
+            elif block:
+                self._lines(block + b"\n\n", events)
+        return events
+
+    def _lines(self, pending: bytes, events: list[bytes]) -> bytes:
+        """Read ``pending``'s complete lines into ``self.data`` and ``events``; the incomplete last line back."""
+        lines = pending.split(b"\n")
+        rest = lines.pop()
+        data = self.data
+        for raw in lines:
+            line = raw.rstrip(b"\r")
+            if not line:
+                if data:
+                    events.append(b"\n".join(data))
+                    data.clear()
+                continue
+            if line.startswith(b"data:"):
+                value = line[5:]
+                data.append(value[1:] if value.startswith(b" ") else value)
+        return rest
+
+    def end(self) -> None:
+        """The body ended: refuse it when it ended inside an event (a cut connection fails in the transport, so
+        this body is not an event stream)."""
+        events: list[bytes] = []
+        pending = self._lines(self.pending, events) if not self.data else self.pending
+        self.pending = b""
+        data = self.data
+        if data or pending.strip():
+            snippet = (b"\n".join(data) or pending)[:200].decode("utf-8", "replace")
+            raise ResponseParseError(
+                f"the body ended inside an event (not an event stream?): {snippet!r}", url=self.url
+            )

@@ -55,9 +55,7 @@ W = TypeVar("W")
 
 def _refuse_running_loop(what: str) -> None:
     """Raise :class:`RunningEventLoopError` when the calling thread runs an event loop (blocking would stall it)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
+    if asyncio._get_running_loop() is None:  # the non-raising form of get_running_loop: this runs on every call
         return
     raise RunningEventLoopError(
         f"SyncClient.{what} was called from a thread that runs an event loop (inside async code), where blocking "
@@ -95,27 +93,44 @@ class _LoopThread:
     def run(self, what: str, factory: Callable[[], Awaitable[T]]) -> T:
         """Run ``await factory()`` on the loop and return its result; ``factory`` itself is called on the loop.
 
+        The call is handed over as one callback (:meth:`_start`) and waited for on a bare lock its task releases
+        when done: the least a hop between threads costs (``run_coroutine_threadsafe`` adds a second future, its
+        condition variable and the callbacks chaining the two).
+
         :raises RunningEventLoopError: the calling thread runs an event loop.
         :raises ClientClosedError: closed before the call, or while it ran.
         """
         _refuse_running_loop(what)
-
-        async def call() -> T:
-            return await factory()
-
+        call: _Call[T] = _Call(factory)
         with self._lock:
             if self._closed:
                 raise ClientClosedError(f"SyncClient.{what}: the client is closed")
-            future = asyncio.run_coroutine_threadsafe(call(), self.loop)
+            self.loop.call_soon_threadsafe(self._start, call)
         try:
-            return future.result()
-        except concurrent.futures.CancelledError:
+            call.done.acquire()
+        except BaseException:  # an interrupt in the caller: cancel the task, which aborts its server request
+            self._cancel_soon(call)
+            raise
+        task = call.task
+        assert task is not None
+        if task.cancelled():
             if self._closed:
                 raise ClientClosedError(f"SyncClient.{what}: the client was closed while the call ran") from None
-            raise
-        except BaseException:
-            future.cancel()  # an interrupt in the caller: cancel the task, which aborts its server request
-            raise
+            raise concurrent.futures.CancelledError()
+        return task.result()
+
+    def _start(self, call: _Call[Any]) -> None:
+        """On the loop: start ``call``'s task, unless its caller already left."""
+        if call.cancelled:
+            return
+        call.task = task = self.loop.create_task(call.run())
+        task.add_done_callback(call.finished)
+
+    def _cancel_soon(self, call: _Call[Any]) -> None:
+        try:
+            self.loop.call_soon_threadsafe(call.cancel)
+        except RuntimeError:  # the loop is closed: nothing runs there any more
+            pass
 
     def call(self, what: str, function: Callable[[], T]) -> T:
         """Run the plain function ``function()`` on the loop's thread and return its result."""
@@ -166,6 +181,32 @@ class _LoopThread:
         for task in others:
             task.cancel()
         await asyncio.gather(*others, return_exceptions=True)
+
+
+class _Call(Generic[T]):
+    """One call handed to the loop by :meth:`_LoopThread.run`: its task once started there, and a lock held until
+    the task is done."""
+
+    __slots__ = ("cancelled", "done", "factory", "task")
+
+    def __init__(self, factory: Callable[[], Awaitable[T]]) -> None:
+        self.factory = factory
+        self.task: asyncio.Task[T] | None = None
+        self.cancelled = False
+        self.done = threading.Lock()
+        self.done.acquire()
+
+    async def run(self) -> T:
+        return await self.factory()
+
+    def finished(self, _task: asyncio.Task[T]) -> None:
+        self.done.release()
+
+    def cancel(self) -> None:
+        """On the loop: the caller left; cancel the task (or never start it)."""
+        self.cancelled = True
+        if self.task is not None:
+            self.task.cancel()
 
 
 class _Mirror(Generic[S]):

@@ -710,10 +710,16 @@ class StreamFold:
         self.legacy: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         self.finish: dict[str, Any] | None = None
         self.usage: Any = None
+        #: whether :meth:`_plain_token_chunk` may take the chunks it recognises
+        self._plain = transport == "generate" and not request.sampling.top_logprobs
 
     def chunk(self, raw: Any) -> StreamDelta | None:
         """One chunk: its new ids and their logprobs (checked as in a whole answer), or ``None`` when it has
         none (the usage chunk, a finish without a token)."""
+        if self._plain:
+            delta = self._plain_token_chunk(raw)
+            if delta is not None:
+                return delta
         body = Node(raw, f"$<chunk {self.chunks}>", self.server_url)
         self.chunks += 1
         rid = body.get("request_id" if self.transport == "generate" else "id").string()
@@ -749,6 +755,48 @@ class StreamFold:
             raise choice.get("routed_experts").fail("routed experts before the chunk that finished")
         self.ids += ids
         return StreamDelta(completion_ids=ids, logprobs=logprobs) if ids else None
+
+    def _plain_token_chunk(self, raw: Any) -> StreamDelta | None:
+        """A generate chunk of the usual shape read with plain type checks: one choice of index 0, not finished, no
+        routed experts, exact-int ids (at least one) and one ``{"token_id": <that id>, "logprob": <float in
+        range>}`` entry per id (no alternatives asked for). Such a chunk is exactly one :meth:`chunk` accepts and
+        this reads it to the same delta and state; anything else (also every bad chunk) gives ``None`` before any
+        state changed, and :meth:`chunk` reads it field by field, naming the path of the problem."""
+        if type(raw) is not dict or self.finish is not None:
+            return None
+        choices = raw.get("choices")
+        rid = raw.get("request_id")
+        if type(choices) is not list or len(choices) != 1 or type(rid) is not str:
+            return None
+        choice = choices[0]
+        if type(choice) is not dict or choice.get("finish_reason") is not None:
+            return None
+        index = choice.get("index")
+        if type(index) is not int or index != 0 or choice.get("routed_experts") is not None:
+            return None
+        ids = choice.get("token_ids")
+        block = choice.get("logprobs")
+        content = block.get("content") if type(block) is dict else None
+        if type(ids) is not list or not ids or type(content) is not list or len(content) != len(ids):
+            return None
+        values = []
+        for token, entry in zip(ids, content, strict=True):  # mostly one: a chunk per engine step
+            if type(token) is not int or type(entry) is not dict:
+                return None
+            claimed = entry.get("token_id")
+            value = entry.get("logprob")
+            # NaN fails both comparisons, infinities one
+            if type(claimed) is not int or claimed != token or type(value) is not float:
+                return None
+            if not PLACEHOLDER_LOGPROB < value <= 1e-3:
+                return None
+            values.append(value)
+        self.chunks += 1
+        if self.request_id is None:
+            self.request_id = rid
+        self.entries += content
+        self.ids += ids
+        return StreamDelta(completion_ids=tuple(ids), logprobs=np.array(values, dtype=np.float32))
 
     def _logprobs(self, choice: Node, ids: tuple[int, ...]) -> Float32s:
         k = self.request.sampling.top_logprobs
