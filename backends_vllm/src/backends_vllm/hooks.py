@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -306,22 +306,35 @@ async def admin_wake(server: Server) -> bool:
     return True
 
 
+#: What :func:`admin_state` holds for a route it did not read (a server's answer may be ``null``).
+_NOT_READ = object()
+
+
+async def _not_read() -> object:
+    return _NOT_READ
+
+
 @hookimpl
-async def admin_state(server: Server) -> ServerState:
+async def admin_state(server: Server, fields: frozenset[str] | None) -> ServerState:
+    """One GET per field asked for (all of them concurrently); a field not asked for stays ``None``."""
+
+    def read(field: str, path: str, expect: Literal["json", "text"] = "json") -> Awaitable[Any]:
+        return _admin(server, "GET", path, expect=expect) if fields is None or field in fields else _not_read()
+
     paused, sleeping, info, load, models = await asyncio.gather(
-        _admin(server, "GET", "/is_paused"),
-        _admin(server, "GET", "/is_sleeping"),
-        _admin(server, "GET", "/weight_info"),
-        _admin(server, "GET", "/metrics", expect="text"),
-        _admin(server, "GET", "/v1/models"),
+        read("paused", "/is_paused"),
+        read("sleeping", "/is_sleeping"),
+        read("weight_version", "/weight_info"),
+        read("in_flight", "/metrics", "text"),
+        read("loras", "/v1/models"),
     )
     url = server.admin_url
     return ServerState(
-        paused=wire.flag(paused, "is_paused", url),
-        sleeping=wire.flag(sleeping, "is_sleeping", url),
-        weight_version=wire.text(info, "weight_version", url),
-        in_flight=wire.requests_in_flight(load, url),
-        loras=wire.lora_names(models, url),
+        paused=None if paused is _NOT_READ else wire.flag(paused, "is_paused", url),
+        sleeping=None if sleeping is _NOT_READ else wire.flag(sleeping, "is_sleeping", url),
+        weight_version=None if info is _NOT_READ else wire.text(info, "weight_version", url),
+        in_flight=None if load is _NOT_READ else wire.requests_in_flight(load, url),
+        loras=None if models is _NOT_READ else wire.lora_names(models, url),
     )
 
 
