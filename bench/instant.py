@@ -115,6 +115,8 @@ class Protocol(asyncio.Protocol):
                 self.transport.write(self.generate)
             return
         if path.startswith("/v1/models"):
+            if self.kind.startswith("admin"):
+                state.admin_calls += 1
             self.transport.write(self.models)
             return
         if path == "/bench/hold":
@@ -130,7 +132,13 @@ class Protocol(asyncio.Protocol):
             self.transport.write(response(json.dumps({"released": len(held)}).encode()))
             return
         if path == "/bench/stats":
-            self.transport.write(response(json.dumps({"requests": state.requests, "held": len(state.held), "admin": state.admin_calls}).encode()))
+            self.transport.write(
+                response(
+                    json.dumps(
+                        {"requests": state.requests, "held": len(state.held), "admin": state.admin_calls}
+                    ).encode()
+                )
+            )
             return
         answer = admin_answer(state, self.port, method, path, body)
         state.admin_calls += 1

@@ -18,7 +18,6 @@ import io
 import pstats
 
 import _common as c
-import httpx
 from bench_client import Fixture, make_factory, run_calls
 
 
@@ -88,8 +87,7 @@ async def profile_admin(servers: int, rounds: int, delay: float, *, sync: bool =
         async with Client(ClientConfig(backend="vllm", base_url=urls, model=c.MODEL)) as client:
             await client.admin.health()  # connections up
             profile = cProfile.Profile()
-            stats = urls[0] + "/bench/stats"
-            before = httpx.get(stats).json()["admin"]
+            before = c.admin_calls(urls[0])
             for r in range(rounds):
                 profile.enable()
                 if sync:
@@ -99,7 +97,7 @@ async def profile_admin(servers: int, rounds: int, delay: float, *, sync: bool =
                     await client.admin.update_weights("/ckpt/step", version=f"v{r}")
                     await client.admin.resume()
                 profile.disable()
-            calls = httpx.get(stats).json()["admin"] - before
+            calls = c.admin_calls(urls[0]) - before
     return profile, calls
 
 
