@@ -18,6 +18,7 @@ from backends_core.errors import (
     ServerStatusError,
     TransportError,
 )
+from backends_core.fleet import state_fields
 from backends_core.types import (
     SAMPLING_FEATURES,
     DistributedGroup,
@@ -315,8 +316,10 @@ async def _not_read() -> object:
 
 
 @hookimpl
-async def admin_state(server: Server, fields: frozenset[str] | None) -> ServerState:
-    """One GET per field asked for (all of them concurrently); a field not asked for stays ``None``."""
+async def admin_state(server: Server) -> ServerState:
+    """One GET per field the caller needs (:func:`~backends_core.fleet.state_fields`; all of them concurrently);
+    a field not needed stays ``None``."""
+    fields = state_fields()
 
     def read(field: str, path: str, expect: Literal["json", "text"] = "json") -> Awaitable[Any]:
         return _admin(server, "GET", path, expect=expect) if fields is None or field in fields else _not_read()
