@@ -6,10 +6,10 @@ Servers are emulated by ``bench/instant.py`` in its own process (real sockets, v
 
 1. **Fan-out**: ``admin.pause(mode="wait")`` → ``admin.update_weights(path, version=…)`` → ``admin.resume()``
    (4 HTTP calls per server: pause, collective_rpc reload, update_weight_version, resume), and the whole
-   ``admin.weight_sync`` (+ flush and the version check: the version and paused routes, 7 calls per server),
+   ``admin.weight_sync`` (+ flush and the version check: one GET, 6 calls per server),
    each server answering every admin call after 50 ms: total wall time over 64 servers vs over one server
    (per-round ratio). One server's floor is 200 ms (4 sequential 50 ms calls) for the first and 300 ms for
-   weight_sync (6 sequential: the check's two GETs run at once). The client CPU per admin call divides by the
+   weight_sync (6 sequential). The client CPU per admin call divides by the
    admin calls the emulated servers answered during the operation.
 2. **Admin latency under load**: ``admin.health()`` and ``admin.state()`` (5 concurrent GETs) latency on one
    server answering admin routes at once, idle vs with 2,000 generation requests in flight on the same client

@@ -82,7 +82,7 @@ _STATE_FIELDS: contextvars.ContextVar[frozenset[str] | None] = contextvars.Conte
 def only_state_fields(fields: frozenset[str]) -> Iterator[None]:
     """Declare that the ``admin_state`` calls inside the block need only these
     :class:`~backends_core.types.ServerState` fields: a backend may read just those and leave the others ``None``
-    (a weight sync's check reads the version and paused flag, not the whole state)."""
+    (a weight sync's check reads the version, not the whole state)."""
     token = _STATE_FIELDS.set(frozenset(fields))
     try:
         yield
@@ -630,7 +630,7 @@ class Admin:
         """Pause → update → set the version → flush (or rely on re-salting) → resume, on every server.
 
         Resume runs in ``finally`` on every server that was paused, whatever failed. After its resume each
-        server's version is checked in its state (the version and paused flag only) where the backend exposes
+        server's version is checked in its state (the version only) where the backend exposes
         it, and requests of this client are salted with it.
 
         :param version: the new weight version.
@@ -777,8 +777,9 @@ class Admin:
         return None
 
 
-#: What a weight sync's check reads of each server's state: the version it proves, and the paused flag.
-_SYNC_FIELDS = frozenset({"weight_version", "paused"})
+#: What a weight sync's check reads of each server's state: the version, which proves the update (the resume
+#: is proven by its own answer).
+_SYNC_FIELDS = frozenset({"weight_version"})
 
 
 @attrs.define
