@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -307,37 +307,34 @@ async def admin_wake(server: Server) -> bool:
     return True
 
 
-#: What :func:`admin_state` holds for a route it did not read (a server's answer may be ``null``).
-_NOT_READ = object()
-
-
-async def _not_read() -> object:
-    return _NOT_READ
+#: ServerState field → the route that tells it, and how its answer is read.
+_STATE_ROUTES: tuple[tuple[str, str, Literal["json", "text"]], ...] = (
+    ("paused", "/is_paused", "json"),
+    ("sleeping", "/is_sleeping", "json"),
+    ("weight_version", "/weight_info", "json"),
+    ("in_flight", "/metrics", "text"),
+    ("loras", "/v1/models", "json"),
+)
 
 
 @hookimpl
 async def admin_state(server: Server) -> ServerState:
-    """One GET per field the caller needs (:func:`~backends_core.fleet.state_fields`; all of them concurrently);
-    a field not needed stays ``None``."""
+    """One GET per field the caller needs (:func:`~backends_core.fleet.state_fields`), concurrently; a field not
+    needed stays ``None``."""
     fields = state_fields()
-
-    def read(field: str, path: str, expect: Literal["json", "text"] = "json") -> Awaitable[Any]:
-        return _admin(server, "GET", path, expect=expect) if fields is None or field in fields else _not_read()
-
-    paused, sleeping, info, load, models = await asyncio.gather(
-        read("paused", "/is_paused"),
-        read("sleeping", "/is_sleeping"),
-        read("weight_version", "/weight_info"),
-        read("in_flight", "/metrics", "text"),
-        read("loras", "/v1/models"),
-    )
+    wanted = [r for r in _STATE_ROUTES if fields is None or r[0] in fields]
+    reads = [_admin(server, "GET", path, expect=expect) for _, path, expect in wanted]
+    values = [await reads[0]] if len(reads) == 1 else await asyncio.gather(*reads)  # one read: no task
+    answers = dict(zip([r[0] for r in wanted], values, strict=True))
     url = server.admin_url
     return ServerState(
-        paused=None if paused is _NOT_READ else wire.flag(paused, "is_paused", url),
-        sleeping=None if sleeping is _NOT_READ else wire.flag(sleeping, "is_sleeping", url),
-        weight_version=None if info is _NOT_READ else wire.text(info, "weight_version", url),
-        in_flight=None if load is _NOT_READ else wire.requests_in_flight(load, url),
-        loras=None if models is _NOT_READ else wire.lora_names(models, url),
+        paused=wire.flag(answers["paused"], "is_paused", url) if "paused" in answers else None,
+        sleeping=wire.flag(answers["sleeping"], "is_sleeping", url) if "sleeping" in answers else None,
+        weight_version=wire.text(answers["weight_version"], "weight_version", url)
+        if "weight_version" in answers
+        else None,
+        in_flight=wire.requests_in_flight(answers["in_flight"], url) if "in_flight" in answers else None,
+        loras=wire.lora_names(answers["loras"], url) if "loras" in answers else None,
     )
 
 
