@@ -374,6 +374,14 @@ def models_body(max_model_len: int = 1 << 20) -> bytes:
 # -- the instant server (a separate process) --------------------------------------------------------------
 
 
+def admin_calls(url: str) -> int:
+    """Admin requests the emulated servers of ``instant.py --admin N`` answered so far, all together (``url``: any
+    of them)."""
+    import httpx
+
+    return int(httpx.get(url + "/bench/stats").json()["admin"])
+
+
 class ServerProcess:
     """``bench/instant.py`` in its own process (pinned to core 1 on a 2-core machine); ``ports`` maps the
     server's names (``plain``, ``re``, ``re_obj``, ``hold``, ``admin0``…) to their ports."""

@@ -6,9 +6,11 @@ Servers are emulated by ``bench/instant.py`` in its own process (real sockets, v
 
 1. **Fan-out**: ``admin.pause(mode="wait")`` → ``admin.update_weights(path, version=…)`` → ``admin.resume()``
    (4 HTTP calls per server: pause, collective_rpc reload, update_weight_version, resume), and the whole
-   ``admin.weight_sync`` (+ flush and the five-route state check), each server answering every admin call after
-   50 ms: total wall time over 64 servers vs over one server (per-round ratio). One server's floor is 200 ms
-   (4 sequential 50 ms calls) for the first and 400 ms for weight_sync.
+   ``admin.weight_sync`` (+ flush and the version check: one GET, 6 calls per server),
+   each server answering every admin call after 50 ms: total wall time over 64 servers vs over one server
+   (per-round ratio). One server's floor is 200 ms (4 sequential 50 ms calls) for the first and 300 ms for
+   weight_sync (6 sequential). The client CPU per admin call divides by the
+   admin calls the emulated servers answered during the operation.
 2. **Admin latency under load**: ``admin.health()`` and ``admin.state()`` (5 concurrent GETs) latency on one
    server answering admin routes at once, idle vs with 2,000 generation requests in flight on the same client
    and server (the server holds them: 1,024 on connections, the rest queued in the client's data pool).
@@ -49,24 +51,31 @@ async def fan_out(urls: list[str], rounds: int, *, lean: bool = False) -> dict[s
         "weight_sync": [],
         "cpu_pause_update_resume": [],
         "cpu_weight_sync": [],
+        "calls_pause_update_resume": [],
+        "calls_weight_sync": [],
         "construct": [],
     }
+
     started = time.perf_counter()
     client = make_client(urls, lean=lean)
     out["construct"].append(time.perf_counter() - started)
     async with client:
         await client.admin.health()  # connections up
         for r in range(rounds):
+            calls = c.admin_calls(urls[0])
             started, cpu = time.perf_counter(), time.process_time()
             await client.admin.pause(mode="wait")
             await client.admin.update_weights("/ckpt/step", version=f"v{r}")
             await client.admin.resume()
             out["pause_update_resume"].append(time.perf_counter() - started)
             out["cpu_pause_update_resume"].append(time.process_time() - cpu)
+            out["calls_pause_update_resume"].append(c.admin_calls(urls[0]) - calls)
+            calls = c.admin_calls(urls[0])
             started, cpu = time.perf_counter(), time.process_time()
             await client.admin.weight_sync(path="/ckpt/step", version=f"w{r}", mode="wait")
             out["weight_sync"].append(time.perf_counter() - started)
             out["cpu_weight_sync"].append(time.process_time() - cpu)
+            out["calls_weight_sync"].append(c.admin_calls(urls[0]) - calls)
     return out
 
 
@@ -165,10 +174,9 @@ async def main() -> None:
     n = args.servers
     head = ["operation (50 ms per call)", "1 server ms", f"{n} servers ms", "ratio", "lean transport ms", "ratio"]
     print(c.table(head, rows))
-    calls = {"pause_update_resume": 4, "weight_sync": 10}  # admin HTTP calls per server (vLLM: state is 5 GETs)
-    for key, per_server in calls.items():
-        cpu = [x / (per_server * args.servers) * 1e6 for x in many["cpu_" + key]]
-        cpu_before = [x / (per_server * args.servers) * 1e6 for x in before["cpu_" + key]]
+    for key in ("pause_update_resume", "weight_sync"):
+        cpu = [x / n * 1e6 for x, n in zip(many["cpu_" + key], many["calls_" + key], strict=True)]
+        cpu_before = [x / n * 1e6 for x, n in zip(before["cpu_" + key], before["calls_" + key], strict=True)]
         print(
             f"client CPU per admin call during {key} over {args.servers} servers: {c.summary(cpu)} µs"
             f" (lean transport: {c.summary(cpu_before)} µs)"

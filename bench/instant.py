@@ -54,6 +54,7 @@ class State:
         self.versions: dict[int, str] = {}
         self.paused: dict[int, bool] = {}
         self.requests = 0
+        self.admin_calls = 0  # admin requests answered, all emulated servers together
         self.holding = True
 
 
@@ -133,6 +134,8 @@ class Protocol(asyncio.Protocol):
                 self.transport.write(self.generate)
             return
         if path.startswith("/v1/models"):
+            if self.kind.startswith("admin"):
+                state.admin_calls += 1
             self.transport.write(self.models)
             return
         if path == "/bench/hold":
@@ -148,9 +151,16 @@ class Protocol(asyncio.Protocol):
             self.transport.write(response(json.dumps({"released": len(held)}).encode()))
             return
         if path == "/bench/stats":
-            self.transport.write(response(json.dumps({"requests": state.requests, "held": len(state.held)}).encode()))
+            self.transport.write(
+                response(
+                    json.dumps(
+                        {"requests": state.requests, "held": len(state.held), "admin": state.admin_calls}
+                    ).encode()
+                )
+            )
             return
         answer = admin_answer(state, self.port, method, path, body)
+        state.admin_calls += 1
         if answer is None:
             answer = response(b'{"detail":"Not Found"}', "404 Not Found")
         if state.admin_delay > 0:

@@ -1,13 +1,14 @@
 """cProfile of one client's generate calls against the instant server: where the client CPU goes.
 
     uv run python bench/profile_client.py [--client ours_ids] [--body plain] [--conc 1] [--n 400] [--top 25]
-    uv run python bench/profile_client.py --admin 64 [--n 20] [--delay 0.05]
+    uv run python bench/profile_client.py --admin 64 [--n 20] [--delay 0.05] [--sync]
     uv run python bench/profile_client.py --render [--n 400]
     uv run python bench/profile_client.py --client ours_stream [--conc 1] [--n 100]
 
 Prints the functions with the most own CPU time (tottime) and cumulative time. Used for the bounds in bench/README.md.
 ``--admin N`` profiles ``n`` rounds of pause → update → resume over N emulated servers answering after ``--delay``
-seconds (the fleet fan-out of ``bench_fleet.py``: 4 admin calls per server and round) instead of generate calls.
+seconds (the fleet fan-out of ``bench_fleet.py``: 4 admin calls per server and round) instead of generate calls;
+with ``--sync``, ``n`` rounds of ``admin.weight_sync`` instead (the calls per server counted from the emulator).
 ``--render`` times (``time.process_time``, no profiler, no HTTP) the pieces of the default render of
 ``bench_client.py``'s varying-last-message chats: the whole render through the prefix cache, the chat template
 alone, tokenizing the whole text, tokenizing the part after the cached prefix, and the template over the last
@@ -64,14 +65,16 @@ async def main() -> None:
     parser.add_argument("--admin", type=int, default=0, help="profile admin calls over this many servers")
     parser.add_argument("--delay", type=float, default=0.05, help="seconds each emulated server takes per admin call")
     parser.add_argument("--render", action="store_true", help="time the pieces of the default render instead")
+    parser.add_argument("--sync", action="store_true", help="with --admin: profile admin.weight_sync")
     args = parser.parse_args()
     c.pin(0)
     if args.render:
         render_pieces(args.n)
         return
     if args.admin:
-        profile, calls = await profile_admin(args.admin, args.n, args.delay)
-        report(profile, f"pause → update → resume over {args.admin} servers, per admin call", calls, args)
+        profile, calls = await profile_admin(args.admin, args.n, args.delay, sync=args.sync)
+        what = "weight_sync" if args.sync else "pause → update → resume"
+        report(profile, f"{what} over {args.admin} servers, per admin call", calls, args)
         return
     fx = Fixture()
     with c.ServerProcess() as server:
@@ -121,8 +124,9 @@ def render_pieces(n: int) -> None:
         print(f"  {label:<46} {(time.process_time() - t0) / n * 1e6:7.0f} µs")
 
 
-async def profile_admin(servers: int, rounds: int, delay: float) -> tuple[cProfile.Profile, int]:
-    """``rounds`` of pause → update → resume over ``servers`` emulated servers under cProfile."""
+async def profile_admin(servers: int, rounds: int, delay: float, *, sync: bool = False) -> tuple[cProfile.Profile, int]:
+    """``rounds`` of pause → update → resume (``sync``: of ``weight_sync``) over ``servers`` emulated servers under
+    cProfile; returns the profile and the number of admin calls the servers answered."""
     from backends_core import Client, ClientConfig
 
     with c.ServerProcess("--admin", str(servers), "--admin-delay", str(delay)) as fleet:
@@ -130,13 +134,18 @@ async def profile_admin(servers: int, rounds: int, delay: float) -> tuple[cProfi
         async with Client(ClientConfig(backend="vllm", base_url=urls, model=c.MODEL)) as client:
             await client.admin.health()  # connections up
             profile = cProfile.Profile(time.process_time)  # CPU time: the machines are shared
+            before = c.admin_calls(urls[0])
             for r in range(rounds):
                 profile.enable()
-                await client.admin.pause(mode="wait")
-                await client.admin.update_weights("/ckpt/step", version=f"v{r}")
-                await client.admin.resume()
+                if sync:
+                    await client.admin.weight_sync(path="/ckpt/step", version=f"w{r}", mode="wait")
+                else:
+                    await client.admin.pause(mode="wait")
+                    await client.admin.update_weights("/ckpt/step", version=f"v{r}")
+                    await client.admin.resume()
                 profile.disable()
-    return profile, 4 * rounds * servers
+            calls = c.admin_calls(urls[0]) - before
+    return profile, calls
 
 
 def report(profile: cProfile.Profile, what: str, calls: int, args: argparse.Namespace) -> None:

@@ -512,3 +512,86 @@ async def test_after_an_update_that_failed_on_one_server_that_server_is_kept_out
         disk_full[0] = False
         await client.admin.update_weights(str(new), version="v7")  # retried: now everywhere
         assert (await client.generate(prompt_ids=[1, 2], server=1)).weight_version == "v7"
+
+
+async def test_weight_sync_updates_every_server_before_any_flushes_and_each_resumes_after_its_own_flush(
+    fleet, tiny_models, tmp_path
+) -> None:
+    from backends_testkit.tinymodel import write_perturbed_weights
+
+    new = write_perturbed_weights(tiny_models.dense, tmp_path / "w7", seed=9, scale=0.1)
+    seen: list[httpx.Request] = []
+    async with Client(config(tiny_models), transport=routed({h: e.handle for h, e in fleet.items()}, seen)) as client:
+        report = await client.admin.weight_sync(path=str(new), version="v7")
+    steps = [(r.url.host, r.url.path) for r in seen]
+    order = {step: i for i, step in enumerate(steps)}
+    last_update = max(order[h, "/update_weights"] for h in HOSTS)
+    last_pause = max(order[h, "/pause"] for h in HOSTS)
+    for h in HOSTS:
+        assert last_pause < order[h, "/update_weights"]  # nothing is updated before every server paused
+        assert last_update < order[h, "/flush_cache"] < order[h, "/resume"] < order[h, "/state"]
+        assert [p for host, p in steps if host == h] == [
+            "/pause",
+            "/update_weights",
+            "/flush_cache",
+            "/resume",
+            "/state",
+        ]
+    assert list(report.phases) == ["pause", "update", "flush", "resume", "verify"]
+    assert [o.server for o in report.phases["verify"]] == [f"http://{h}" for h in HOSTS]
+    assert all(o.value.weight_version == "v7" and o.value.paused is False for o in report.phases["verify"])
+
+
+async def test_a_weight_sync_whose_flush_fails_somewhere_resumes_every_server_and_checks_nothing(
+    fleet, tiny_models, tmp_path
+) -> None:
+    from backends_testkit.tinymodel import write_perturbed_weights
+
+    new = write_perturbed_weights(tiny_models.dense, tmp_path / "w8", seed=10, scale=0.1)
+
+    async def broken_flush(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/flush_cache":
+            return httpx.Response(400, json={"error": "cache locked"})
+        return await fleet["s1"].handle(request)
+
+    handlers = {h: e.handle for h, e in fleet.items()} | {"s1": broken_flush}
+    async with Client(config(tiny_models), transport=routed(handlers)) as client:
+        with pytest.raises(AdminError, match="cache locked") as info:
+            await client.admin.weight_sync(path=str(new), version="v8")
+        states = await client.admin.state()
+    err = info.value
+    assert "weight_sync: flush_cache" in str(err) and err.failed == ["http://s1"]
+    assert list(err.phases) == ["pause", "update", "flush", "resume"]
+    assert all(o.ok for o in err.phases["resume"]) and all(s.paused is False for s in states)
+    assert all(s.weight_version == "v8" for s in states) and client.weight_version == "v8"
+
+
+async def test_a_weight_sync_cancelled_after_the_update_still_resumes_every_server(
+    fleet, tiny_models, tmp_path
+) -> None:
+    from backends_testkit.tinymodel import write_perturbed_weights
+
+    new = write_perturbed_weights(tiny_models.dense, tmp_path / "w9", seed=11, scale=0.1)
+    flushing = asyncio.Event()
+    resumed: list[str] = []
+
+    def handler(host: str) -> Handler:
+        async def handle(request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/flush_cache" and host == "s2":
+                flushing.set()
+                await asyncio.sleep(30)  # cancelled while this server flushes; the others may be resumed already
+            if request.url.path == "/resume":
+                resumed.append(host)
+            return await fleet[host].handle(request)
+
+        return handle
+
+    async with Client(config(tiny_models), transport=routed({h: handler(h) for h in HOSTS})) as client:
+        task = asyncio.ensure_future(client.admin.weight_sync(path=str(new), version="v9"))
+        await flushing.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        states = await client.admin.state()
+    assert sorted(resumed) == HOSTS  # each server resumed once: by its own sequence or by the finally
+    assert all(s.paused is False for s in states)

@@ -17,9 +17,11 @@ weight sync (INFO, WARNING when it failed somewhere).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import attrs
@@ -50,6 +52,8 @@ __all__ = [
     "ServerReport",
     "SyncReport",
     "WeightsRecord",
+    "only_state_fields",
+    "state_fields",
 ]
 
 T = TypeVar("T")
@@ -66,6 +70,30 @@ def _base_url(server: Server) -> str:
 
 def _serving(_server: Server) -> str:
     return "serving"
+
+
+#: The ServerState fields the ``admin_state`` calls of this context need (``None``: every field).
+_STATE_FIELDS: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
+    "backends_state_fields", default=None
+)
+
+
+@contextlib.contextmanager
+def only_state_fields(fields: frozenset[str]) -> Iterator[None]:
+    """Declare that the ``admin_state`` calls inside the block need only these
+    :class:`~backends_core.types.ServerState` fields: a backend may read just those and leave the others ``None``
+    (a weight sync's check reads the version, not the whole state)."""
+    token = _STATE_FIELDS.set(frozenset(fields))
+    try:
+        yield
+    finally:
+        _STATE_FIELDS.reset(token)
+
+
+def state_fields() -> frozenset[str] | None:
+    """For an ``admin_state`` implementation: the fields its caller needs (see :func:`only_state_fields`);
+    ``None``: every field."""
+    return _STATE_FIELDS.get()
 
 
 #: Operations that change which weights a server serves.
@@ -601,9 +629,9 @@ class Admin:
     ) -> SyncReport:
         """Pause → update → set the version → flush (or rely on re-salting) → resume, on every server.
 
-        Resume runs in ``finally`` on every server that was paused, whatever failed. Afterwards the version
-        is checked in :meth:`state` where the backend exposes it, and requests of this client are salted
-        with it.
+        Resume runs in ``finally`` on every server that was paused, whatever failed. After its resume each
+        server's version is checked in its state (the version only) where the backend exposes
+        it, and requests of this client are salted with it.
 
         :param version: the new weight version.
         :param path: checkpoint directory on the servers (exclusive with ``group_name``).
@@ -639,11 +667,19 @@ class Admin:
         mode: PauseMode,
         flush_cache: bool,
     ) -> SyncReport:
-        """:meth:`weight_sync` over the servers serving when it starts (servers joining wait for its end)."""
+        """:meth:`weight_sync` over the servers serving when it starts (servers joining wait for its end).
+
+        Pause and update are fleet-wide phases: nothing is updated unless every server paused, and nothing is
+        flushed or resumed before every server was updated (a failed update leaves no server flushed). After
+        the update each server goes on by itself: flush, resume, then its version check, so a server never
+        waits for another's flush or resume. Resume runs on every paused server whatever failed or was
+        cancelled; the version check counts only when every server was flushed and resumed.
+        """
         started = time.perf_counter()
         servers = self._servers
         phases: dict[str, list[ServerOutcome[Any]]] = {}
         paused: list[Server] = []
+        run = _SyncRun()
         failure: _Failure | None = None
         log.info("weight_sync to %r on %d server(s): pause (%s)", version, len(servers), mode)
         try:
@@ -654,18 +690,22 @@ class Admin:
                 failure = ("pause", phases["pause"], "nothing was updated; the paused servers were resumed")
             else:
                 failure = await self._apply(
-                    servers, phases, version, path, group_name, tensors, source, mode, flush_cache
+                    servers, phases, run, version, path, group_name, tensors, source, mode, flush_cache
                 )
         finally:
             if paused:
-                phases["resume"] = await self.outcomes(paused).resume()
+                rest = [s for s in paused if id(s) not in run.resumed]
+                if rest:  # not resumed by their own sequence (a phase failed, or the sync was cancelled)
+                    for server, outcome in zip(rest, await self.outcomes(rest).resume(), strict=True):
+                        run.resumed[id(server)] = outcome
+                phases["resume"] = [run.resumed[id(s)] for s in paused]
                 _log_phase(version, "resume", phases["resume"])
         stuck = [o.server for o in phases.get("resume", ()) if not o.ok]
         if stuck:
             note = f"left paused: {', '.join(stuck)} (resume them with admin.resume())"
             failure = ("resume", phases["resume"], note) if failure is None else (*failure[:2], f"{failure[2]}; {note}")
         if failure is None and "admin_state" in self._driver.capabilities:
-            phases["verify"] = outcomes = [_check_version(o, version) for o in await self.outcomes(servers).state()]
+            phases["verify"] = outcomes = [_check_version(run.checked[id(s)], version) for s in servers]
             _log_phase(version, "verify", outcomes)
             if not all(o.ok for o in outcomes):
                 failure = ("verify", outcomes, f"the servers that failed the check may not serve {version!r}")
@@ -681,6 +721,7 @@ class Admin:
         self,
         servers: list[Server],
         phases: dict[str, list[ServerOutcome[Any]]],
+        run: _SyncRun,
         version: str,
         path: str | None,
         group_name: str | None,
@@ -689,7 +730,8 @@ class Admin:
         mode: PauseMode,
         flush_cache: bool,
     ) -> _Failure | None:
-        """The paused part of :meth:`weight_sync`: update, record the version, flush. Returns what failed."""
+        """The paused part of :meth:`weight_sync`: update, record the version, then per server flush, resume
+        and check (into ``run``). Returns what failed before the resume."""
         if path is not None:
             phases["update"] = await self.outcomes(servers).update_weights(path, version=version)
         else:
@@ -703,8 +745,27 @@ class Admin:
         if len(done) < len(phases["update"]):
             return ("update", phases["update"], _mixed_weights(source)(done) if done else "nothing was updated")
         self._remember(version)
-        if flush_cache and mode != "keep" and "admin_flush_cache" in self._driver.capabilities:
-            phases["flush"] = await self.outcomes(servers).flush_cache()
+        driver = self._driver
+        caps = driver.capabilities
+        flushing = flush_cache and mode != "keep" and "admin_flush_cache" in caps
+        checking = "admin_state" in caps
+        driver.require("admin_resume")
+
+        async def check(server: Server) -> ServerState:
+            with only_state_fields(_SYNC_FIELDS):
+                return await driver.admin_state(server)
+
+        async def finish(server: Server) -> ServerOutcome[bool] | None:
+            """Flush, resume, check one server; its flush outcome (``None`` without a flush)."""
+            flushed = await self._one("flush_cache", server, driver.admin_flush_cache, None) if flushing else None
+            resumed = run.resumed[id(server)] = await self._one("resume", server, driver.admin_resume, None)
+            if checking and resumed.ok and (flushed is None or flushed.ok):
+                run.checked[id(server)] = await self._one("state", server, check, None)
+            return flushed
+
+        flushed = await asyncio.gather(*(finish(s) for s in servers))
+        if flushing:
+            phases["flush"] = [o for o in flushed if o is not None]
             _log_phase(version, "flush", phases["flush"])
             if not all(o.ok for o in phases["flush"]):
                 return (
@@ -714,6 +775,20 @@ class Admin:
                     "weights (this client's requests are salted with the new version)",
                 )
         return None
+
+
+#: What a weight sync's check reads of each server's state: the version, which proves the update (the resume
+#: is proven by its own answer).
+_SYNC_FIELDS = frozenset({"weight_version"})
+
+
+@attrs.define
+class _SyncRun:
+    """Per-server results of a weight sync's last steps, by ``id(server)``: each resume outcome (whether by the
+    server's own sequence or by the sync's ``finally``), and each version check."""
+
+    resumed: dict[int, ServerOutcome[Any]] = attrs.Factory(dict)
+    checked: dict[int, ServerOutcome[Any]] = attrs.Factory(dict)
 
 
 class AdminOutcomes:

@@ -577,6 +577,10 @@ async def admin_unload_lora(server: Server, name: str, config: ClientConfig, opt
 async def admin_state(server: Server, config: ClientConfig, options: Any) -> ServerState | None:
     """Read the server's admin state: paused, sleeping, weight version, in-flight requests, LoRAs.
 
+    A caller that needs only some fields says so with :func:`backends_core.fleet.only_state_fields` (a weight
+    sync's check: ``weight_version``); an implementation may then read only
+    :func:`backends_core.fleet.state_fields` and leave the others ``None``, or read everything.
+
     :param server: the server to ask.
     :param config: the client's configuration.
     :param options: the validated backend options.

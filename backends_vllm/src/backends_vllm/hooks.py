@@ -18,6 +18,7 @@ from backends_core.errors import (
     ServerStatusError,
     TransportError,
 )
+from backends_core.fleet import state_fields
 from backends_core.types import (
     SAMPLING_FEATURES,
     DistributedGroup,
@@ -319,22 +320,34 @@ async def admin_wake(server: Server) -> bool:
     return True
 
 
+#: ServerState field → the route that tells it, and how its answer is read.
+_STATE_ROUTES: tuple[tuple[str, str, Literal["json", "text"]], ...] = (
+    ("paused", "/is_paused", "json"),
+    ("sleeping", "/is_sleeping", "json"),
+    ("weight_version", "/weight_info", "json"),
+    ("in_flight", "/metrics", "text"),
+    ("loras", "/v1/models", "json"),
+)
+
+
 @hookimpl
 async def admin_state(server: Server) -> ServerState:
-    paused, sleeping, info, load, models = await asyncio.gather(
-        _admin(server, "GET", "/is_paused"),
-        _admin(server, "GET", "/is_sleeping"),
-        _admin(server, "GET", "/weight_info"),
-        _admin(server, "GET", "/metrics", expect="text"),
-        _admin(server, "GET", "/v1/models"),
-    )
+    """One GET per field the caller needs (:func:`~backends_core.fleet.state_fields`), concurrently; a field not
+    needed stays ``None``."""
+    fields = state_fields()
+    wanted = [r for r in _STATE_ROUTES if fields is None or r[0] in fields]
+    reads = [_admin(server, "GET", path, expect=expect) for _, path, expect in wanted]
+    values = [await reads[0]] if len(reads) == 1 else await asyncio.gather(*reads)  # one read: no task
+    answers = dict(zip([r[0] for r in wanted], values, strict=True))
     url = server.admin_url
     return ServerState(
-        paused=wire.flag(paused, "is_paused", url),
-        sleeping=wire.flag(sleeping, "is_sleeping", url),
-        weight_version=wire.text(info, "weight_version", url),
-        in_flight=wire.requests_in_flight(load, url),
-        loras=wire.lora_names(models, url),
+        paused=wire.flag(answers["paused"], "is_paused", url) if "paused" in answers else None,
+        sleeping=wire.flag(answers["sleeping"], "is_sleeping", url) if "sleeping" in answers else None,
+        weight_version=wire.text(answers["weight_version"], "weight_version", url)
+        if "weight_version" in answers
+        else None,
+        in_flight=wire.requests_in_flight(answers["in_flight"], url) if "in_flight" in answers else None,
+        loras=wire.lora_names(answers["loras"], url) if "loras" in answers else None,
     )
 
 
