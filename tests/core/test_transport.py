@@ -543,6 +543,20 @@ async def test_large_answers_are_gathered_a_few_at_a_time(monkeypatch: pytest.Mo
     assert 1 <= most <= 2
 
 
+async def test_reads_from_the_socket_64_kib_at_a_time() -> None:
+    async def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b"x" * (1 << 20))
+
+    async with serve(handle) as url:
+        client, transport = lean()
+        async with client:
+            assert (await client.get(url)).content == b"x" * (1 << 20)
+            pool = transport._pool
+            assert pool is not None
+            (idle,) = pool._conns.values()
+            assert [getattr(p.transport, "max_size", None) for p, _ in idle] == [64 << 10]
+
+
 def test_max_large_bodies_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_large_bodies must be at least 1, got 0"):
         AiohttpTransport(max_large_bodies=0)

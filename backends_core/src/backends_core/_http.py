@@ -45,6 +45,8 @@ _GATED_BODY = 64 << 10
 #: Bytes of an answer's body buffered before aiohttp stops reading its connection (it resumes at half of it),
 #: until the body is read: what an answer waiting at the body gate holds, the rest staying in the kernel.
 _READ_BUFFER = 64 << 10
+#: Bytes read from a connection's socket at a time (asyncio's socket transport; its own default is 256 KiB).
+_RECV_SIZE = 64 << 10
 #: Transfer codings an answer may use; any other (gzip, deflate) would reach httpx still encoded.
 _TRANSFER_CODINGS = frozenset({"chunked", "identity"})
 #: Request extension asking for an answer whose body is handed on as it arrives instead of read whole.
@@ -92,6 +94,14 @@ class _Exchange(ResponseHandler):
         if self._write_timer is not None:
             self._write_timer.cancel()
             self._write_timer = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # asyncio's socket transport reads up to ``max_size`` bytes at a time into a new buffer of that size,
+        # then shrinks it to what arrived; a smaller read leaves fewer holes in the heap when a thousand large
+        # answers arrive together (uvloop's and TLS transports have no such attribute and are left as they are)
+        if type(getattr(transport, "max_size", None)) is int:
+            transport.max_size = _RECV_SIZE  # type: ignore[attr-defined]
+        super().connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
         self.received += len(data)
@@ -173,7 +183,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         *,
         limits: httpx.Limits | None = None,
         verify: ssl.SSLContext | bool = True,
-        max_large_bodies: int = 8,
+        max_large_bodies: int = 4,
     ) -> None:
         if max_large_bodies < 1:
             raise ValueError(f"max_large_bodies must be at least 1, got {max_large_bodies}")
