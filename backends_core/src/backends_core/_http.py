@@ -45,7 +45,8 @@ _GATED_BODY = 64 << 10
 #: Bytes of an answer's body buffered before aiohttp stops reading its connection (it resumes at half of it),
 #: until the body is read: what an answer waiting at the body gate holds, the rest staying in the kernel.
 _READ_BUFFER = 64 << 10
-#: Bytes read from a connection's socket at a time (asyncio's socket transport; its own default is 256 KiB).
+#: Bytes read from a connection's socket at a time (asyncio's socket transport; its own default, 256 KiB, is used
+#: while a large body is read whole: see :meth:`_Exchange.connection_made`).
 _RECV_SIZE = 64 << 10
 #: Transfer codings an answer may use; any other (gzip, deflate) would reach httpx still encoded.
 _TRANSFER_CODINGS = frozenset({"chunked", "identity"})
@@ -70,6 +71,8 @@ class _Exchange(ResponseHandler):
     lost: BaseException | None = None
     _write_limit: float | None = None
     _write_timer: asyncio.TimerHandle | None = None
+    #: the transport's own read size (``None``: a transport whose read size is not adjustable)
+    _read_size: int | None = None
 
     def set_response_params(self, **params: Any) -> None:  # a new exchange on this connection
         self.sent, self.received = False, 0
@@ -96,12 +99,21 @@ class _Exchange(ResponseHandler):
             self._write_timer = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # asyncio's socket transport reads up to ``max_size`` bytes at a time into a new buffer of that size,
-        # then shrinks it to what arrived; a smaller read leaves fewer holes in the heap when a thousand large
-        # answers arrive together (uvloop's and TLS transports have no such attribute and are left as they are)
-        if type(getattr(transport, "max_size", None)) is int:
+        # asyncio's socket transport reads up to ``max_size`` bytes at a time into a new buffer of that size, then
+        # shrinks it to what arrived: an answer waiting at the body gate would pin such buffers all over the heap
+        # (a thousand large answers arriving together fragment it), so reads are small until the body is read
+        # (uvloop's and TLS transports have no such attribute and are left as they are)
+        size = getattr(transport, "max_size", None)
+        if type(size) is int:
+            self._read_size = size
             transport.max_size = _RECV_SIZE  # type: ignore[attr-defined]
         super().connection_made(transport)
+
+    def full_reads(self, full: bool) -> None:
+        """Read the socket with the transport's own read size (``True``, while a large body is read whole) or
+        with :data:`_RECV_SIZE` (``False``)."""
+        if self._read_size is not None and self.transport is not None:
+            self.transport.max_size = self._read_size if full else _RECV_SIZE  # type: ignore[attr-defined]
 
     def data_received(self, data: bytes) -> None:
         self.received += len(data)
@@ -293,7 +305,14 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         if gate is None:
             gate = self._gate = asyncio.Semaphore(self.max_large_bodies)
         async with gate:
-            return await answer.read()
+            exchange = _EXCHANGE.get()
+            if exchange is not None:
+                exchange.full_reads(True)
+            try:
+                return await answer.read()
+            finally:
+                if exchange is not None:
+                    exchange.full_reads(False)
 
     async def _streamed(
         self,
