@@ -499,6 +499,69 @@ async def test_large_bodies_both_ways() -> None:
                 assert (await client.post(url, content=body)).content == body
 
 
+async def test_large_answers_are_gathered_a_few_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Answers above 64 KiB still arriving (known length or chunked) are read at most ``max_large_bodies`` at
+    once; each arrives whole and exact, small ones are never held back."""
+    import aiohttp
+
+    reading = most = 0
+    read = aiohttp.ClientResponse.read
+
+    async def counted(self: aiohttp.ClientResponse) -> bytes:
+        nonlocal reading, most
+        length = self.content_length
+        big = not self.content.is_eof() and (length is None or length > 64 << 10)
+        reading += big
+        most = max(most, reading)
+        try:
+            return await read(self)
+        finally:
+            reading -= big
+
+    monkeypatch.setattr(aiohttp.ClientResponse, "read", counted)
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        size = int(request.url.params["size"])
+        body = bytes([size % 251]) * size
+        if request.url.params.get("chunked"):
+
+            async def halves() -> Any:
+                yield body[: size // 2]
+                yield body[size // 2 :]
+
+            return httpx.Response(200, content=halves())
+        return httpx.Response(200, content=body)
+
+    async with serve(handle) as url:
+        transport = AiohttpTransport(limits=httpx.Limits(max_connections=100), max_large_bodies=2)
+        async with httpx.AsyncClient(transport=transport, timeout=30.0) as client:
+            asks = [(size, chunked) for size in (10, 65_536, 65_537, 3 << 20) for chunked in ("", "1")] * 4
+            answers = await asyncio.gather(
+                *(client.get(url, params={"size": size, "chunked": chunked}) for size, chunked in asks)
+            )
+    assert [a.content for a in answers] == [bytes([size % 251]) * size for size, _ in asks]
+    assert 1 <= most <= 2
+
+
+async def test_reads_from_the_socket_64_kib_at_a_time() -> None:
+    async def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b"x" * (1 << 20))
+
+    async with serve(handle) as url:
+        client, transport = lean()
+        async with client:
+            assert (await client.get(url)).content == b"x" * (1 << 20)
+            pool = transport._pool
+            assert pool is not None
+            (idle,) = pool._conns.values()
+            assert [getattr(p.transport, "max_size", None) for p, _ in idle] == [64 << 10]
+
+
+def test_max_large_bodies_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_large_bodies must be at least 1, got 0"):
+        AiohttpTransport(max_large_bodies=0)
+
+
 async def test_chunked_body_with_extensions_trailers_and_odd_splits() -> None:
     payload = [os.urandom(n) for n in (1, 300, 70_000, 5)]
 

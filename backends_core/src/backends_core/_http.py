@@ -39,6 +39,15 @@ __all__ = ["STREAMED", "AiohttpTransport"]
 _EXCHANGE: contextvars.ContextVar[_Exchange | None] = contextvars.ContextVar("backends_exchange", default=None)
 #: Request bodies above this size are handed to aiohttp as a file object (written in chunks, not in one call).
 _LARGE_BODY = 1 << 20
+#: Answer bodies above this size (or of unknown size) not yet whole when their head arrives are read under the
+#: transport's body gate (:attr:`AiohttpTransport.max_large_bodies`); smaller ones are read at once.
+_GATED_BODY = 64 << 10
+#: Bytes of an answer's body buffered before aiohttp stops reading its connection (it resumes at half of it),
+#: until the body is read: what an answer waiting at the body gate holds, the rest staying in the kernel.
+_READ_BUFFER = 64 << 10
+#: Bytes read from a connection's socket at a time (asyncio's socket transport; its own default, 256 KiB, is used
+#: while a large body is read whole: see :meth:`_Exchange.connection_made`).
+_RECV_SIZE = 64 << 10
 #: Transfer codings an answer may use; any other (gzip, deflate) would reach httpx still encoded.
 _TRANSFER_CODINGS = frozenset({"chunked", "identity"})
 #: Request extension asking for an answer whose body is handed on as it arrives instead of read whole.
@@ -62,6 +71,8 @@ class _Exchange(ResponseHandler):
     lost: BaseException | None = None
     _write_limit: float | None = None
     _write_timer: asyncio.TimerHandle | None = None
+    #: the transport's own read size (``None``: a transport whose read size is not adjustable)
+    _read_size: int | None = None
 
     def set_response_params(self, **params: Any) -> None:  # a new exchange on this connection
         self.sent, self.received = False, 0
@@ -86,6 +97,23 @@ class _Exchange(ResponseHandler):
         if self._write_timer is not None:
             self._write_timer.cancel()
             self._write_timer = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # asyncio's socket transport reads up to ``max_size`` bytes at a time into a new buffer of that size, then
+        # shrinks it to what arrived: an answer waiting at the body gate would pin such buffers all over the heap
+        # (a thousand large answers arriving together fragment it), so reads are small until the body is read
+        # (uvloop's and TLS transports have no such attribute and are left as they are)
+        size = getattr(transport, "max_size", None)
+        if type(size) is int:
+            self._read_size = size
+            transport.max_size = _RECV_SIZE  # type: ignore[attr-defined]
+        super().connection_made(transport)
+
+    def full_reads(self, full: bool) -> None:
+        """Read the socket with the transport's own read size (``True``, while a large body is read whole) or
+        with :data:`_RECV_SIZE` (``False``)."""
+        if self._read_size is not None and self.transport is not None:
+            self.transport.max_size = self._read_size if full else _RECV_SIZE  # type: ignore[attr-defined]
 
     def data_received(self, data: bytes) -> None:
         self.received += len(data)
@@ -158,10 +186,22 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         idle connection is kept. ``max_keepalive_connections=0`` or ``keepalive_expiry=0`` closes every
         connection after its answer.
     :param verify: TLS verification: an ``ssl.SSLContext``, ``True`` (system CAs) or ``False`` (none).
+    :param max_large_bodies: answer bodies above 64 KiB gathered at once (see :meth:`_read`); the others wait,
+        their bytes left in the kernel's socket buffers, which bounds the memory of a burst of large answers.
     """
 
-    def __init__(self, *, limits: httpx.Limits | None = None, verify: ssl.SSLContext | bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        limits: httpx.Limits | None = None,
+        verify: ssl.SSLContext | bool = True,
+        max_large_bodies: int = 4,
+    ) -> None:
+        if max_large_bodies < 1:
+            raise ValueError(f"max_large_bodies must be at least 1, got {max_large_bodies}")
         self._limits = limits or httpx.Limits()
+        self.max_large_bodies = max_large_bodies
+        self._gate: asyncio.Semaphore | None = None
         self._tls: ssl.SSLContext | bool = verify if isinstance(verify, ssl.SSLContext) or not verify else True
         self._session: aiohttp.ClientSession | None = None
         #: one ``aiohttp.ClientTimeout`` per (pool, connect, read) seconds seen
@@ -183,6 +223,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             auto_decompress=False,  # httpx decodes Content-Encoding
             timeout=aiohttp.ClientTimeout(total=None),
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+            read_bufsize=_READ_BUFFER,
         )
         # requests are sent again in one place only (Server.request), which knows what is safe to repeat
         session._retry_connection = False
@@ -192,6 +233,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         session = self._session
         if session is None or session.closed:
             session = self._session = self._open()
+            self._gate = None  # a new session may run in another event loop
         limits = request.extensions.get("timeout", {})
         key = (limits.get("pool"), limits.get("connect"), limits.get("read"))
         timeout = self._timeouts.get(key)
@@ -224,7 +266,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 server_hostname=request.extensions.get("sni_hostname"),
             ) as answer:
                 _check_codings(answer, request)
-                body = await answer.read()
+                body = await self._read(answer)
         except ValueError as exc:  # aiohttp refuses to build the request (header injection): nothing was sent
             if isinstance(exc, aiohttp.ClientError):
                 raise _mapped(exc, request, pool_full=False) from exc
@@ -249,6 +291,28 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             # the body as httpx's ``aread`` would return it (nothing to decode), without iterating the stream
             response._content = body
         return response
+
+    async def _read(self, answer: aiohttp.ClientResponse) -> bytes:
+        """The whole body of ``answer``. A large body still arriving is read under the gate: at most
+        :attr:`max_large_bodies` of them are gathered at once, the rest wait with their connections paused by
+        aiohttp's flow control (what the server sent stays in the kernel's socket buffers), so a burst of large
+        answers is not held whole in memory all at once. The caller decodes the body before it next yields, so a
+        body is parsed (and released) before the next waiting one is gathered."""
+        length = answer.content_length
+        if answer.content.is_eof() or (length is not None and length <= _GATED_BODY):
+            return await answer.read()
+        gate = self._gate
+        if gate is None:
+            gate = self._gate = asyncio.Semaphore(self.max_large_bodies)
+        async with gate:
+            exchange = _EXCHANGE.get()
+            if exchange is not None:
+                exchange.full_reads(True)
+            try:
+                return await answer.read()
+            finally:
+                if exchange is not None:
+                    exchange.full_reads(False)
 
     async def _streamed(
         self,
