@@ -22,7 +22,7 @@ from backends_core import GenerateResult, InvalidRequestError, ResponseParseErro
 from backends_core.client import _with_cache_salt
 from backends_core.driver import check_result
 from backends_core.jsonio import dumps, loads, loads_lifting
-from backends_core.routed_experts import _b64decode
+from backends_core.routed_experts import _b64decode, npy_base64_length
 from backends_core.server import Server
 from backends_core.types import GenerateRequest, _token_ids
 
@@ -109,12 +109,68 @@ def test_large_strings_come_back_as_views_of_the_body_and_the_rest_parses_as_usu
     assert parsed["choices"][0]["routed_experts"].obj is body  # no copy of the base64 text
 
 
-def test_small_escaped_or_absent_strings_are_parsed_as_usual() -> None:
+def test_small_absent_or_maybe_escaped_ending_strings_are_parsed_as_usual() -> None:
     small = routed_body("QUJD")
     assert loads_lifting(small, ("routed_experts",)) == json.loads(small)
-    escaped = routed_body("A\\/" * 3000)  # a JSON escape inside: the parser must see it
-    assert loads_lifting(escaped, ("routed_experts",)) == json.loads(escaped)
     assert loads_lifting(b'{"routed_experts":null}', ("routed_experts",)) == {"routed_experts": None}
+    quoted = routed_body("A" * 5000 + '\\"' + "B" * 10)  # its first quote is escaped: the end is further
+    assert loads_lifting(quoted, ("routed_experts",)) == json.loads(quoted)
+
+
+def test_an_escaped_payload_is_lifted_raw_and_decodes_like_the_parsed_string() -> None:
+    array = np.random.default_rng(1).integers(0, 128, size=(300, 48, 8), dtype=np.uint8)
+    text = npy_b64(array)
+    body = routed_body(text.replace("/", "\\/"))  # JSON may escape every "/"
+    assert b"\\/" in body
+    lifted = loads_lifting(body, ("routed_experts",), sized=npy_base64_length)["choices"][0]["routed_experts"]
+    assert isinstance(lifted, memoryview) and b"\\/" in lifted.tobytes()
+    assert np.array_equal(decode_routed_experts(lifted), array)
+    assert np.array_equal(decode_routed_experts(json.loads(body)["choices"][0]["routed_experts"]), array)
+    with pytest.raises(ResponseParseError, match="not valid base64"):
+        decode_routed_experts(memoryview(b"QUJD\\nQUJD"))  # an escape that unescapes to no base64
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.zeros((0, 48, 8), np.uint8),
+        np.arange(7 * 3 * 2, dtype=np.int32).reshape(7, 3, 2),
+        np.ones((1279, 48, 8), np.uint16),
+        np.ones((5, 4, 2), np.int16)[:, ::2],  # not contiguous: saved in C order
+    ],
+)
+@pytest.mark.parametrize("version", [(1, 0), (2, 0), (3, 0)])
+def test_the_base64_length_of_a_npy_payload_is_read_from_its_header(
+    array: np.ndarray, version: tuple[int, int]
+) -> None:
+    buffer = io.BytesIO()
+    np.lib.format.write_array(buffer, array, version=version)
+    text = base64.b64encode(buffer.getvalue())
+    assert npy_base64_length(memoryview(text + b'","more":1}')) == len(text)
+
+
+def test_what_is_not_a_readable_npy_payload_has_no_length() -> None:
+    text = npy_b64(np.ones((4, 2, 2), np.uint8)).encode()
+    assert npy_base64_length(memoryview(text[:12])) is None  # cut before its header ends
+    assert npy_base64_length(memoryview(b"QUJD" * 100)) is None  # raw bytes, no header
+    raw = base64.b64decode(text)
+    broken = base64.b64encode(raw[:10] + b"{'descr': 'nope'" + raw[26:])
+    assert npy_base64_length(memoryview(broken)) is None
+
+
+def test_a_sized_payload_is_lifted_without_scanning_and_a_wrong_size_falls_back_to_scanning() -> None:
+    text = npy_b64(np.ones((600, 48, 8), np.uint8))
+    body = routed_body(text, "A" * 9000)
+    calls: list[int] = []
+
+    def sized(view: memoryview) -> int | None:
+        calls.append(len(view))
+        return npy_base64_length(view)
+
+    parsed = loads_lifting(body, ("routed_experts",), sized=sized)
+    assert plain(parsed) == json.loads(body) and len(calls) == 2
+    wrong = loads_lifting(body, ("routed_experts",), sized=lambda view: 5000)  # no quote there: scanned instead
+    assert plain(wrong) == json.loads(body)
 
 
 def test_a_key_look_alike_inside_a_string_or_a_forged_placeholder_changes_nothing() -> None:

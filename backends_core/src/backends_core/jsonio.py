@@ -2,8 +2,8 @@
 
 orjson is 2-3x faster than the stdlib on these bodies; whatever it refuses (NaN literals, integers beyond 64 bits,
 non-UTF-8 encodings, non-string keys) takes the stdlib path, so what is accepted and how failures read is the
-stdlib's. :func:`loads_lifting` cuts big escape-free string values (base64 routed experts: megabytes) out of the
-raw body before parsing and hands them back as ``memoryview`` objects into it, so they are neither scanned by
+stdlib's. :func:`loads_lifting` cuts big string values (base64 routed experts: megabytes) out of the raw body
+before parsing and hands them back as ``memoryview`` objects into it, so they are neither scanned by
 the JSON parser nor copied into a ``str``.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 import secrets as _secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
@@ -47,30 +47,46 @@ _LIFT_MIN = 4096
 _NONCE = _secrets.token_hex(8)
 
 
-def loads_lifting(content: bytes, keys: Sequence[str]) -> Any:
-    """:func:`loads`, with the escape-free string values of ``keys`` (at least 4 KiB long) returned as
-    ``memoryview`` objects of ``content``: the parser never sees them and they are never copied.
+def loads_lifting(
+    content: bytes, keys: Sequence[str], *, sized: Callable[[memoryview], int | None] | None = None
+) -> Any:
+    """:func:`loads`, with the string values of ``keys`` (at least 4 KiB long) returned as ``memoryview`` objects
+    of ``content``: the parser never sees them and they are never copied. A lifted value is the raw text between
+    its quotes, JSON escapes included: its consumer must refuse what its format does not allow and unescape what
+    JSON allows (:func:`~backends_core.routed_experts.decode_routed_experts` does both for base64).
 
     Each value is replaced in a copy of the rest of the body by a placeholder no server can forge (a per-process
     nonce), the rest is parsed, and the views are put back where the placeholders landed; if any is not found
-    (a match inside a string, an unusual layout), the whole body is parsed as usual instead.
+    (a match inside a string, an unusual layout), the whole body is parsed as usual instead. A value whose first
+    quote is preceded by a backslash (maybe escaped: its end is not known without reading every escape) is parsed
+    as usual.
+
+    :param sized: for values whose length their own first bytes tell (a base64 ``.npy`` payload's header): given
+        the body from the value's first byte, its length in bytes, or ``None`` to find its end by scanning; a
+        sized value is lifted without scanning when a closing quote stands right after it.
     """
     spans: list[tuple[int, int]] = []
+    view = memoryview(content)
     for key in keys:
         pattern = re.compile(b'"' + re.escape(key.encode()) + rb'"\s*:\s*"')
         at = 0
         while (m := pattern.search(content, at)) is not None:
             start = m.end()
+            length = sized(view[start:]) if sized is not None else None
+            end = start + length if length is not None else -1
+            if length is not None and length >= _LIFT_MIN and _closes(content, end):
+                spans.append((start, end))
+                at = end + 1
+                continue
             end = content.find(b'"', start)
             if end < 0:
                 break
             at = end + 1
-            if end - start >= _LIFT_MIN and content.find(b"\\", start, end) < 0:
+            if end - start >= _LIFT_MIN and content[end - 1] != 0x5C:
                 spans.append((start, end))
     if not spans:
         return loads(content)
     spans.sort()
-    view = memoryview(content)
     pieces: list[bytes] = []
     table: dict[str, memoryview] = {}
     pos = 0
@@ -86,6 +102,11 @@ def loads_lifting(content: bytes, keys: Sequence[str]) -> Any:
     if not _put_back(parsed, frozenset(keys), table):
         return loads(content)
     return parsed
+
+
+def _closes(content: bytes, end: int) -> bool:
+    """Whether a string value's closing quote is at ``end`` (a quote not escaped by the byte before it)."""
+    return end < len(content) and content[end] == 0x22 and content[end - 1] != 0x5C
 
 
 def _put_back(document: Any, keys: frozenset[str], table: dict[str, memoryview]) -> bool:

@@ -45,6 +45,7 @@ from backends_core._http import STREAMED
 from backends_core.config import RetryPolicy
 from backends_core.errors import NetworkError, RequestTimeout, ResponseParseError, ServerStatusError
 from backends_core.jsonio import dumps, loads, loads_lifting
+from backends_core.routed_experts import npy_base64_length
 from backends_core.sse import ResponseStream
 
 __all__ = ["REQUEST_ID", "Plane", "Refusal", "Server", "StatusHint", "idempotent_requests"]
@@ -167,7 +168,8 @@ class Server:
         :param status_hint: turns a failing status into advice appended to the error.
         :param headers: extra headers for this request (e.g. an admin key), on top of the client's.
         :param large_strings: object keys whose large string values come back as ``memoryview`` objects of the raw
-            body instead of ``str`` (escape-free values only, e.g. base64; anything else parses as usual).
+            body instead of ``str``: the raw text between the quotes, escapes included, for a consumer that
+            validates it (base64 decoding; see :func:`~backends_core.jsonio.loads_lifting`).
         :param refusal: an answer of this request that means "ask again later" (see :class:`Refusal`).
         :raises RequestTimeout: a timeout expired.
         :raises NetworkError: the connection failed.
@@ -518,7 +520,9 @@ def _decode(response: httpx.Response, expect: str, url: str, large_strings: Sequ
     if expect == "text":
         return response.text
     try:
-        return loads_lifting(response.content, large_strings) if large_strings else loads(response.content)
+        if large_strings:
+            return loads_lifting(response.content, large_strings, sized=npy_base64_length)
+        return loads(response.content)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         snippet = response.content[:200].decode("utf-8", "replace")
         raise ResponseParseError(

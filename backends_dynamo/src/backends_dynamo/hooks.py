@@ -130,6 +130,8 @@ async def _send(
             headers={REQUEST_ID_HEADER: rid},
             expect="text" if options.stream else "json",
             status_hint=_hint,
+            # the routed experts' base64 (megabytes) stays in the raw body as a memoryview: never JSON-scanned
+            large_strings=("routed_experts", "data") if request.return_routed_experts and not options.stream else (),
         )
     finally:
         aborted, version = track.end(flight)

@@ -313,15 +313,16 @@ def routed_experts(nvext: Node, request: GenerateRequest, ids: tuple[int, ...]) 
             "routed experts were asked for but the answer has none: Dynamo's vLLM worker returns them only for "
             "MoE models started with --enable-return-routed-experts (vLLM's CPU build cannot)"
         )
-    if isinstance(field.value, str):  # a bare base64 payload: only a .npy file carries its own shape
+    if isinstance(field.value, str | memoryview):  # a bare base64 payload: only a .npy file carries its own shape
         experts = decode_routed_experts(field.value, field=field.path, url=field.url)
         start = 0
     else:
         shape = [n.integer() for n in field.get("shape").items()]
         if len(shape) != 3:
             raise field.get("shape").fail(f"expected [tokens, layers, top_k], got {shape}")
+        data = field.get("data")
         experts = decode_routed_experts(
-            field.get("data").string(),
+            data.value if isinstance(data.value, memoryview) else data.string(),
             num_layers=shape[1],
             top_k=shape[2],
             dtype=_dtype(field.get("dtype")),

@@ -112,6 +112,12 @@ async def _replica_limit(server: Server) -> int:
     raise unreachable[-1]
 
 
+def _lifted(request: GenerateRequest) -> tuple[str, ...]:
+    """Keys whose values stay in the raw body as memoryviews: the routed experts (base64, megabytes), never
+    JSON-scanned nor copied."""
+    return ("routed_experts",) if request.return_routed_experts else ()
+
+
 async def _check_length(server: Server, prompt: int, max_tokens: int) -> None:
     limit = await _max_req_input_len(server)
     if prompt > limit:
@@ -147,7 +153,7 @@ async def post_generate(server: Server, request: GenerateRequest, options: Sglan
         )
     if request.sampling.n > 1 and request.sampling.seed is not None:
         return await _fan_out(server, request)
-    return await server.request("POST", "/generate", json_body=body)
+    return await server.request("POST", "/generate", json_body=body, large_strings=_lifted(request))
 
 
 @hookimpl
@@ -177,7 +183,9 @@ async def _fan_out(server: Server, request: GenerateRequest) -> list[Any]:
     """``n`` seeded samples as ``n`` single requests to one server, sample ``i`` with seed ``seed + i``: SGLang's
     own ``n`` gives every sample the request's one seed (identical samples once sampling is deterministic)."""
     tasks = [
-        asyncio.ensure_future(server.request("POST", "/generate", json_body=wire.generate_payload(one)))
+        asyncio.ensure_future(
+            server.request("POST", "/generate", json_body=wire.generate_payload(one), large_strings=_lifted(one))
+        )
         for one in wire.single_samples(request)
     ]
     try:

@@ -254,6 +254,22 @@ def test_routed_experts_decode_and_are_trimmed_client_side() -> None:
     np.testing.assert_array_equal(result.routed_experts.experts, routing[10:])  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("where", ["engine_data", "nvext"])
+def test_routing_lifted_from_the_raw_body_decodes_like_the_parsed_string(where: str) -> None:
+    from backends_core.jsonio import dumps, loads_lifting
+
+    routing = (np.arange(19 * 64 * 8).reshape(19, 64, 8) % 8).astype(np.int32)  # 38 KiB of base64: lifted
+    body, request = with_routing(record(routing), where=where)
+    lifted = loads_lifting(dumps(body), ("routed_experts", "data"))
+    assert isinstance(
+        (lifted["nvext"] if where == "nvext" else lifted["nvext"]["engine_data"])["routed_experts"]["data"], memoryview
+    )
+    (from_view,) = wire.parse_generation(lifted, request, URL)
+    (from_text,) = wire.parse_generation(body, request, URL)
+    assert from_view.routed_experts is not None and from_text.routed_experts is not None
+    np.testing.assert_array_equal(from_view.routed_experts.experts, from_text.routed_experts.experts)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
