@@ -451,8 +451,8 @@ class BackendDriver:
     async def admin_unload_lora(self, server: Server, *, name: str) -> bool:
         return await self._admin(server, self.pm.hook.admin_unload_lora, bool, name=name)
 
-    async def admin_state(self, server: Server) -> ServerState:
-        return await self._admin(server, self.pm.hook.admin_state, ServerState)
+    async def admin_state(self, server: Server, *, fields: frozenset[str] | None = None) -> ServerState:
+        return await self._admin(server, self.pm.hook.admin_state, ServerState, fields=fields)
 
     async def admin_sleep(self, server: Server, *, level: int) -> bool:
         return await self._admin(server, self.pm.hook.admin_sleep, bool, level=level)

@@ -17,11 +17,9 @@ weight sync (INFO, WARNING when it failed somewhere).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import attrs
@@ -52,8 +50,6 @@ __all__ = [
     "ServerReport",
     "SyncReport",
     "WeightsRecord",
-    "only_state_fields",
-    "state_fields",
 ]
 
 T = TypeVar("T")
@@ -70,30 +66,6 @@ def _base_url(server: Server) -> str:
 
 def _serving(_server: Server) -> str:
     return "serving"
-
-
-#: The ServerState fields the ``admin_state`` calls of this context need (``None``: every field).
-_STATE_FIELDS: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
-    "backends_state_fields", default=None
-)
-
-
-@contextlib.contextmanager
-def only_state_fields(fields: frozenset[str]) -> Iterator[None]:
-    """Declare that the ``admin_state`` calls inside the block need only these
-    :class:`~backends_core.types.ServerState` fields: a backend may read just those and leave the others ``None``
-    (a weight sync's check reads the version, not the whole state)."""
-    token = _STATE_FIELDS.set(frozenset(fields))
-    try:
-        yield
-    finally:
-        _STATE_FIELDS.reset(token)
-
-
-def state_fields() -> frozenset[str] | None:
-    """For an ``admin_state`` implementation: the fields its caller needs (see :func:`only_state_fields`);
-    ``None``: every field."""
-    return _STATE_FIELDS.get()
 
 
 #: Operations that change which weights a server serves.
@@ -752,8 +724,7 @@ class Admin:
         driver.require("admin_resume")
 
         async def check(server: Server) -> ServerState:
-            with only_state_fields(_SYNC_FIELDS):
-                return await driver.admin_state(server)
+            return await driver.admin_state(server, fields=_SYNC_FIELDS)
 
         async def finish(server: Server) -> ServerOutcome[bool] | None:
             """Flush, resume, check one server; its flush outcome (``None`` without a flush)."""

@@ -574,16 +574,17 @@ async def admin_unload_lora(server: Server, name: str, config: ClientConfig, opt
 
 
 @hookspec(firstresult=True)
-async def admin_state(server: Server, config: ClientConfig, options: Any) -> ServerState | None:
+async def admin_state(
+    server: Server, config: ClientConfig, options: Any, fields: frozenset[str] | None
+) -> ServerState | None:
     """Read the server's admin state: paused, sleeping, weight version, in-flight requests, LoRAs.
-
-    A caller that needs only some fields says so with :func:`backends_core.fleet.only_state_fields` (a weight
-    sync's check: ``weight_version``); an implementation may then read only
-    :func:`backends_core.fleet.state_fields` and leave the others ``None``, or read everything.
 
     :param server: the server to ask.
     :param config: the client's configuration.
     :param options: the validated backend options.
+    :param fields: the :class:`~backends_core.types.ServerState` fields the caller needs (a weight sync's check:
+        ``{"weight_version"}``), ``None`` for all: an implementation may read only those and leave the others
+        ``None``, or read everything (one that does not name this argument is never given it).
     :returns: what the server exposes; unknown fields stay ``None``.
     Raises: request errors; :class:`~backends_core.errors.ResponseParseError`.
 

@@ -18,7 +18,6 @@ from backends_core.errors import (
     ServerStatusError,
     TransportError,
 )
-from backends_core.fleet import state_fields
 from backends_core.types import (
     SAMPLING_FEATURES,
     DistributedGroup,
@@ -331,10 +330,9 @@ _STATE_ROUTES: tuple[tuple[str, str, Literal["json", "text"]], ...] = (
 
 
 @hookimpl
-async def admin_state(server: Server) -> ServerState:
-    """One GET per field the caller needs (:func:`~backends_core.fleet.state_fields`), concurrently; a field not
-    needed stays ``None``."""
-    fields = state_fields()
+async def admin_state(server: Server, fields: frozenset[str] | None) -> ServerState:
+    """One GET per field the caller needs (``fields``; all when ``None``), concurrently; a field not needed stays
+    ``None``."""
     wanted = [r for r in _STATE_ROUTES if fields is None or r[0] in fields]
     reads = [_admin(server, "GET", path, expect=expect) for _, path, expect in wanted]
     values = [await reads[0]] if len(reads) == 1 else await asyncio.gather(*reads)  # one read: no task

@@ -1,4 +1,4 @@
-"""vLLM's ``admin_state`` under ``only_state_fields``: one GET per field asked for, the same values and errors
+"""vLLM's ``admin_state`` with ``fields``: one GET per field asked for, the same values and errors
 as the full read, and the weight sync's check reading only the version."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from backends_core import Client, ClientConfig, ResponseParseError, ServerState
-from backends_core.fleet import only_state_fields
 from backends_testkit.fakes import FakeServer
 
 CAPTURES = Path(__file__).resolve().parents[2] / "fixtures" / "wire" / "vllm"
@@ -60,8 +59,7 @@ async def test_a_state_with_fields_reads_only_their_routes_and_equals_the_full_s
         for n in range(len(FIELDS) + 1):
             for fields in itertools.combinations(FIELDS, n):
                 fake.requests.clear()
-                with only_state_fields(frozenset(fields)):
-                    part = await c.driver.admin_state(server)
+                part = await c.driver.admin_state(server, fields=frozenset(fields))
                 expected = ServerState(**{f: getattr(full, f) if f in fields else None for f in FIELDS})
                 assert part == expected
                 assert sorted(r.path for r in fake.requests if r.path != "/list_workers") == sorted(
@@ -85,8 +83,8 @@ async def test_a_bad_answer_to_a_field_asked_for_raises_what_the_full_read_raise
         (server,) = c.servers
         with pytest.raises(ResponseParseError) as full:
             await c.driver.admin_state(server)
-        with pytest.raises(ResponseParseError) as part, only_state_fields(frozenset(fields)):
-            await c.driver.admin_state(server)
+        with pytest.raises(ResponseParseError) as part:
+            await c.driver.admin_state(server, fields=frozenset(fields))
     assert str(part.value) == str(full.value)
 
 
