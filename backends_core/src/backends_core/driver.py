@@ -80,6 +80,7 @@ class BackendDriver:
         self._prepare_request = HookCall(self.pm, "prepare_request")
         self._post_generate = HookCall(self.pm, "post_generate")
         self._parse_response = HookCall(self.pm, "parse_response")
+        self._admin_calls: dict[str, HookCall] = {}  # the admin hooks, the same way, by name
         backend_plugin = self.pm.get_plugin(config.backend)
         #: Optional operations this backend implements (hook names).
         self.capabilities: frozenset[str] = implemented_hooks(self.pm, backend_plugin) & CAPABILITY_HOOKS
@@ -392,9 +393,12 @@ class BackendDriver:
     async def _admin(self, server: Server, hook: pluggy.HookCaller, expect: type[T], **kwargs: Any) -> T:
         """Call an admin hook on ``server``: the backend must implement it and answer with an ``expect``."""
         self.require(hook.name)
+        direct = self._admin_calls.get(hook.name)
+        if direct is None:
+            direct = self._admin_calls[hook.name] = HookCall(self.pm, hook.name)
 
         async def call() -> T:
-            result = await hook(server=server, config=self.config, options=self.options, **kwargs)
+            result = await direct(server=server, config=self.config, options=self.options, **kwargs)
             if result is None:
                 raise ResponseParseError(
                     f"backend {self.backend!r} returned nothing from {hook.name}", url=server.admin_url

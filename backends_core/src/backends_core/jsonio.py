@@ -67,23 +67,23 @@ def loads_lifting(
     """
     spans: list[tuple[int, int]] = []
     view = memoryview(content)
-    for key in keys:
-        pattern = re.compile(b'"' + re.escape(key.encode()) + rb'"\s*:\s*"')
-        at = 0
-        while (m := pattern.search(content, at)) is not None:
-            start = m.end()
-            length = sized(view[start:]) if sized is not None else None
-            end = start + length if length is not None else -1
-            if length is not None and length >= _LIFT_MIN and _closes(content, end):
-                spans.append((start, end))
-                at = end + 1
-                continue
-            end = content.find(b'"', start)
-            if end < 0:
-                break
+    # one scan for every key, going on after each value found: the values themselves (megabytes) are never scanned
+    pattern = re.compile(b'"(?:' + b"|".join(re.escape(key.encode()) for key in keys) + rb')"\s*:\s*"')
+    at = 0
+    while (m := pattern.search(content, at)) is not None:
+        start = m.end()
+        length = sized(view[start:]) if sized is not None else None
+        end = start + length if length is not None else -1
+        if length is not None and length >= _LIFT_MIN and _closes(content, end):
+            spans.append((start, end))
             at = end + 1
-            if end - start >= _LIFT_MIN and content[end - 1] != 0x5C:
-                spans.append((start, end))
+            continue
+        end = content.find(b'"', start)
+        if end < 0:
+            break
+        at = end + 1
+        if end - start >= _LIFT_MIN and content[end - 1] != 0x5C:
+            spans.append((start, end))
     if not spans:
         return loads(content)
     spans.sort()
