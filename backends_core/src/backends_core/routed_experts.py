@@ -38,6 +38,21 @@ _NPY_MAGIC_B64 = pybase64.b64encode(_NPY_MAGIC)  # 6 bytes: 8 characters, whatev
 _NPY_HEADER_MAX = 1 << 16
 
 
+def _npy_preamble(head: bytes) -> tuple[int, int]:
+    """Where a ``.npy`` file's header dictionary starts and how long it is, from its first 12 bytes (magic,
+    version, header length: 2 bytes in version 1, 4 in versions 2 and 3).
+
+    :raises ValueError: an unknown version.
+    :raises IndexError: fewer bytes than the preamble.
+    """
+    major = head[6]
+    if major == 1:
+        return 10, int.from_bytes(head[8:10], "little")
+    if major in (2, 3):
+        return 12, int.from_bytes(head[8:12], "little")
+    raise ValueError(f"unknown .npy version {major}")
+
+
 @functools.lru_cache(maxsize=256)
 def _npy_header(header: bytes) -> tuple[np.dtype[Any], tuple[int, ...], bool]:
     """dtype, shape and Fortran order of a ``.npy`` header dictionary (read once per distinct header: a server
@@ -56,14 +71,7 @@ def npy_base64_length(text: memoryview) -> int | None:
     if text[:8] != _NPY_MAGIC_B64:
         return None
     try:
-        head = pybase64.b64decode(text[:16], validate=True)
-        major = head[6]
-        if major == 1:
-            header_len, start = int.from_bytes(head[8:10], "little"), 10
-        elif major in (2, 3):
-            header_len, start = int.from_bytes(head[8:12], "little"), 12
-        else:
-            return None
+        start, header_len = _npy_preamble(pybase64.b64decode(text[:16], validate=True))
         header_end = start + header_len
         chars = 4 * -(-header_end // 3)
         if header_len > _NPY_HEADER_MAX or chars > len(text):
@@ -186,13 +194,7 @@ def _from_raw(
 
 def _from_npy(raw: bytes, field: str) -> npt.NDArray[Any]:
     try:
-        major = raw[6]
-        if major == 1:
-            header_len, start = int.from_bytes(raw[8:10], "little"), 10
-        elif major in (2, 3):
-            header_len, start = int.from_bytes(raw[8:12], "little"), 12
-        else:
-            raise ValueError(f"unknown .npy version {major}")
+        start, header_len = _npy_preamble(raw)
         dtype, shape, fortran = _npy_header(raw[start : start + header_len])
     except (ValueError, KeyError, TypeError, SyntaxError, IndexError) as exc:
         raise ResponseParseError(f"{field} is not a readable .npy payload: {exc}") from exc
