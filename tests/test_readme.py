@@ -9,8 +9,9 @@ what the README says they continue from (``client``, ``messages``, ``ids``, ``to
 imports).
 
 The tutorial test writes the tutorial's files into a directory, installs them with the workspace's test kit into
-a fresh virtual environment (offline: third-party packages at the lock's versions from uv's cache, ours as wheels
-built from this checkout) and runs the tutorial's commands block line by line.
+a fresh virtual environment (third-party packages at the lock's versions from the package index through a uv cache
+the test session made empty, ours as wheels built from this checkout) and runs the tutorial's commands block line
+by line.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import asyncio
 import contextlib
 import inspect
 import json
-import os
 import re
 import shlex
 import shutil
@@ -42,6 +42,7 @@ from backends_core import Client, ClientConfig, SamplingParams, ServerStatusErro
 from backends_testkit.emulators import make_emulator
 from backends_testkit.engine import ReferenceEngine
 from backends_testkit.tinymodel import TinyModels
+from clean_install import fresh_uv_env, install_locked_third_party, run_uv
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -319,9 +320,6 @@ def test_try_it_in_one_minute(tmp_path: Path) -> None:
     commands = [line.split("  #")[0].strip() for line in block.text.splitlines() if line.strip()]
     assert commands[0].startswith("pip install")  # what this environment already holds
     serve, generate = commands[1:]
-    help_text = subprocess.run([_backends_cli(), "--help"], capture_output=True, text=True, check=False).stdout
-    if not re.search(r"\bserve\b", help_text):
-        pytest.skip("`backends serve` is not part of this CLI yet (the README marks the block not run)")
     port = str(_free_port())
     argv = [_backends_cli(), *shlex.split(serve.removesuffix("&"))[1:]]
     argv = [port if a == "8000" else a for a in argv]
@@ -340,21 +338,8 @@ def test_try_it_in_one_minute(tmp_path: Path) -> None:
 # -- the backend tutorial, installed and run as the README says ----------------------------------------
 
 
-def uv() -> str:
-    found = os.environ.get("UV") or shutil.which("uv")
-    if found is None:
-        pytest.skip("needs uv to build and install the tutorial (run through ./dev, which sets $UV)")
-    return found
-
-
 def _run(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
-
-
-def _ok(*args: str, cwd: Path) -> str:
-    done = _run(*args, cwd=cwd)
-    assert done.returncode == 0, f"{' '.join(args)}\n{done.stdout}\n{done.stderr}"
-    return done.stdout
 
 
 def test_the_tutorial_files_are_the_whole_distribution() -> None:
@@ -372,7 +357,9 @@ def test_the_tutorial_files_are_the_whole_distribution() -> None:
 
 
 @pytest.mark.slow
-def test_the_backend_tutorial_installs_and_passes_conformance_as_the_readme_says(tmp_path: Path) -> None:
+def test_the_backend_tutorial_installs_and_passes_conformance_as_the_readme_says(
+    tmp_path: Path, fresh_uv_cache: Path
+) -> None:
     tutorial = section("Writing a backend")
     project = tmp_path / "backends-acme"
     for block in (b for b in tutorial if b.marker == "tutorial file"):
@@ -386,34 +373,26 @@ def test_the_backend_tutorial_installs_and_passes_conformance_as_the_readme_says
         if line.strip()
     ]
 
-    # `pip install "backends-core[testing]"` and `pip install -e . -e testing`, offline: the third-party
-    # packages at the lock's versions from uv's cache, this checkout's core and test kit and the tutorial's two
-    # distributions as wheels
+    # `pip install "backends-core[testing]"` and `pip install -e . -e testing` as on a new machine: the third-party
+    # packages at the lock's versions from the package index through a uv cache this session made empty, this
+    # checkout's core and test kit and the tutorial's two distributions as wheels
     assert [line for _, line in lines if line.startswith("pip ")] == [
         'pip install "backends-core[testing]"',
         "pip install -e . -e ./testing",
     ]
+    env = fresh_uv_env(fresh_uv_cache)
     wheels, venv = tmp_path / "wheels", tmp_path / "venv"
     python = str(venv / "bin" / "python")
-    _ok(uv(), "build", "--all-packages", "--wheel", "--out-dir", str(wheels), cwd=ROOT)
+    run_uv("build", "--all-packages", "--wheel", "--out-dir", str(wheels), cwd=ROOT, env=env)
     for directory in (project, project / "testing"):
-        _ok(uv(), "build", "--offline", "--wheel", str(directory), "--out-dir", str(wheels), cwd=tmp_path)
-    _ok(uv(), "venv", "--quiet", str(venv), "--python", sys.executable, cwd=tmp_path)
-    third_party = tmp_path / "third-party.txt"
-    third_party.write_text(
-        _ok(
-            uv(),
-            *("export", "--project", str(ROOT), "--frozen", "--no-hashes", "--no-header", "--no-annotate"),
-            *("--no-default-groups", "--package", "backends-testkit", "--no-emit-workspace"),
-            cwd=tmp_path,
-        )
-    )
-    _ok(uv(), "pip", "install", "--python", python, "--offline", "--no-deps", "-r", str(third_party), cwd=tmp_path)
-    _ok(
-        uv(),
+        run_uv("build", "--wheel", str(directory), "--out-dir", str(wheels), cwd=tmp_path, env=env)
+    run_uv("venv", "--quiet", str(venv), "--python", sys.executable, cwd=tmp_path, env=env)
+    install_locked_third_party(Path(python), ROOT, "backends-testkit", cwd=tmp_path, env=env)
+    run_uv(
         *("pip", "install", "--python", python, "--offline", "--no-index", "--find-links", str(wheels)),
         *("backends-core[testing]", "backends-acme", "backends-acme-testing"),
         cwd=tmp_path,
+        env=env,
     )
 
     port = str(_free_port())

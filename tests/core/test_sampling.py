@@ -218,7 +218,7 @@ async def test_stop_strings_and_logit_bias_round_trip(reference: Any) -> None:
     assert stopped.completion_ids == (100,) and (stopped.finish_reason, stopped.stop_reason) == ("stop", text)
 
 
-# -- the chat template's end-of-turn stop ids (issue #14 item 5) ----------------------------------------------
+# -- the chat template's end-of-turn stop ids -----------------------------------------------------------------
 
 
 def test_end_of_turn_stop_ids_are_the_special_tokens_of_the_template_end_of_turn(tiny_models: Any) -> None:

@@ -15,13 +15,15 @@ from typing import Any
 
 import httpx
 
+from backends_testkit.live import probe_client
+
 TIMEOUT = httpx.Timeout(120.0, connect=10.0)
 SETTLE_S = 60.0
 """Seconds a replica's counter may take to show a finished request (it is updated after the answer is sent)."""
 
 
 def http() -> httpx.Client:
-    return httpx.Client(timeout=TIMEOUT, trust_env=False)
+    return probe_client(TIMEOUT)
 
 
 def body_of(response: httpx.Response) -> Any:

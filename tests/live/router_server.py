@@ -1,6 +1,6 @@
 """The router recipe of the live tests: cached venvs for vllm-router and sglang-router, and router processes.
 
-Routers RL stacks put in front of engine replicas (issue #15's router-front mode), installed from PyPI as binary
+Routers RL stacks put in front of engine replicas (the client's router-front mode), installed from PyPI as binary
 (Rust) wheels into their own cached venvs beside the servers' (``$BACKENDS_SERVER_VENVS``, default
 ``~/.cache/backends/server-venvs``), pinned by ``routers.constraints.txt`` (a pip freeze of working installs):
 
@@ -26,7 +26,15 @@ from typing import Any
 import httpx
 import vllm_server  # the same interpreter choice as the servers' venvs
 
-from backends_testkit.live import ServerProcess, ServerStartError, ensure_venv, free_port, log_tail, server_venvs_dir
+from backends_testkit.live import (
+    ServerProcess,
+    ServerStartError,
+    ensure_venv,
+    free_port,
+    log_tail,
+    probe_client,
+    server_venvs_dir,
+)
 
 VLLM_ROUTER_VERSION = "0.1.17"
 SGLANG_ROUTER_VERSION = "0.3.2"
@@ -156,7 +164,7 @@ class RouterProcess(ServerProcess):
         started = time.monotonic()
         deadline = started + timeout
         last = "no answer yet"
-        with httpx.Client(timeout=httpx.Timeout(5.0), trust_env=False) as client:
+        with probe_client(5.0) as client:
             while True:
                 if not self.running():
                     raise ServerStartError(

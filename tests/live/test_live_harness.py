@@ -12,11 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from backends_testkit import live
-from backends_testkit.live import ServerProcess, ServerStartError, VenvInstallError, ensure_venv
+from backends_testkit.live import ServerProcess, ServerStartError, VenvInstallError, ensure_venv, probe_client
 
 
 @pytest.fixture
@@ -87,7 +86,8 @@ def test_server_process_waits_until_ready_and_stops_its_whole_process_group(tmp_
     with ServerProcess([sys.executable, str(script), "{port}"], name="toy", log_path=log) as server:
         assert server.wait_ready("/health", timeout=30) == server.url == f"http://127.0.0.1:{server.port}"
         assert server.ready_after is not None and server.running()
-        assert httpx.get(server.url + "/health").status_code == 200
+        with probe_client() as http:
+            assert http.get(server.url + "/health").status_code == 200
         child = int(next(line for line in log.read_text().splitlines() if line.startswith("child")).split()[1])
         assert _pid_alive(child)
     assert not server.running()

@@ -1,4 +1,4 @@
-"""vllm-router 0.1.17 in front of two real vLLM replicas: the facts the router-front client mode (issue #15) relies on,
+"""vllm-router 0.1.17 in front of two real vLLM replicas: the facts the router-front client mode relies on,
 pinned against the real router. SGLang's router is probed in ``sglang/test_sglang_router_probe.py`` (its replicas
 are fixtures of that directory). Findings are summarised in ``ROUTERS.md``."""
 

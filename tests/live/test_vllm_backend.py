@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
-import httpx
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -21,6 +20,7 @@ from backends_core import SAMPLING_FEATURES, Client, ClientConfig, LoraAdapter, 
 from backends_core.cli import main
 from backends_core.driver import CAPABILITY_HOOKS
 from backends_testkit.conformance import BackendConformance
+from backends_testkit.live import async_probe_client
 from backends_testkit.tinymodel import TinyModels, write_perturbed_weights
 
 pytestmark = pytest.mark.live
@@ -167,7 +167,7 @@ async def test_a_partial_rollout_stream_stopped_early_is_aborted_on_the_engine(
     client: Client, vllm_dense_url: str
 ) -> None:
     """Judged by vLLM's own gauges (``vllm:num_requests_running`` + ``waiting`` on ``/metrics``)."""
-    async with httpx.AsyncClient(base_url=vllm_dense_url, timeout=60) as raw:
+    async with async_probe_client(60, base_url=vllm_dense_url) as raw:
 
         async def count() -> int:
             metrics = (await raw.get("/metrics")).text

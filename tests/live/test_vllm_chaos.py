@@ -49,7 +49,7 @@ from backends_core import (
     hookimpl,
 )
 from backends_testkit.engine import ReferenceEngine
-from backends_testkit.live import ServerProcess, ServerStartError
+from backends_testkit.live import ServerProcess, ServerStartError, probe_client
 from backends_testkit.tinymodel import TinyModels, write_perturbed_weights
 
 pytestmark = pytest.mark.live
@@ -146,7 +146,8 @@ class Pair:
 
 def healthy(url: str) -> bool:
     try:
-        return httpx.get(url + "/health", timeout=10.0, trust_env=False).status_code == 200
+        with probe_client(10.0) as http:
+            return http.get(url + "/health").status_code == 200
     except httpx.HTTPError:
         return False
 

@@ -1,4 +1,4 @@
-"""The client in router-front mode (issue #15) behind a real vllm-router 0.1.17 (``--policy consistent_hash``) in front
+"""The client in router-front mode behind a real vllm-router 0.1.17 (``--policy consistent_hash``) in front
 of two real vLLM 0.32 CPU replicas.
 
 Fixtures of this module: one router for the whole module in front of the two session replicas (``vllm_dense_url``,
@@ -36,7 +36,7 @@ from backends_core import (
     LoraAdapter,
     SamplingParams,
 )
-from backends_testkit.live import ServerProcess
+from backends_testkit.live import ServerProcess, async_probe_client
 from backends_testkit.tinymodel import TinyModels, write_perturbed_weights
 
 pytestmark = pytest.mark.live
@@ -150,7 +150,7 @@ def listed(client: httpx.Client, router_url: str) -> list[str]:
 
 
 async def get_json(url: str) -> Any:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=10.0), trust_env=False) as client:
+    async with async_probe_client(httpx.Timeout(60.0, connect=10.0)) as client:
         response = await client.get(url)
         response.raise_for_status()
         return response.json()
@@ -192,7 +192,7 @@ async def landed_on(urls: list[str], send: Callable[[], Awaitable[T]]) -> tuple[
 
 async def cached_tokens(url: str) -> int:
     """Prefix-cache hits of ``LONG_PROMPT`` on the replica at ``url`` (the request warms its cache)."""
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=10.0), trust_env=False) as client:
+    async with async_probe_client(httpx.Timeout(120.0, connect=10.0)) as client:
         response = await client.post(
             url + "/inference/v1/generate", json={"token_ids": LONG_PROMPT, "sampling_params": {"max_tokens": 1}}
         )
@@ -348,7 +348,7 @@ async def test_weight_sync_reaches_every_replica(
             assert not state.disagreement
             assert {v: sorted(urls) for v, urls in state.versions.items()} == {"front-v1": sorted(replicas)}
 
-            async with httpx.AsyncClient(trust_env=False) as raw:  # one replica relabelled behind the client's back
+            async with async_probe_client() as raw:  # one replica relabelled behind the client's back
                 answer = await raw.post(replicas[1] + "/update_weight_version", json={"new_version": "other"})
                 answer.raise_for_status()
             state = await front.admin.fleet_state()

@@ -801,7 +801,7 @@ class BackendConformance:
         )
         assert result.finish_reason == "abort" and counts[0] in (1, -1)
 
-    # -- parse_completion (issue #14, item 3): completions parsed back into assistant messages ---------------------
+    # -- parse_completion: completions parsed back into assistant messages ---------------------
     # Parsing is the core's (the client's tokenizer and parsers), so every backend passes it once its completions
     # are exact; these checks hold a backend's completions to the round trip an agent loop relies on.
 
@@ -895,7 +895,7 @@ class BackendConformance:
         with pytest.raises(ClientClosedError):
             client.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=1))
 
-    # -- open sampling: stop strings, logit bias, refusals before sending, extra fields (issue #14 item 4) --
+    # -- open sampling: stop strings, logit bias, refusals before sending, extra fields --
     # A backend declares the optional sampling features its engine honours with the ``sampling_features``
     # hook; subclasses list them in ``expected_sampling_features``. Every feature it does not declare must
     # raise ``UnsupportedOperationError`` before anything is sent.

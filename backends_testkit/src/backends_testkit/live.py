@@ -19,7 +19,8 @@ Example::
     with ServerProcess([str(venv / "bin" / "python"), "-m", "acme", "--port", "{port}"], name="acme",
                        log_path=tmp / "acme.log") as server:
         server.wait_ready("/health", timeout=120)
-        httpx.get(server.url + "/v1/models")
+        with probe_client() as http:
+            http.get(server.url + "/v1/models")
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import httpx
 
@@ -47,9 +49,11 @@ __all__ = [
     "ServerProcess",
     "ServerStartError",
     "VenvInstallError",
+    "async_probe_client",
     "ensure_venv",
     "free_port",
     "log_tail",
+    "probe_client",
     "server_venvs_dir",
 ]
 
@@ -103,6 +107,24 @@ def log_tail(path: Path | str, lines: int = 60) -> str:
     except OSError:
         return ""
     return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+
+
+#: Raw probes keep no idle connection: every request opens its own. Real servers and routers close idle keep-alive
+#: connections on their own schedules, and a request written on one just as it closes is lost unanswered
+#: (``RemoteProtocolError: Server disconnected without sending a response``), which a probe cannot tell from a
+#: server that dropped it. A fresh connection per request costs a loopback handshake.
+PROBE_LIMITS = httpx.Limits(max_keepalive_connections=0)
+
+
+def probe_client(timeout: float | httpx.Timeout = 60.0, **kwargs: Any) -> httpx.Client:
+    """An ``httpx.Client`` for raw probes of a real server: no keep-alive (:data:`PROBE_LIMITS`), no proxies from
+    the environment; ``kwargs`` go to ``httpx.Client`` (``base_url``, ``headers``...)."""
+    return httpx.Client(timeout=timeout, trust_env=False, limits=PROBE_LIMITS, **kwargs)
+
+
+def async_probe_client(timeout: float | httpx.Timeout = 60.0, **kwargs: Any) -> httpx.AsyncClient:
+    """The ``httpx.AsyncClient`` form of :func:`probe_client`."""
+    return httpx.AsyncClient(timeout=timeout, trust_env=False, limits=PROBE_LIMITS, **kwargs)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -395,7 +417,7 @@ class ServerProcess:
             raise ServerStartError(f"{self.name} was never started")
         deadline = time.monotonic() + timeout
         last = "no answer yet"
-        with httpx.Client(timeout=httpx.Timeout(5.0), trust_env=False) as client:
+        with probe_client(timeout=5.0) as client:
             while True:
                 code = self._proc.poll()
                 if code is not None:

@@ -49,7 +49,14 @@ from typing import Any
 
 import httpx
 
-from backends_testkit.live import LiveServerError, ServerProcess, ServerStartError, ensure_venv, server_venvs_dir
+from backends_testkit.live import (
+    LiveServerError,
+    ServerProcess,
+    ServerStartError,
+    ensure_venv,
+    probe_client,
+    server_venvs_dir,
+)
 
 _LIVE_DIR = str(Path(__file__).resolve().parent.parent)
 if _LIVE_DIR not in sys.path:  # tests/live (pytest puts it there too): the shared vLLM recipe
@@ -380,7 +387,7 @@ class DynamoDeployment:
 
     def rl_workers(self) -> list[dict[str, Any]]:
         """The frontend's ``GET /v1/rl/workers`` list (one entry per worker in discovery)."""
-        with httpx.Client(timeout=httpx.Timeout(30.0), trust_env=False) as client:
+        with probe_client(30.0) as client:
             response = client.get(self.rl_url + "/v1/rl/workers")
             response.raise_for_status()
             workers = response.json()["workers"]
@@ -420,7 +427,7 @@ class DynamoDeployment:
         want = len(self.workers) if instances is None else instances
         deadline = time.monotonic() + timeout
         last = "no answer yet"
-        with httpx.Client(timeout=httpx.Timeout(30.0), trust_env=False) as client:
+        with probe_client(30.0) as client:
             while True:
                 for proc in self.processes:
                     if not proc.running():
@@ -589,7 +596,7 @@ def _served(client: httpx.Client, deployment: DynamoDeployment) -> frozenset[str
 
 def snapshot(deployment: DynamoDeployment) -> Snapshot:
     """The deployment's state, for :func:`restore` after a test."""
-    with httpx.Client(timeout=httpx.Timeout(60.0), trust_env=False) as client:
+    with probe_client(60.0) as client:
         versions = tuple(_engine(client, w, "get_weight_version").get("version") for w in deployment.worker_system_urls)
         return Snapshot(served=_served(client, deployment), versions=versions)
 
@@ -600,7 +607,7 @@ def restore(deployment: DynamoDeployment, before: Snapshot, model_dir: Path | No
     before, else :data:`ORIGINAL_VERSION`) where a worker's version changed; then wait until the frontend serves what it
     served before. Returns what had to be undone (a test that cleans up after itself leaves nothing)."""
     undone: list[str] = []
-    with httpx.Client(timeout=httpx.Timeout(120.0), trust_env=False) as client:
+    with probe_client(120.0) as client:
         for worker in deployment.worker_system_urls:
             if _engine(client, worker, "control/wake_up").get("message") == "Engine woke":
                 undone.append(f"{worker} was asleep")

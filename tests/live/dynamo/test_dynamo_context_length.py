@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from backends_core import Client, ClientConfig, InvalidRequestError, ResponseParseError, SamplingParams
+from backends_testkit.live import async_probe_client
 from backends_testkit.tinymodel import TOKENIZER_SIZE
 
 pytestmark = pytest.mark.live
@@ -48,7 +49,7 @@ def client(deployment: Any, transport: str) -> Client:
 @pytest.mark.parametrize("transport", ["chat", "completions"])
 async def test_overlong_prompts_are_refused_before_sending_on_the_vllm_worker(dynamo_vllm: Any, transport: str) -> None:
     url = dynamo_vllm.frontend_url
-    async with httpx.AsyncClient(timeout=120.0, trust_env=False) as http:
+    async with async_probe_client(120.0) as http:
         (card,) = (await http.get(f"{url}/v1/models")).json()["data"]
         assert card["context_window"] == 2048
         raw = await http.post(
@@ -70,7 +71,7 @@ async def test_overlong_prompts_are_refused_before_sending_on_the_vllm_worker(dy
 
 
 async def test_the_mockers_unknown_window_checks_nothing(dynamo_mocker: Any) -> None:
-    async with httpx.AsyncClient(timeout=60.0, trust_env=False) as http:
+    async with async_probe_client(60.0) as http:
         (card,) = (await http.get(f"{dynamo_mocker.frontend_url}/v1/models")).json()["data"]
     assert card["context_window"] == 0
     recorder = Recorder()

@@ -45,6 +45,7 @@ from backends_core import (
     UnsupportedOperationError,
 )
 from backends_core.config import FrontConfig
+from backends_testkit.live import async_probe_client
 from backends_testkit.tinymodel import write_perturbed_weights
 
 pytestmark = pytest.mark.live
@@ -63,7 +64,7 @@ RUNNING = "Worker must be paused"
 
 @pytest.fixture
 async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), trust_env=False) as client:
+    async with async_probe_client(120.0) as client:
         yield client
 
 

@@ -33,6 +33,7 @@ from backends_core import AdminError, Client, ClientConfig, ServerRefusedError
 from backends_dynamo_testing._schema import NVEXT_FIELDS  # what the emulator accepts: the real frontend must agree
 from backends_testkit.conformance import Attempts
 from backends_testkit.engine import EngineRequest, ReferenceEngine
+from backends_testkit.live import async_probe_client
 from backends_testkit.tinymodel import TOKENIZER_SIZE, write_perturbed_weights
 
 pytestmark = pytest.mark.live
@@ -52,24 +53,9 @@ def _ids(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, TOKENIZER_SIZE, size=n).tolist()
 
 
-class _ResendingGets(httpx.AsyncHTTPTransport):
-    """Sends a GET again, once, when its pooled keep-alive connection closed before any byte of the answer: the
-    frontend closes idle connections on its own schedule, and a GET written on one just then is lost unread."""
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        try:
-            return await super().handle_async_request(request)
-        except httpx.RemoteProtocolError as exc:
-            if request.method != "GET" or not str(exc).startswith("Server disconnected without sending a response"):
-                raise
-            return await super().handle_async_request(request)
-
-
 @pytest.fixture
 async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(
-        timeout=httpx.Timeout(120.0), trust_env=False, transport=_ResendingGets(trust_env=False)
-    ) as client:
+    async with async_probe_client(120.0) as client:
         yield client
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import httpx
 import pytest
 
 from backends_core import Client, ClientConfig, JsonSchema, SamplingParams, UnsupportedOperationError
+from backends_testkit.live import async_probe_client
 
 pytestmark = pytest.mark.live
 
@@ -71,7 +71,7 @@ async def test_mocker_accepts_guided_json_and_ignores_it(dynamo_mocker: Any) -> 
         "guided_json": SCHEMA,
         "nvext": {"extra_fields": ["completion_token_ids"]},
     }
-    async with httpx.AsyncClient(timeout=120.0, trust_env=False) as http:
+    async with async_probe_client(120.0) as http:
         response = await http.post(f"{dynamo_mocker.frontend_url}/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     content = response.json()["choices"][0]["message"]["content"] or ""

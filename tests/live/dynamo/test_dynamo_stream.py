@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 import pytest
 from stream_checks import check_partial_rollout_stream
 
 from backends_core import Client, ClientConfig
+from backends_testkit.live import async_probe_client
 from backends_testkit.tinymodel import TinyModels
 
 pytestmark = pytest.mark.live
@@ -28,7 +28,7 @@ async def test_a_partial_rollout_stream_stopped_early_is_aborted_on_the_engine(
         tokenizer=str(tiny_models.dense),
         backend_options={"worker_urls": workers, "transport": transport},
     )
-    async with Client(config) as client, httpx.AsyncClient(timeout=60) as raw:
+    async with Client(config) as client, async_probe_client(60) as raw:
 
         async def count() -> int:
             total, seen = 0.0, 0

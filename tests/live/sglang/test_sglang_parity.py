@@ -31,6 +31,7 @@ import numpy.typing as npt
 import pytest
 
 from backends_testkit.engine import EngineRequest, ReferenceEngine
+from backends_testkit.live import async_probe_client
 from backends_testkit.tinymodel import TOKENIZER_SIZE, TinyModels
 
 pytestmark = pytest.mark.live
@@ -49,7 +50,7 @@ def _sequences(seed: int) -> list[list[int]]:
 
 @pytest.fixture
 async def http() -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), trust_env=False) as client:
+    async with async_probe_client(120.0) as client:
         yield client
 
 

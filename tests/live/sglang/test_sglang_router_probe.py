@@ -1,5 +1,5 @@
 """sglang-router 0.3.2 (SGLang Model Gateway) in front of two real SGLang replicas: the facts the router-front client
-mode (issue #15) relies on, pinned against the real router (vllm-router: ``../test_routers_probe.py``). Findings are
+mode relies on, pinned against the real router (vllm-router: ``../test_routers_probe.py``). Findings are
 summarised in ``../ROUTERS.md``."""
 
 from __future__ import annotations

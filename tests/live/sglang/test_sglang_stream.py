@@ -3,12 +3,12 @@ judged by SGLang's own ``/v1/loads`` counters; routed experts of a stream on the
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import pytest
 from stream_checks import check_partial_rollout_stream
 
 from backends_core import Client, ClientConfig, SamplingParams
+from backends_testkit.live import async_probe_client
 from backends_testkit.tinymodel import TinyModels
 
 pytestmark = pytest.mark.live
@@ -20,7 +20,7 @@ async def test_a_partial_rollout_stream_stopped_early_is_aborted_on_the_engine(
     config = ClientConfig(
         backend="sglang", base_url=sglang_dense_url, model="tiny-qwen3", tokenizer=str(tiny_models.dense)
     )
-    async with Client(config) as client, httpx.AsyncClient(base_url=sglang_dense_url, timeout=60) as raw:
+    async with Client(config) as client, async_probe_client(60, base_url=sglang_dense_url) as raw:
 
         async def count() -> int:
             loads = (await raw.get("/v1/loads")).json()["loads"]
