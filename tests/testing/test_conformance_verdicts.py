@@ -309,3 +309,130 @@ async def test_an_in_flight_count_lagging_the_answer_is_waited_for(emulator: Ref
     waited for, not a failure (the suite used to assert 0 at once)."""
     await verdict(emulator, count_lags(emulator, 0.5), "test_pause_wait_lets_in_flight_requests_finish")
     assert generations(emulator) == 1
+
+
+# -- the engine's own token counter ------------------------------------------------------------------------------
+
+
+class EngineCountingSuite(ReferenceSuite):
+    """The suite reading the engine's own token counter, as the live Dynamo suite reads its worker's ``/metrics``."""
+
+    def __init__(self, engine: ReferenceEngine) -> None:
+        self.engine = engine
+
+    async def engine_generated_tokens(self) -> int:
+        return self.engine.generated_tokens
+
+
+#: Seconds the front end of :func:`relays_finished` holds a finished answer when no pause comes.
+RELAY_S = 1.0
+#: Seconds after a pause was confirmed that the front end of :func:`relays_finished` hands the client the answer.
+RELAY_AFTER_PAUSE_S = 0.05
+
+
+def relays_finished(emulator: ReferenceEmulator, generations: int) -> httpx.MockTransport:
+    """The reference emulator behind a front end that, for its first ``generations`` generations, hands a pause to
+    the engine only once the engine finished the generation, and relays that generation's answer only after the
+    pause was confirmed (or after :data:`RELAY_S` without one), counting it in flight until then: Dynamo's
+    frontend on a loaded machine, where a keep pause lands after the engine's last token but before the client
+    has the answer."""
+    relayed = 0
+    on_engine: list[asyncio.Event] = []
+    relaying: list[asyncio.Event] = []
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        nonlocal relayed
+        if request.url.path == "/generate" and relayed < generations:
+            relayed += 1
+            finished, paused = asyncio.Event(), asyncio.Event()
+            on_engine.append(finished)
+            try:
+                response = await emulator.handle(request)  # the engine made every token
+            finally:
+                finished.set()
+                on_engine.remove(finished)
+            relaying.append(paused)
+            try:
+                await asyncio.wait_for(paused.wait(), RELAY_S)
+            except TimeoutError:
+                pass
+            finally:
+                relaying.remove(paused)
+            return response
+        if request.url.path == "/pause":
+            for finished in list(on_engine):
+                async with asyncio.timeout(GUARD_S):
+                    await finished.wait()
+        response = await emulator.handle(request)
+        if request.url.path == "/pause":  # the answer reaches the client a moment after the pause was confirmed
+            for event in relaying:
+                asyncio.get_running_loop().call_later(RELAY_AFTER_PAUSE_S, event.set)
+        if request.url.path == "/state" and relaying:
+            body = json.loads(await response.aread())
+            return httpx.Response(200, json={**body, "in_flight": body["in_flight"] + len(relaying)})
+        return response
+
+    return httpx.MockTransport(handle)
+
+
+async def counted_verdict(emulator: ReferenceEmulator, transport: httpx.AsyncBaseTransport, test: str) -> None:
+    async with asyncio.timeout(GUARD_S * 3), client_over(emulator, transport) as client:
+        await getattr(EngineCountingSuite(emulator.engine), test)(client)
+        (state,) = await client.admin.state()
+        assert state.paused is False
+
+
+@pytest.fixture
+def quick_engine_freeze(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(conformance, "ENGINE_FROZEN_S", 0.1)
+
+
+@pytest.mark.usefixtures("quick_engine_freeze")
+async def test_a_generation_the_engine_finished_before_a_keep_pause_is_no_evidence(
+    emulator: ReferenceEmulator,
+) -> None:
+    """The front end still counts and relays a generation its engine finished when the keep pause lands: the
+    generation then ends while the server is paused, which the front end's count alone takes for a pause that
+    does not hold, and the engine's counter shows is no verdict: the attempt after them is caught part-way."""
+    await counted_verdict(emulator, relays_finished(emulator, 3), "test_pause_keep_freezes_and_resume_continues")
+    assert generations(emulator) == 4
+
+
+async def test_without_the_engine_counter_such_generations_read_as_a_pause_that_does_not_hold(
+    emulator: ReferenceEmulator,
+) -> None:
+    with pytest.raises(AssertionError, match="1: ended while paused; 2: ended while paused"):
+        await verdict(emulator, relays_finished(emulator, 99), "test_pause_keep_freezes_and_resume_continues")
+
+
+@pytest.mark.usefixtures("quick_engine_freeze")
+async def test_with_the_engine_counter_an_engine_always_done_first_is_no_verdict(emulator: ReferenceEmulator) -> None:
+    with pytest.raises(pytest.skip.Exception, match="could not be observed") as info:
+        await counted_verdict(emulator, relays_finished(emulator, 99), "test_pause_keep_freezes_and_resume_continues")
+    assert "1: the engine had made none or all of its tokens when the pause held" in str(info.value)
+    assert generations(emulator) == conformance.CATCH_ATTEMPTS
+
+
+@pytest.mark.usefixtures("quick_engine_freeze")
+@pytest.mark.parametrize(
+    "test",
+    [
+        "test_abort_by_request_id",
+        "test_pause_abort_ends_in_flight_requests",
+        "test_pause_keep_freezes_and_resume_continues",
+        "test_pause_wait_lets_in_flight_requests_finish",
+    ],
+)
+async def test_with_the_engine_counter_a_working_server_passes_at_the_first_attempt(
+    emulator: ReferenceEmulator, test: str
+) -> None:
+    await counted_verdict(emulator, emulator.transport(), test)
+    assert generations(emulator) == 1
+
+
+@pytest.mark.usefixtures("quick_engine_freeze")
+async def test_with_the_engine_counter_a_keep_pause_that_aborts_still_fails(emulator: ReferenceEmulator) -> None:
+    with pytest.raises(AssertionError, match="cut the generation short: 'abort'"):
+        await counted_verdict(
+            emulator, ignoring(emulator, pause_mode="abort"), "test_pause_keep_freezes_and_resume_continues"
+        )

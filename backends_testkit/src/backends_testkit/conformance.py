@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, ClassVar, NoReturn, TypeVar
@@ -104,6 +105,9 @@ POLL_S = 0.005
 #: Pauses with mode "keep" an attempt may take to find the server holding its generation, when the server's admin
 #: plane lags its engine (a pause that lands before the generation reached the engine holds nothing yet).
 KEEP_PULSES = 20
+#: Where the suite reads the engine's own token counter (:meth:`BackendConformance.engine_generated_tokens`): seconds
+#: without a new token after ``pause("keep")`` returned before the engine counts as stopped.
+ENGINE_FROZEN_S = 2.0
 
 
 async def _drain(stream: GenerateStream) -> GenerateResult:
@@ -165,6 +169,10 @@ class BackendConformance:
     live_moe: ClassVar[bool] = False
     #: ``ClientConfig.backend_options`` for every client of the suite.
     backend_options: ClassVar[dict[str, Any]] = {}
+    #: The engine's token count when the generation being caught started (``None`` where it cannot be read), and
+    #: that generation's length.
+    _engine_start: int | None = None
+    _generation_tokens: int = 0
 
     def emulator_transport(self, engine: ReferenceEngine) -> httpx.AsyncBaseTransport:
         """An httpx transport serving this backend's wire format over ``engine``: by default the emulator its
@@ -230,6 +238,16 @@ class BackendConformance:
             return Client(config, transport=fault_transport(kind), plugin=self.plugin)
 
         return make
+
+    async def engine_generated_tokens(self) -> int | None:
+        """Tokens the engine behind the live server has generated since it started, from the engine's own counters;
+        ``None`` where the suite cannot read them (the default).
+
+        A live subclass implements it where the engine exports such a counter. Then a ``pause("keep")`` counts as
+        holding a generation only once that count stopped part-way through it: a front end that relays an answer
+        the engine already finished still reports the request in flight, and the generation then ends while the
+        server is paused without saying anything against the pause."""
+        return None
 
     def needs(self, *capabilities: str) -> None:
         missing = [c for c in capabilities if c not in self.expected_capabilities]
@@ -498,15 +516,38 @@ class BackendConformance:
             return not done
         return seen
 
-    async def _held(self, client: Client, task: asyncio.Task[GenerateResult]) -> bool:
-        """Right after ``pause("keep")`` returned: the server reports itself paused, and the generation has not
-        ended (nor, where the server counts them, left its requests in flight)."""
+    async def _held(self, client: Client, task: asyncio.Task[GenerateResult]) -> bool | None:
+        """Right after ``pause("keep")`` returned: ``True`` when the server holds the generation, ``False`` when it
+        does not although the generation was in flight, ``None`` when the pause proves nothing about it.
+
+        The server must report itself paused. Where the suite reads the engine's token counter, the generation is
+        held once the count stopped part-way through it (``None`` when the engine had made none of its tokens or
+        all of them: the pause landed before it started or after it ended on the engine); elsewhere it is held
+        while it has not ended (nor, where the server counts them, left its requests in flight)."""
         if self._observes_in_flight():
             (state,) = await client.admin.state()
             assert state.paused is True, f"the server does not report the pause('keep') it confirmed: {state}"
-            if state.in_flight == 0:
+            if state.in_flight == 0 and self._engine_start is None:
                 return False
+        if self._engine_start is not None:
+            made = await self._engine_settled() - self._engine_start
+            if not 0 < made < self._generation_tokens:
+                return None
         return not task.done()
+
+    async def _engine_settled(self) -> int:
+        """The engine's token count once it made no token for :data:`ENGINE_FROZEN_S` (within
+        :data:`FINISH_TIMEOUT_S`: a paused engine stops at once, a running generation ends)."""
+        last, since = await self.engine_generated_tokens(), time.monotonic()
+        deadline = since + FINISH_TIMEOUT_S
+        while time.monotonic() - since < ENGINE_FROZEN_S:
+            assert time.monotonic() < deadline, f"the engine kept generating for {FINISH_TIMEOUT_S:.0f} s while paused"
+            await asyncio.sleep(POLL_S * 10)
+            count = await self.engine_generated_tokens()
+            if count != last:
+                last, since = count, time.monotonic()
+        assert last is not None
+        return last
 
     async def _hold_with_keep(self, client: Client, task: asyncio.Task[GenerateResult]) -> bool:
         """Pause with mode "keep" until the server holds the generation (``True``, the server left paused) or the
@@ -532,6 +573,7 @@ class BackendConformance:
         how it was caught: ``"running"`` (the server showed it in flight before it ended), ``"held"`` (``hold``:
         held by ``pause("keep")``, the server left paused; see above), or ``"missed"`` (it ended first)."""
         await self._wait_idle(client)
+        self._engine_start, self._generation_tokens = await self.engine_generated_tokens(), tokens
         sampling = SamplingParams(max_tokens=tokens, ignore_eos=True, seed=9)
         task = asyncio.create_task(client.generate(prompt_ids=PROMPT, sampling=sampling, request_id=request_id))
         try:
@@ -688,13 +730,16 @@ class BackendConformance:
                     try:
                         if caught == "running":
                             await client.admin.pause("keep")
-                        held = caught == "held" or await self._held(client, task)
+                        held = True if caught == "held" else await self._held(client, task)
                         if held:
                             done, _ = await asyncio.wait({task}, timeout=FREEZE_WINDOW_S)
                             frozen = not done
                     finally:
                         await client.admin.resume()
-                    if not frozen:
+                    if held is None:
+                        attempts.inconclusive("the engine had made none or all of its tokens when the pause held")
+                        hold = True
+                    elif not frozen:
                         attempts.against("ended while paused" if held else "ended before the pause returned")
                 result = await self._result(task, what)
             finally:

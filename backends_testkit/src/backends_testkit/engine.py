@@ -139,6 +139,7 @@ class ReferenceEngine:
         self._task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
         self._closed = False
+        self._generated_tokens = 0
 
     # -- properties ----------------------------------------------------------------------------
 
@@ -191,6 +192,11 @@ class ReferenceEngine:
     def loras(self) -> Mapping[str, Path]:
         """Loaded LoRA adapters: name → directory."""
         return {name: lora.path for name, lora in self._loras.items()}
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens sampled since the engine started, over every request (vLLM's ``generation_tokens_total``)."""
+        return self._generated_tokens
 
     def state(self) -> EngineState:
         """Return a snapshot of the control state."""
@@ -555,6 +561,7 @@ class ReferenceEngine:
         seq.tokens.append(token)
         seq.completion.append(token)
         seq.versions.append(self._weight_version)
+        self._generated_tokens += 1
         if request.logprobs is not None:
             logprobs = log_softmax(logits)
             seq.logprobs.append(float(logprobs[token]))

@@ -578,6 +578,13 @@ class Snapshot:
     versions: tuple[str | None, ...]
 
 
+def worker_metric(text: str, name: str) -> int:
+    """The sum of a metric's samples in a worker's Prometheus text (one label set per engine)."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")]
+    assert values, f"{name} missing from the worker's /metrics"
+    return int(sum(values))
+
+
 def _engine(client: httpx.Client, worker: str, route: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
     response = client.post(f"{worker}/engine/{route}", json=body or {})
     if response.status_code == 404:

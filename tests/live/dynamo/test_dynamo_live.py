@@ -27,7 +27,7 @@ import dynamo_server
 import httpx
 import numpy as np
 import pytest
-from dynamo_server import until
+from dynamo_server import until, worker_metric
 
 from backends_core import AdminError, Client, ClientConfig, ServerRefusedError
 from backends_dynamo_testing._schema import NVEXT_FIELDS  # what the emulator accepts: the real frontend must agree
@@ -561,13 +561,6 @@ async def _long_stream(
     return state
 
 
-def _metric(text: str, name: str) -> int:
-    """The sum of a metric's samples in Prometheus text (each worker metric carries one label set per engine)."""
-    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")]
-    assert values, f"{name} missing from the worker's /metrics"
-    return int(sum(values))
-
-
 async def _engine(http: httpx.AsyncClient, dynamo_vllm: Any) -> tuple[int, int]:
     """What the worker's engine reports: requests running, and generation tokens produced since it started.
 
@@ -577,7 +570,8 @@ async def _engine(http: httpx.AsyncClient, dynamo_vllm: Any) -> tuple[int, int]:
     stream has delivered."""
     response = await http.get(f"{dynamo_vllm.worker_system_urls[0]}/metrics")
     assert response.status_code == 200, f"/metrics -> {response.status_code}"
-    return _metric(response.text, "vllm:num_requests_running"), _metric(response.text, "vllm:generation_tokens_total")
+    text = response.text
+    return worker_metric(text, "vllm:num_requests_running"), worker_metric(text, "vllm:generation_tokens_total")
 
 
 async def _start_running(
