@@ -249,6 +249,73 @@ def test_two_plugins_claiming_one_parser_name_is_a_config_error(make_client: Any
         make_client(plugins=[Clash()])
 
 
+# -- "auto": parsers chosen from the chat template ---------------------------------------------------------------
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+THINK_CALL = '<think>\nhm\n</think>\n\nok\n<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call><|im_end|>'
+
+
+def test_by_default_the_parsers_are_chosen_from_the_chat_template(tiny_models: Any, tok: Any) -> None:
+    client = Client(ClientConfig(backend="reference", base_url="http://ref", tokenizer=str(tiny_models.dense)))
+    assert (client.config.tool_parser, client.config.reasoning_parser) == ("auto", "auto")
+    assert client.parsers == {"tool": "hermes", "reasoning": "qwen3"}  # the Qwen3 template's <tool_call>, <think>
+    message = client.parse_completion(completion(tok, THINK_CALL))
+    assert (message["reasoning_content"], message["content"]) == ("hm", "ok")
+    assert message["tool_calls"][0]["function"] == {"name": "ls", "arguments": "{}"}
+
+
+def test_a_template_without_a_known_convention_keeps_the_text_and_says_so_once(
+    make_client: Any, tok: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = make_client(tool_parser="auto", reasoning_parser="auto")
+    client._tokenizer = WithTemplate(tok, CHATML)
+    with caplog.at_level("INFO", logger="backends_core.client"):
+        assert client.parsers == {"tool": None, "reasoning": None}
+        message = client.parse_completion(completion(tok, THINK_CALL))
+        client.parse_completion(completion(tok, THINK_CALL))
+    assert message["content"] == THINK_CALL.removesuffix("<|im_end|>") and message["tool_calls"] is None
+    said = [r.getMessage() for r in caplog.records if "'auto'" in r.getMessage()]
+    assert len(said) == 2 and "tool-call text stays in the content" in said[0]
+    assert "reasoning text stays in the content" in said[1]
+
+
+def test_explicit_names_override_auto_and_none_opts_out(make_client: Any, tok: Any) -> None:
+    assert make_client(tool_parser="none", reasoning_parser="auto").parsers == {"tool": None, "reasoning": "qwen3"}
+    assert make_client(tool_parser="hermes", reasoning_parser="none").parsers == {"tool": "hermes", "reasoning": None}
+    message = make_client(tool_parser="none", reasoning_parser="none").parse_completion(completion(tok, THINK_CALL))
+    assert message["content"] == THINK_CALL.removesuffix("<|im_end|>")
+    with pytest.raises(ParserNotFoundError, match="no tool parser named 'hermse'"):
+        make_client(tool_parser="hermse")  # when the client is built, not at the first parse
+
+
+def test_a_third_party_parser_declaring_its_template_markers_is_chosen_by_auto(make_client: Any, tok: Any) -> None:
+    class Marked(PipeToolParser):
+        template_markers = ("CALL ",)
+
+    class Plugin:
+        @hookimpl
+        def tool_parsers(self) -> dict[str, Any]:
+            return {"acme_pipe": Marked}
+
+    client = make_client(tool_parser="auto", plugins=[Plugin()])
+    client._tokenizer = WithTemplate(tok, CHATML.replace("{{ m.content }}", "{{ m.content }}CALL "))
+    assert client.parsers["tool"] == "acme_pipe"
+
+
+class WithTemplate:
+    """The tiny tokenizer with another chat template."""
+
+    def __init__(self, tok: Any, template: str) -> None:
+        self._tok = tok
+        self.chat_template = template
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tok, name)
+
+
 # -- property: the parsed message renders back to the sampled ids ----------------------------------------------
 
 # no "<": markup (<think>, <tool_call>, <|im_end|>...) appears only where the template writes it

@@ -36,7 +36,7 @@ from backends_core.multiturn.messages import as_plain, check_content_parts, norm
 from backends_core.multiturn.prefix_cache import PrefixRenderCache
 from backends_core.multiturn.rendering import load_tokenizer
 from backends_core.multiturn.turn_cache import TurnCache
-from backends_core.parsing import CompletionParser
+from backends_core.parsing import AUTO, CompletionParser, chosen_parser
 from backends_core.server import REQUEST_ID, Server
 from backends_core.types import (
     GenerateRequest,
@@ -203,6 +203,7 @@ class Client:
         self._lookups: dict[int, asyncio.Future[None]] = {}
         self._tokenizer = tokenizer
         self._parser: CompletionParser | None = None
+        self._parsers: dict[str, str | None] | None = None
         self._turns = TurnCache(config.stateless, parse=self.parse_completion)
         #: the last ``template_stop`` call: (parameters given, end-of-turn ids, the resolved parameters)
         self._template_stop_memo: tuple[SamplingParams, tuple[int, ...], SamplingParams] | None = None
@@ -303,8 +304,8 @@ class Client:
         """The assistant message ``result``'s completion is, as the chat template would render it back.
 
         The completion is decoded with this client's tokenizer (special tokens kept, its end-of-turn or EOS
-        terminator dropped), then split by the parsers ``config.reasoning_parser`` and ``config.tool_parser``
-        select (see :mod:`backends_core.parsing`).
+        terminator dropped), then split by the parsers :attr:`parsers` names (``config.reasoning_parser`` and
+        ``config.tool_parser``, ``"auto"`` chosen from the chat template; see :mod:`backends_core.parsing`).
 
         :returns: ``{"role": "assistant", "content": str, "reasoning_content": str | None, "tool_calls": list |
             None}``; ``reasoning_content`` is ``None`` without a reasoning parser or a reasoning block,
@@ -317,10 +318,39 @@ class Client:
         if not isinstance(result, GenerateResult):
             raise InvalidRequestError(f"parse_completion takes a GenerateResult, got {type(result).__name__}")
         if self._parser is None:
+            chosen = self.parsers
+            driver = self.driver
             self._parser = CompletionParser(
-                self.tokenizer, tool_parser=self.driver.tool_parser, reasoning_parser=self.driver.reasoning_parser
+                self.tokenizer,
+                tool_parser=None if chosen["tool"] is None else driver.tool_parsers[chosen["tool"]],
+                reasoning_parser=None if chosen["reasoning"] is None else driver.reasoning_parsers[chosen["reasoning"]],
             )
         return self._parser.parse(result)
+
+    @property
+    def parsers(self) -> dict[str, str | None]:
+        """The parsers :meth:`parse_completion` uses, ``{"tool": name | None, "reasoning": name | None}``:
+        ``config.tool_parser`` / ``reasoning_parser`` as configured, with ``"auto"`` decided on the tokenizer's
+        chat template (loading the tokenizer). An ``"auto"`` that finds no known convention is logged once."""
+        if self._parsers is None:
+            template = getattr(self.tokenizer, "chat_template", None) or ""
+            chosen: dict[str, str | None] = {}
+            for kind, name, installed in (
+                ("tool", self.config.tool_parser, self.driver.tool_parsers),
+                ("reasoning", self.config.reasoning_parser, self.driver.reasoning_parsers),
+            ):
+                chosen[kind] = chosen_parser(kind, name, installed, template)
+                if name == AUTO and chosen[kind] is None:
+                    log.info(
+                        "%s_parser 'auto': no installed %s parser knows this chat template's convention (installed: "
+                        "%s); %s text stays in the content",
+                        kind,
+                        kind,
+                        sorted(installed),
+                        "tool-call" if kind == "tool" else "reasoning",
+                    )
+            self._parsers = chosen
+        return dict(self._parsers)
 
     def server_index(self, which: int | str) -> int:
         """Index of a serving server given by index or base URL.

@@ -383,7 +383,7 @@ class StatelessPolicy:
 
 def _parser_name(_inst: Any, attr: Any, value: Any) -> None:
     if value is not None and (not isinstance(value, str) or not value.strip()):
-        raise _FieldError(attr.name, f"{attr.name} must be a parser name (e.g. vLLM's) or null, got {value!r}")
+        raise _FieldError(attr.name, f"{attr.name} must be 'auto', 'none' or a parser name (vLLM's), got {value!r}")
 
 
 def _check_backend(_inst: Any, _attr: Any, value: str) -> None:
@@ -418,11 +418,13 @@ class ClientConfig:
     :param backend_options: backend-specific options, validated by the backend when the client opens.
     :param verify: TLS certificate verification: ``True`` (default; system CAs), a CA bundle path, or
         ``False`` to disable it (never the default).
-    :param tool_parser: how ``Client.parse_completion`` finds tool calls, by vLLM's parser name (``"hermes"``);
-        ``None`` (default) leaves tool-call markup in the content. Checked against the installed parsers (the
-        ``tool_parsers`` hook) when the client is built.
-    :param reasoning_parser: how ``Client.parse_completion`` finds reasoning, by vLLM's parser name
-        (``"qwen3"``); ``None`` (default) leaves reasoning in the content.
+    :param tool_parser: how ``Client.parse_completion`` finds tool calls: ``"auto"`` (default) the installed
+        parser whose convention the chat template writes (``hermes`` for Qwen-style ``<tool_call>`` templates;
+        a template with no known convention keeps tool-call text in the content, logged once), a parser name
+        (vLLM's, ``"hermes"``), checked against the installed parsers (the ``tool_parsers`` hook) when the client
+        is built, or ``"none"`` to keep tool-call markup in the content.
+    :param reasoning_parser: how ``Client.parse_completion`` finds reasoning, likewise: ``"auto"`` (default;
+        ``qwen3`` for ``<think>`` templates), a name (``"qwen3"``) or ``"none"``.
     :param front: a router in front of the replicas (see :class:`FrontConfig`): ``base_url`` is then the router's
         one URL, and admin operations go to every replica it lists.
     """
@@ -444,8 +446,8 @@ class ClientConfig:
     stateless: StatelessPolicy = attrs.field(factory=StatelessPolicy, validator=_instance(StatelessPolicy))
     backend_options: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
     verify: bool | str = True
-    tool_parser: str | None = attrs.field(default=None, validator=_parser_name)
-    reasoning_parser: str | None = attrs.field(default=None, validator=_parser_name)
+    tool_parser: str | None = attrs.field(default="auto", validator=_parser_name)
+    reasoning_parser: str | None = attrs.field(default="auto", validator=_parser_name)
     front: FrontConfig | None = attrs.field(default=None)
 
     @base_url.validator

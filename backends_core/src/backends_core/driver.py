@@ -29,7 +29,7 @@ from backends_core.errors import (
 )
 from backends_core.events import Event, EventKind
 from backends_core.fronts import Front, merge_fronts
-from backends_core.parsing import ParserNotFoundError, ReasoningParserFactory, ToolParserFactory, merge_parsers
+from backends_core.parsing import ReasoningParserFactory, ToolParserFactory, chosen_parser, merge_parsers
 from backends_core.plugins import HookCall, implemented_hooks, make_plugin_manager
 from backends_core.server import Server
 from backends_core.types import (
@@ -90,8 +90,10 @@ class BackendDriver:
         self.reasoning_parsers: dict[str, ReasoningParserFactory] = merge_parsers(
             "reasoning", self.pm.hook.reasoning_parsers()
         )
-        self.tool_parser = self._selected("tool", config.tool_parser, self.tool_parsers)
-        self.reasoning_parser = self._selected("reasoning", config.reasoning_parser, self.reasoning_parsers)
+        # an explicit name no installed parser has fails when the client is built; "auto" is decided on the chat
+        # template when the tokenizer is loaded (Client.parsers)
+        chosen_parser("tool", config.tool_parser, self.tool_parsers, "")
+        chosen_parser("reasoning", config.reasoning_parser, self.reasoning_parsers, "")
         #: Optional sampling features the backend's engine honours (``sampling_features`` hook).
         self.sampling_features: frozenset[str] = self._sampling_features()
         #: Router front kinds by ``FrontConfig.kind``, from every plugin's ``fronts`` hook.
@@ -114,14 +116,6 @@ class BackendDriver:
                 [f"unknown front kind {front.kind!r} (installed: {sorted(self.fronts)}){hint} @ $.front.kind"]
             )
         return found
-
-    @staticmethod
-    def _selected(kind: str, name: str | None, installed: Mapping[str, T]) -> T | None:
-        if name is None:
-            return None
-        if name not in installed:
-            raise ParserNotFoundError(kind, name, list(installed))
-        return installed[name]
 
     def _sampling_features(self) -> frozenset[str]:
         if not self.pm.hook.sampling_features.get_hookimpls():

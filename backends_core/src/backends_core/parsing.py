@@ -213,6 +213,11 @@ class HermesToolParser:
         return text[:first].removesuffix("\n"), calls
 
 
+#: What ``"auto"`` looks for in a chat template: a parser factory's ``template_markers`` attribute, the strings a
+#: template that writes its convention contains (a third-party factory sets it to be chosen the same way).
+HermesToolParser.template_markers = (_TOOL_CALL, _END_TOOL_CALL)  # type: ignore[attr-defined]
+Qwen3ReasoningParser.template_markers = (_THINK, _END_THINK)  # type: ignore[attr-defined]
+
 BUILTIN_TOOL_PARSERS: Mapping[str, ToolParserFactory] = {"hermes": HermesToolParser}
 BUILTIN_REASONING_PARSERS: Mapping[str, ReasoningParserFactory] = {"qwen3": Qwen3ReasoningParser}
 
@@ -303,6 +308,32 @@ class CompletionParser:
             ]
             or None,
         }
+
+
+#: ``ClientConfig.tool_parser`` / ``reasoning_parser`` values that name no parser.
+AUTO, NONE = "auto", "none"
+
+
+def chosen_parser(kind: str, name: str | None, installed: Mapping[str, Any], chat_template: Any) -> str | None:
+    """The ``kind`` (``"tool"`` / ``"reasoning"``) parser a config value selects for a chat template: an installed
+    name as it is, ``"none"`` (or
+    ``None``) no parser, and ``"auto"`` the first installed parser (by name) whose ``template_markers`` all occur
+    in the template, ``None`` when no installed parser knows its convention.
+
+    :raises ParserNotFoundError: a name no installed parser has.
+    """
+    if name is None or name == NONE:
+        return None
+    if name != AUTO:
+        if name not in installed:
+            raise ParserNotFoundError(kind, name, list(installed))
+        return name
+    template = chat_template if isinstance(chat_template, str) else json.dumps(chat_template, default=str)
+    for candidate in sorted(installed):
+        markers = getattr(installed[candidate], "template_markers", None)
+        if markers and all(marker in template for marker in markers):
+            return candidate
+    return None
 
 
 def merge_parsers(kind: str, contributions: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:

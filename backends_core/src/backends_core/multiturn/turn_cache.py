@@ -31,7 +31,7 @@ from backends_core.multiturn.extension import BridgeStats, extend_prompt
 from backends_core.multiturn.messages import _flat_strings, normal_forms, normalize_message
 from backends_core.types import GenerateResult
 
-__all__ = ["Turn", "TurnCache", "check_reply"]
+__all__ = ["REASONING_KEYS", "Turn", "TurnCache", "check_reply", "reply_form"]
 
 _TAIL_ROLES = frozenset({"tool", "user"})
 
@@ -159,17 +159,54 @@ class TurnCache:
         )
 
 
+#: Keys under which harnesses hold an assistant message's reasoning (OpenAI-style clients, vLLM's newer name).
+REASONING_KEYS = ("reasoning_content", "reasoning")
+
+
+def reply_form(message: Mapping[str, Any], *, keep_reasoning: bool) -> dict[str, Any]:
+    """What of an assistant message (normal form) decides whether it is the same turn as a completion: its role,
+    content, tool calls (name and arguments; a call's ``id`` and ``type`` are the harness's bookkeeping, which the
+    template does not render) and, with ``keep_reasoning``, its reasoning text under ``reasoning_content``."""
+    form = {k: v for k, v in message.items() if k not in REASONING_KEYS}
+    calls = form.get("tool_calls")
+    if calls:
+        form["tool_calls"] = [
+            {k: v for k, v in call.items() if k not in ("id", "type")} if isinstance(call, Mapping) else call
+            for call in calls
+        ]
+    if keep_reasoning:
+        form["reasoning_content"] = _reasoning(message)
+    return form
+
+
+def _reasoning(message: Mapping[str, Any]) -> Any:
+    """The message's reasoning text, ``None`` when it carries none (absent, ``None`` or empty)."""
+    for key in REASONING_KEYS:
+        value = message.get(key)
+        if value is not None and value != "":
+            return value
+    return None
+
+
 def check_reply(given: Mapping[str, Any], parsed: Mapping[str, Any]) -> None:
-    """``given`` (an assistant message, normal form) is ``parsed`` (the completion's parse) up to benign
-    differences (:func:`~backends_core.multiturn.messages.normalize_message`).
+    """``given`` (an assistant message as a harness sends it back, normal form) is the same turn as ``parsed``
+    (the parse of the completion whose ids would be reused).
+
+    It is when the two differ only in what OpenAI-style harnesses do not carry or normalise: reasoning that
+    ``given`` does not carry (absent, ``None`` or ``''``: most harnesses never keep it), a tool call's ``id`` and
+    ``type``, the spacing and key order of a tool call's JSON arguments, and ``content`` ``None`` vs ``''``. A
+    difference in what was said is refused: content text, a tool call's name or arguments, their number or order,
+    or reasoning text that ``given`` carries and that differs from the parse.
 
     :raises BridgeError: reason ``assistant_mismatch``, naming the fields that differ.
     """
-    expected = normalize_message(parsed)
-    if dict(given) == expected:
+    keep = _reasoning(given) is not None
+    mine = reply_form(given, keep_reasoning=keep)
+    expected = reply_form(normalize_message(parsed), keep_reasoning=keep)
+    if mine == expected:
         return
-    fields = sorted(k for k in {*given, *expected} if given.get(k) != expected.get(k))
-    shown = "; ".join(f"{k}: given {given.get(k)!r:.80}, parsed {expected.get(k)!r:.80}" for k in fields)
+    fields = sorted(k for k in {*mine, *expected} if mine.get(k) != expected.get(k))
+    shown = "; ".join(f"{k}: given {mine.get(k)!r:.80}, parsed {expected.get(k)!r:.80}" for k in fields)
     raise BridgeError(
         "assistant_mismatch",
         f"the assistant message is not the parse of the completion whose ids would be reused ({shown}); "
