@@ -463,6 +463,8 @@ async def test_the_tutorial_backend_sends_every_sampling_field_and_its_emulator_
             assert sent["min_p"] == 0.05 and sent["min_tokens"] == 6 and sent["top_logprobs"] == 2
             assert set(sent) == testing.SAMPLING  # nothing left to a server default
             with pytest.raises(ServerStatusError, match=r"sampling\.presence_penalty"):
-                await client.generate(prompt_ids=[1, 2, 3], sampling=SamplingParams(presence_penalty=0.5))
+                await client.generate(
+                    prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=16, presence_penalty=0.5)
+                )
     finally:
         await emulator.aclose()

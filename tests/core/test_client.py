@@ -100,10 +100,10 @@ async def test_broken_results_never_reach_the_caller(samples: list[dict[str, Any
 async def test_generate_samples_returns_n_results_and_generate_insists_on_one() -> None:
     fake = answering([{"ids": [5], "lps": [-1.0]}, {"ids": [6], "lps": [-2.0]}])
     async with Client(config(), transport=fake.transport(), plugin=Tiny()) as client:
-        results = await client.generate_samples(prompt_ids=[1], sampling=SamplingParams(n=2))
+        results = await client.generate_samples(prompt_ids=[1], sampling=SamplingParams(max_tokens=16, n=2))
         assert [r.completion_ids for r in results] == [(5,), (6,)]
         with pytest.raises(InvalidRequestError, match="generate_samples"):
-            await client.generate(prompt_ids=[1], sampling=SamplingParams(n=2))
+            await client.generate(prompt_ids=[1], sampling=SamplingParams(max_tokens=16, n=2))
 
 
 @pytest.mark.parametrize(

@@ -36,11 +36,13 @@ MESSAGES = [{"role": "user", "content": "Name three colors."}]
 
 
 def test_new_fields_are_normalised() -> None:
-    s = SamplingParams(stop="###", logit_bias={7: 2}, structured=Choice("yes"), extra={"skip_special_tokens": True})
+    s = SamplingParams(
+        max_tokens=16, stop="###", logit_bias={7: 2}, structured=Choice("yes"), extra={"skip_special_tokens": True}
+    )
     assert s.stop == ("###",) and s.logit_bias == {7: 2.0} and s.structured == Choice(("yes",))
     assert s.features == {"stop", "logit_bias", "structured.choice", "extra"}
-    assert SamplingParams().features == frozenset()
-    assert SamplingParams(stop=["a", "\n"]).stop == ("a", "\n")  # whitespace is a legitimate stop string
+    assert SamplingParams(max_tokens=16).features == frozenset()
+    assert SamplingParams(max_tokens=16, stop=["a", "\n"]).stop == ("a", "\n")  # whitespace is a legitimate stop string
 
 
 @pytest.mark.parametrize(
@@ -79,9 +81,11 @@ def test_structured_kinds_validate_their_content() -> None:
 
 
 def test_a_request_never_carries_unresolved_stop_ids() -> None:
-    assert SamplingParams().stop_token_ids is None
+    assert SamplingParams(max_tokens=16).stop_token_ids is None
     assert GenerateRequest(prompt_ids=[1]).sampling.stop_token_ids == ()
-    assert GenerateRequest(prompt_ids=[1], sampling=SamplingParams(stop_token_ids=[9])).sampling.stop_token_ids == (9,)
+    assert GenerateRequest(
+        prompt_ids=[1], sampling=SamplingParams(max_tokens=16, stop_token_ids=[9])
+    ).sampling.stop_token_ids == (9,)
 
 
 # -- the reference engine: stop strings and logit bias ----------------------------------------------------
@@ -157,9 +161,9 @@ async def reference(tiny_models: Any) -> Any:
 @pytest.mark.parametrize(
     ("sampling", "operation"),
     [
-        (SamplingParams(structured=JsonSchema({"type": "object"})), "sampling.structured.json_schema"),
-        (SamplingParams(structured=Regex("a+")), "sampling.structured.regex"),
-        (SamplingParams(extra={"skip_special_tokens": True}), "sampling.extra"),
+        (SamplingParams(max_tokens=16, structured=JsonSchema({"type": "object"})), "sampling.structured.json_schema"),
+        (SamplingParams(max_tokens=16, structured=Regex("a+")), "sampling.structured.regex"),
+        (SamplingParams(max_tokens=16, extra={"skip_special_tokens": True}), "sampling.extra"),
     ],
 )
 async def test_undeclared_features_raise_before_anything_is_sent(
@@ -185,7 +189,7 @@ async def test_a_backend_without_the_hook_honours_none_of_them() -> None:
     async with Client(ClientConfig(backend="minimal", base_url="http://x"), plugin=Minimal()) as client:
         assert client.driver.sampling_features == frozenset()
         with pytest.raises(UnsupportedOperationError, match="none of the optional sampling features"):
-            await client.generate(prompt_ids=PROMPT, sampling=SamplingParams(stop=["x"]))
+            await client.generate(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=16, stop=["x"]))
 
 
 def test_a_backend_declaring_an_unknown_feature_is_refused_at_load() -> None:

@@ -279,7 +279,7 @@ async def test_bad_input_is_refused_before_anything_is_sent(engine: ReferenceEng
 
     async with Client(config(engine), transport=httpx.MockTransport(handler)) as client:
         with pytest.raises(InvalidRequestError, match="n = 2"):
-            client.stream(prompt_ids=PROMPT, sampling=SamplingParams(n=2))
+            client.stream(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=16, n=2))
         with pytest.raises(InvalidRequestError, match="exactly one"):
             client.stream(prompt_ids=PROMPT, messages=[{"role": "user", "content": "hi"}])
     assert sent == []

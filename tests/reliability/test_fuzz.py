@@ -141,7 +141,7 @@ REFERENCE_CAPTURE = {
 @SETTINGS
 @given(raw=mutated(REFERENCE_CAPTURE) | json_values)
 def test_reference_generate_parser(raw) -> None:
-    request = GenerateRequest(prompt_ids=[1, 2, 3], sampling=SamplingParams(top_logprobs=1))
+    request = GenerateRequest(prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=16, top_logprobs=1))
     for result in parse_or_refuse(lambda r: reference_wire.parse_generate(r, request, "http://r"), raw):
         check_result(result, where="fuzz", url=None)
 

@@ -43,6 +43,7 @@ from backends_core.fleet import FleetState, ServerOutcome, ServerReport, SyncRep
 from backends_core.hookspecs import hookimpl
 from backends_core.membership import Fleet, Member
 from backends_core.multiturn import BridgeStats, Conversation, extend_prompt
+from backends_core.multiturn.spans import loss_mask
 from backends_core.plugins import ENTRY_POINT_GROUP, BackendInfo, available_backends
 from backends_core.routed_experts import align_routed_experts, decode_routed_experts
 from backends_core.server import Refusal, Server, StatusHint, idempotent_requests
@@ -56,6 +57,7 @@ from backends_core.types import (
     Grammar,
     JsonSchema,
     LoraAdapter,
+    MessageSpan,
     Regex,
     RoutedExperts,
     SamplingParams,
@@ -109,6 +111,7 @@ __all__ = [
     "JsonSchema",
     "Limits",
     "LoraAdapter",
+    "MessageSpan",
     "Member",
     "MembershipError",
     "NetworkError",
@@ -157,4 +160,5 @@ __all__ = [
     "extend_prompt",
     "hookimpl",
     "idempotent_requests",
+    "loss_mask",
 ]

@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 import httpx
+import numpy as np
 
 from backends_core._http import AiohttpTransport
 from backends_core.balancer import Balancer
@@ -31,17 +32,19 @@ from backends_core.fleet import Admin, ServedVersions
 from backends_core.fronts import Front, FrontFleet
 from backends_core.membership import Fleet
 from backends_core.multiturn import BridgeStats, Conversation
-from backends_core.multiturn.extension import end_of_turn_stop_ids
-from backends_core.multiturn.messages import as_plain, check_content_parts, normalize_messages
+from backends_core.multiturn.extension import Extension, end_of_turn_stop_ids
+from backends_core.multiturn.messages import as_plain, check_content_parts, normal_forms, normalize_messages
 from backends_core.multiturn.prefix_cache import PrefixRenderCache
 from backends_core.multiturn.rendering import load_tokenizer
-from backends_core.multiturn.turn_cache import TurnCache
+from backends_core.multiturn.spans import rendered_spans
+from backends_core.multiturn.turn_cache import TurnCache, extend_after_reply
 from backends_core.parsing import AUTO, CompletionParser, chosen_parser
 from backends_core.server import REQUEST_ID, Server
 from backends_core.types import (
     GenerateRequest,
     GenerateResult,
     Message,
+    MessageSpan,
     SamplingParams,
     StreamDelta,
     TeacherLogprobs,
@@ -405,24 +408,43 @@ class Client:
         tools: Sequence[Mapping[str, Any]] | None,
         chat_template_kwargs: Mapping[str, Any] | None,
         session: str | None = None,
+        previous: Previous | None = None,
         **fields: Any,
-    ) -> GenerateRequest:
+    ) -> tuple[GenerateRequest, Callable[[GenerateResult], GenerateResult] | None]:
+        """The request, and for a prompt rendered from messages what each result gets: its message spans and how
+        many leading ids were reused (``None`` for ``prompt_ids``)."""
         if (messages is None) == (prompt_ids is None):
             raise InvalidRequestError("give exactly one of messages= or prompt_ids=")
+        attribute = None
         if messages is not None:
             plain = [as_plain(m) for m in messages]
             check_content_parts(plain)
-            ids: Sequence[int] | None = None
-            if session is not None and self.config.stateless.enabled:
-                ids = self._reuse_turns(
+            reused: Extension | None = None
+            if previous is not None:
+                reused = self._extend_previous(
+                    _previous_result(previous),
+                    plain,
+                    tools=tools,
+                    chat_template_kwargs=chat_template_kwargs,
+                    request_id=fields.get("request_id"),
+                )
+            elif session is not None and self.config.stateless.enabled:
+                reused = self._reuse_turns(
                     session,
                     plain,
                     tools=tools,
                     chat_template_kwargs=chat_template_kwargs,
                     request_id=fields.get("request_id"),
                 )
-            if ids is None:
-                ids = self.render(plain, tools=tools, chat_template_kwargs=chat_template_kwargs)
+            if reused is None:
+                ids: Sequence[int] = self.render(plain, tools=tools, chat_template_kwargs=chat_template_kwargs)
+                spans = rendered_spans(
+                    self.tokenizer, plain, ids, tools=tools, chat_template_kwargs=chat_template_kwargs
+                )
+                attribute = _attribution(spans or (), 0)
+            else:
+                ids = reused.ids
+                attribute = _attribution(reused.spans or (), reused.reused)
             fields["messages"] = tuple(plain)
             fields["tools"] = tuple(tools) if tools else None
             sampling = self.template_stop(sampling, chat_template_kwargs=chat_template_kwargs)
@@ -430,9 +452,11 @@ class Client:
             assert prompt_ids is not None
             if isinstance(prompt_ids, str | bytes):
                 raise InvalidRequestError(f"prompt_ids must be a sequence of ints, got {type(prompt_ids).__name__}")
+            if previous is not None:
+                raise InvalidRequestError("previous= extends a conversation given as messages=, not prompt_ids=")
             ids = prompt_ids  # checked by GenerateRequest, which keeps the caller's tuple as it is
-        request = GenerateRequest(prompt_ids=ids, sampling=sampling or SamplingParams(), **fields)
-        return self.driver.prepare_request(request)
+        request = GenerateRequest(prompt_ids=ids, sampling=_required(sampling), **fields)
+        return self.driver.prepare_request(request), attribute
 
     def template_stop(
         self, sampling: SamplingParams | None, *, chat_template_kwargs: Mapping[str, Any] | None = None
@@ -444,7 +468,7 @@ class Client:
 
         :raises InvalidRequestError: the template has no end of turn to find (pass ``stop_token_ids``).
         """
-        sampling = sampling or SamplingParams()
+        sampling = _required(sampling)
         if sampling.stop_token_ids is not None:
             return sampling
         try:
@@ -468,31 +492,79 @@ class Client:
         tools: Sequence[Mapping[str, Any]] | None,
         chat_template_kwargs: Mapping[str, Any] | None,
         request_id: str | None = None,
-    ) -> list[int] | None:
-        """Prompt ids reusing this session's earlier turn, ``None`` to render in full (first turn, or a break
+    ) -> Extension | None:
+        """The prompt reusing this session's earlier turn, ``None`` to render in full (first turn, or a break
         the policy says to re-render). Counted in :attr:`bridge_stats`."""
         if not self._turns.turns(session):
             return None
+        return self._bridged(
+            lambda stats: self._turns.prompt_ids(
+                self.tokenizer, session, messages, tools=tools, chat_template_kwargs=chat_template_kwargs, stats=stats
+            ),
+            f"session {session}",
+            len(messages),
+            request_id,
+            session=session,
+        )
+
+    def _extend_previous(
+        self,
+        previous: GenerateResult,
+        messages: list[dict[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None,
+        chat_template_kwargs: Mapping[str, Any] | None,
+        request_id: str | None = None,
+    ) -> Extension | None:
+        """The prompt for ``messages`` reusing ``previous``'s exact ids (the stateless extension), ``None`` to
+        render in full where the policy says to re-render a break. Counted in :attr:`bridge_stats`."""
+
+        def extend(stats: BridgeStats) -> Extension:
+            normalized = normal_forms(messages)
+            replies = [i for i, m in enumerate(normalized) if m["role"] == "assistant"]
+            if not replies:
+                raise BridgeError(
+                    "no_prefix",
+                    "previous= was given but the messages hold no assistant message to be its completion's reply",
+                )
+            return extend_after_reply(
+                self.tokenizer,
+                normalized,
+                replies[-1],
+                previous,
+                self.parse_completion,
+                tools=tools,
+                chat_template_kwargs=chat_template_kwargs,
+                stats=stats,
+            )
+
+        return self._bridged(extend, "previous=", len(messages), request_id)
+
+    def _bridged(
+        self,
+        extend: Callable[[BridgeStats], Extension | None],
+        what: str,
+        count: int,
+        request_id: str | None,
+        **event: Any,
+    ) -> Extension | None:
+        """``extend()`` counted in :attr:`bridge_stats`; a break raises, or re-renders where the policy says so."""
         stats = self.bridge_stats
         stats.attempts += 1
         started = time.perf_counter()
         try:
-            ids = self._turns.prompt_ids(
-                self.tokenizer, session, messages, tools=tools, chat_template_kwargs=chat_template_kwargs, stats=stats
-            )
+            found = extend(stats)
         except BridgeError as exc:
             stats.failures[exc.reason] += 1
-            self.driver.emit("bridge", "stateless", None, started, exc, reason=exc.reason, session=session)
+            self.driver.emit("bridge", "stateless", None, started, exc, reason=exc.reason, **event)
             if self.config.stateless.on_break == "raise":
                 raise
             stats.rerendered += 1
-            multiturn_log.warning(
-                "session %s: re-rendering all %d messages (%s) [request %s]", session, len(messages), exc, request_id
-            )
+            multiturn_log.warning("%s: re-rendering all %d messages (%s) [request %s]", what, count, exc, request_id)
             return None
         stats.successes += 1
-        self.driver.emit("bridge", "stateless", None, started, None, session=session)
-        return ids
+        self.driver.emit("bridge", "stateless", None, started, None, **event)
+        return found
 
     async def generate_samples(
         self,
@@ -511,9 +583,10 @@ class Client:
         model: str | None = None,
         server: int | str | None = None,
         session: str | None = None,
+        previous: Previous | None = None,
     ) -> list[GenerateResult]:
         """Generate ``sampling.n`` samples for one prompt; see :meth:`generate` for the arguments."""
-        request = self._build_request(
+        request, attribute = self._build_request(
             messages=messages,
             prompt_ids=prompt_ids,
             sampling=sampling,
@@ -527,8 +600,11 @@ class Client:
             routed_experts_start=routed_experts_start,
             model=model,
             session=session,
+            previous=previous,
         )
         results = await self.send(request, server=server, session=session)
+        if attribute is not None:
+            results = [attribute(r) for r in results]
         if session is not None and messages is not None and len(results) == 1 and self.config.stateless.enabled:
             self._turns.remember(session, normalize_messages(messages), results[0])
         return results
@@ -722,6 +798,7 @@ class Client:
         model: str | None = None,
         server: int | str | None = None,
         session: str | None = None,
+        previous: Previous | None = None,
     ) -> GenerateResult:
         """Generate one sample, token in / token out.
 
@@ -740,7 +817,15 @@ class Client:
         :param server: pin to a server (index or base URL); default: the balancer's pick.
         :param session: a session key (conversation, trajectory): its requests stick to one healthy, not
             overloaded server, and the key is sent as the ``X-Session-ID`` header (``config.fleet``) for
-            external routers.
+            external routers. With ``config.stateless`` on, the client also remembers the session's turns and
+            reuses their exact ids when ``messages`` extends one.
+        :param previous: the stateless extension: the previous turn, as its :class:`GenerateResult` or a pair
+            ``(prompt_ids, completion_ids)``, where ``messages`` is the whole history as the caller holds it and
+            its last assistant message is that turn's reply. The previous ids are reused verbatim and only the
+            messages after the reply are rendered, with the same proofs, counts and failures as a session's turns
+            (:class:`BridgeError` with ``assistant_mismatch``, ``history_rewritten``...); nothing is kept in the
+            client. A result then carries ``message_spans`` only when ``previous`` carried them (a
+            :class:`GenerateResult` of this client does).
         :raises InvalidRequestError: bad arguments (nothing is sent).
         :raises RenderError: the chat template rejected ``messages``.
         :raises RequestError: the server could not be reached or answered non-2xx.
@@ -765,6 +850,7 @@ class Client:
             model=model,
             server=server,
             session=session,
+            previous=previous,
         )
         return results[0]
 
@@ -786,6 +872,7 @@ class Client:
         model: str | None = None,
         server: int | str | None = None,
         session: str | None = None,
+        previous: Previous | None = None,
     ) -> list[GenerateResult]:
         """A group of ``n`` samples of one prompt (GRPO and its kin): one rendering, one server (its prefix cache
         holds the prompt once), identical prompt ids in every result.
@@ -800,7 +887,7 @@ class Client:
         """
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise InvalidRequestError(f"generate_group needs n >= 1 (an int), got {n!r}")
-        sampling = sampling or SamplingParams()
+        sampling = _required(sampling)
         if sampling.n != 1:
             raise InvalidRequestError(
                 f"generate_group takes the group size as n= ({n}); sampling.n must stay 1, got {sampling.n}"
@@ -820,6 +907,7 @@ class Client:
             model=model,
             server=server,
             session=session,
+            previous=previous,
         )
         return results
 
@@ -840,6 +928,7 @@ class Client:
         model: str | None = None,
         server: int | str | None = None,
         session: str | None = None,
+        previous: Previous | None = None,
     ) -> GenerateStream:
         """Generate one sample and see its tokens as the engine produces them::
 
@@ -861,7 +950,7 @@ class Client:
         self.driver.require("post_generate_stream")
         if sampling is not None and sampling.n != 1:
             raise InvalidRequestError(f"stream returns one sample but sampling.n = {sampling.n}")
-        request = self._build_request(
+        request, attribute = self._build_request(
             messages=messages,
             prompt_ids=prompt_ids,
             sampling=sampling,
@@ -875,14 +964,19 @@ class Client:
             routed_experts_start=routed_experts_start,
             model=model,
             session=session,
+            previous=previous,
         )
         self.driver.check_sampling(request.sampling)  # before a server is picked or asked anything
-        remember = None
+        plain = None
         if session is not None and messages is not None and self.config.stateless.enabled:
             plain = normalize_messages(messages)
 
-            def remember(result: GenerateResult) -> None:
+        def remember(result: GenerateResult) -> GenerateResult:
+            if attribute is not None:
+                result = attribute(result)
+            if plain is not None and session is not None:
                 self._turns.remember(session, plain, result)
+            return result
 
         pinned = None if server is None else self.server_index(server)
         return GenerateStream(self, request, pinned=pinned, session=session, on_result=remember)
@@ -980,7 +1074,7 @@ class GenerateStream:
         *,
         pinned: int | None,
         session: str | None,
-        on_result: Callable[[GenerateResult], None] | None = None,
+        on_result: Callable[[GenerateResult], GenerateResult] | None = None,
     ) -> None:
         self._client = client
         #: The request as built (before salting).
@@ -1061,9 +1155,7 @@ class GenerateStream:
                 await self._drop_events()
                 self._ended = True
                 client._served(self._index, event)
-                self._result = event
-                if self._on_result is not None:
-                    self._on_result(event)
+                self._result = event if self._on_result is None else self._on_result(event)
                 break
             self._delivered = True
             return event
@@ -1084,3 +1176,55 @@ class GenerateStream:
                     self._client.balancer.release(self._index, ok=False)
                 self._ended = True
         self._ended = True
+
+
+def _required(sampling: SamplingParams | None) -> SamplingParams:
+    """``sampling``, which a generation needs for its ``max_tokens`` (no default is right for every trainer).
+
+    :raises InvalidRequestError: ``sampling`` is missing or not a :class:`SamplingParams` (nothing is sent).
+    """
+    if sampling is None:
+        raise InvalidRequestError(
+            "sampling=SamplingParams(max_tokens=...) is required: max_tokens has no default (a silent one would "
+            "cut every completion at it)"
+        )
+    if not isinstance(sampling, SamplingParams):
+        raise InvalidRequestError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    return sampling
+
+
+#: The previous turn given to ``previous=``: its result, or its ``(prompt_ids, completion_ids)``.
+Previous = GenerateResult | tuple[Sequence[int], Sequence[int]]
+
+
+def _previous_result(previous: Previous) -> GenerateResult:
+    """``previous`` as a result: an id pair becomes one whose finish reason is what its last id says (an end of
+    turn or another special token stopped it; anything else was cut short), which the bridge closes accordingly.
+
+    :raises InvalidRequestError: ``previous`` is neither a :class:`GenerateResult` nor a pair of id sequences.
+    """
+    if isinstance(previous, GenerateResult):
+        return previous
+    if not isinstance(previous, tuple | list) or len(previous) != 2:
+        raise InvalidRequestError(
+            "previous must be the previous turn's GenerateResult or a pair (prompt_ids, completion_ids), got "
+            f"{type(previous).__name__}"
+        )
+    try:
+        prompt = GenerateRequest(prompt_ids=previous[0], sampling=SamplingParams(max_tokens=1)).prompt_ids
+        completion = GenerateRequest(prompt_ids=previous[1], sampling=SamplingParams(max_tokens=1)).prompt_ids
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"previous: {exc}") from exc
+    return GenerateResult(
+        prompt_ids=prompt,
+        completion_ids=completion,
+        logprobs=np.zeros(len(completion), np.float32),
+        finish_reason="stop",
+    )
+
+
+def _attribution(spans: tuple[MessageSpan, ...], reused: int) -> Callable[[GenerateResult], GenerateResult]:
+    def attribute(result: GenerateResult) -> GenerateResult:
+        return attrs.evolve(result, message_spans=spans, reused_ids=reused)
+
+    return attribute

@@ -30,6 +30,7 @@ __all__ = [
     "JsonSchema",
     "LoraAdapter",
     "Message",
+    "MessageSpan",
     "PauseMode",
     "Regex",
     "RoutedExperts",
@@ -258,7 +259,9 @@ class SamplingParams:
     """Sampling parameters. Every field is sent to the server explicitly, so what you ask is what runs
     (servers that fill unset fields from the model's ``generation_config`` never get the chance).
 
-    :param max_tokens: completion tokens to generate at most (>= 1).
+    :param max_tokens: completion tokens to generate at most (>= 1). Required: no default is right for every
+        trainer (a silent 16, the OpenAI completions default, would train on cut-off completions), so
+        ``SamplingParams()`` without it is a ``TypeError`` naming it.
     :param temperature: 0 means greedy.
     :param top_p: nucleus mass in (0, 1].
     :param top_k: keep the k most likely tokens; -1 disables.
@@ -287,7 +290,7 @@ class SamplingParams:
         names; the backend refuses a key its engine does not know, or one that a modelled field sets.
     """
 
-    max_tokens: int = 16
+    max_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -381,7 +384,7 @@ class GenerateRequest:
     """
 
     prompt_ids: tuple[int, ...] = attrs.field(converter=_id_sequence)
-    sampling: SamplingParams = attrs.field(factory=SamplingParams, converter=_resolved_sampling)
+    sampling: SamplingParams = attrs.field(converter=_resolved_sampling)
     messages: tuple[Message, ...] | None = None
     tools: tuple[Mapping[str, Any], ...] | None = None
     request_id: str | None = None
@@ -456,6 +459,24 @@ class WeightVersionSpan:
     end: int
 
 
+@attrs.frozen
+class MessageSpan:
+    """Prompt positions ``[start, end)`` of one message of the messages a prompt was rendered from.
+
+    :ivar message: the message's index in the messages sent; ``None`` for the trailing generation prompt (the
+        template's header of the turn being generated).
+    :ivar role: that message's role (``"assistant"`` for the generation prompt).
+    :ivar sampled: the ids were sampled by the engine in an earlier turn and reused verbatim (a message may then
+        have several spans: its template header, the sampled ids, the template's end of turn after them).
+    """
+
+    message: int | None
+    role: str
+    start: int
+    end: int
+    sampled: bool = False
+
+
 @attrs.frozen(kw_only=True)
 class GenerateResult:
     """One sample: exact ids, one finite logprob per completion id, and what the server said about it.
@@ -467,6 +488,9 @@ class GenerateResult:
     :ivar weight_version: the server's weight version when the sample finished.
     :ivar metadata: backend-specific facts about how the sample was served (Dynamo: ``worker_id``,
         ``timing``), never needed to use the result.
+    :ivar message_spans: for a prompt rendered from messages, which prompt ids belong to which message:
+        :class:`MessageSpan` s covering ``prompt_ids`` contiguously and in order (empty for ``prompt_ids=``).
+    :ivar reused_ids: how many leading prompt ids were reused from the previous turn (0 when rendered whole).
     """
 
     prompt_ids: tuple[int, ...]
@@ -482,6 +506,8 @@ class GenerateResult:
     request_id: str | None = None
     server: str | None = None
     metadata: Mapping[str, Any] = attrs.field(factory=dict)
+    message_spans: tuple[MessageSpan, ...] = ()
+    reused_ids: int = 0
 
     @property
     def token_ids(self) -> tuple[int, ...]:

@@ -977,13 +977,13 @@ class BackendConformance:
     ) -> None:
         client, sent = counted_client
         samples = {
-            "stop": SamplingParams(stop=["x"]),
-            "logit_bias": SamplingParams(logit_bias={1: 1.0}),
-            "extra": SamplingParams(extra={"skip_special_tokens": True}),
-            "structured.json_schema": SamplingParams(structured=JsonSchema({"type": "object"})),
-            "structured.regex": SamplingParams(structured=Regex("[0-9]+")),
-            "structured.choice": SamplingParams(structured=Choice(["yes", "no"])),
-            "structured.grammar": SamplingParams(structured=Grammar('root ::= "a"')),
+            "stop": SamplingParams(max_tokens=16, stop=["x"]),
+            "logit_bias": SamplingParams(max_tokens=16, logit_bias={1: 1.0}),
+            "extra": SamplingParams(max_tokens=16, extra={"skip_special_tokens": True}),
+            "structured.json_schema": SamplingParams(max_tokens=16, structured=JsonSchema({"type": "object"})),
+            "structured.regex": SamplingParams(max_tokens=16, structured=Regex("[0-9]+")),
+            "structured.choice": SamplingParams(max_tokens=16, structured=Choice(["yes", "no"])),
+            "structured.grammar": SamplingParams(max_tokens=16, structured=Grammar('root ::= "a"')),
         }
         assert set(samples) == SAMPLING_FEATURES
         for feature in sorted(SAMPLING_FEATURES - self.expected_sampling_features):
@@ -999,9 +999,11 @@ class BackendConformance:
         self.needs_sampling("extra")
         client, sent = counted_client
         with pytest.raises(InvalidRequestError, match="no_such_engine_field"):
-            await client.generate(prompt_ids=PROMPT, sampling=SamplingParams(extra={"no_such_engine_field": 1}))
+            await client.generate(
+                prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=16, extra={"no_such_engine_field": 1})
+            )
         with pytest.raises(InvalidRequestError, match="max_tokens"):
-            SamplingParams(extra={"max_tokens": 3})
+            SamplingParams(max_tokens=16, extra={"max_tokens": 3})
         assert sent == []
 
     @pytest.mark.asyncio
@@ -1169,7 +1171,7 @@ class BackendConformance:
         with pytest.raises(InvalidRequestError, match="n >= 1"):
             await client.generate_group(prompt_ids=PROMPT, n=0)
         with pytest.raises(InvalidRequestError, match=r"sampling\.n must stay 1"):
-            await client.generate_group(prompt_ids=PROMPT, n=2, sampling=SamplingParams(n=2))
+            await client.generate_group(prompt_ids=PROMPT, n=2, sampling=SamplingParams(max_tokens=16, n=2))
 
     # -- content parts --------------------------------------------------------------------------------
     # OpenAI content parts reach the chat template as the engine's chat route hands them over (the texts joined

@@ -117,7 +117,7 @@ async def test_n_fans_out_into_single_sample_requests(deployment: Deployment) ->
     assert len({s.headers[REQUEST_ID_HEADER] for s in deployment.sent}) == 3
     async with client(deployment, backend_options={"fan_out_n": False, "worker_urls": [W1]}) as c:
         with pytest.raises(InvalidRequestError, match="refuses n > 1 together with completion token ids"):
-            await c.generate_samples(prompt_ids=PROMPT, sampling=SamplingParams(n=2))
+            await c.generate_samples(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=16, n=2))
     assert len(deployment.sent) == 3
 
 
@@ -134,7 +134,7 @@ async def test_stream_option_folds_the_events(deployment: Deployment) -> None:
 async def test_limits_are_refused_before_sending(deployment: Deployment) -> None:
     async with client(deployment) as c:
         with pytest.raises(InvalidRequestError, match=r"33 stop_token_ids: Dynamo 1\.6\.1 accepts at most 32"):
-            await c.generate(prompt_ids=[1, 2], sampling=SamplingParams(stop_token_ids=list(range(33))))
+            await c.generate(prompt_ids=[1, 2], sampling=SamplingParams(max_tokens=16, stop_token_ids=list(range(33))))
         with pytest.raises(InvalidRequestError, match="u32"):
             await c.generate(prompt_ids=[1, 2**32])
         with pytest.raises(InvalidRequestError, match="i32"):

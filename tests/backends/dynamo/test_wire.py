@@ -210,7 +210,7 @@ def test_the_abort_trap_is_undone_where_it_can_be_told() -> None:
     assert plain.finish_reason == "stop"  # could be EOS: nothing says otherwise
     (aborted,) = wire.parse_generation(wire.Exchange((wire.Sample(body, aborted=True),)), request, URL)
     assert aborted.finish_reason == "abort"
-    ignoring = GenerateRequest(prompt_ids=request.prompt_ids, sampling=SamplingParams(ignore_eos=True))
+    ignoring = GenerateRequest(prompt_ids=request.prompt_ids, sampling=SamplingParams(max_tokens=16, ignore_eos=True))
     assert wire.parse_generation(body, ignoring, URL)[0].finish_reason == "abort"
     body["nvext"]["stop_reason"] = 1046  # a matched stop id is a real stop, aborted or not
     (stopped,) = wire.parse_generation(wire.Exchange((wire.Sample(body, aborted=True),)), request, URL)
@@ -220,7 +220,7 @@ def test_the_abort_trap_is_undone_where_it_can_be_told() -> None:
 def test_samples_carry_the_tracked_weight_version_and_must_match_n() -> None:
     body, request = engine_body()
     exchange = wire.Exchange((wire.Sample(body, weight_version="step-3"), wire.Sample(body)))
-    two = GenerateRequest(prompt_ids=request.prompt_ids, sampling=SamplingParams(n=2))
+    two = GenerateRequest(prompt_ids=request.prompt_ids, sampling=SamplingParams(max_tokens=16, n=2))
     first, second = wire.parse_generation(exchange, two, URL)
     assert (first.weight_version, second.weight_version) == ("step-3", None)
     with pytest.raises(ResponseParseError, match="1 answer\\(s\\) for n=2"):

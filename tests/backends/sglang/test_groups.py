@@ -57,5 +57,5 @@ async def test_a_group_whose_last_seed_overflows_is_refused_before_sending(make_
     config = ClientConfig(backend="sglang", base_url="http://s0", model="tiny-qwen3")
     async with Client(config, transport=transport) as client:
         with pytest.raises(InvalidRequestError, match="does not fit SGLang's 64-bit sampling_seed"):
-            await client.generate_group(prompt_ids=PROMPT, n=2, sampling=SamplingParams(seed=2**63 - 1))
+            await client.generate_group(prompt_ids=PROMPT, n=2, sampling=SamplingParams(max_tokens=16, seed=2**63 - 1))
     assert sent == []

@@ -58,7 +58,9 @@ async def test_vllm_worker_stop_string(dynamo_vllm: Any) -> None:
             sampling=SamplingParams(max_tokens=12, temperature=0.0, stop=[stop]),
         )
         with pytest.raises(UnsupportedOperationError, match="ignores stop strings when ignore_eos is set"):
-            await client.generate(prompt_ids=[1, 2, 3], sampling=SamplingParams(stop=[stop], ignore_eos=True))
+            await client.generate(
+                prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=16, stop=[stop], ignore_eos=True)
+            )
     assert result.completion_ids == free.completion_ids[:k]
     assert (result.finish_reason, result.stop_reason) == ("stop", stop)
 

@@ -7,8 +7,10 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from backends_core.errors import BridgeError
-from backends_core.multiturn.extension import extend_prompt
+from backends_core.multiturn.extension import extend_with_spans
 from backends_core.multiturn.messages import normalize_message
 from backends_core.multiturn.turn_cache import check_reply
 from backends_core.types import GenerateResult, Message, SamplingParams
@@ -96,7 +98,7 @@ class Conversation:
                 reply = client.parse_completion(previous)
                 if assistant_message is not None:
                     check_reply(normalize_message(assistant_message), reply)
-                ids = extend_prompt(
+                extension = extend_with_spans(
                     client.tokenizer,
                     history=self.messages,
                     previous=previous,
@@ -111,9 +113,11 @@ class Conversation:
                 client.driver.emit("bridge", "bridge", None, started, exc, reason=exc.reason)
                 raise
             stats.successes += 1
+            ids = extension.ids
             client.driver.emit("bridge", "bridge", None, started, None, delta_tokens=len(ids) - len(previous.token_ids))
             sampling = client.template_stop(sampling, chat_template_kwargs=self.chat_template_kwargs)
             result = await client.generate(prompt_ids=ids, sampling=sampling, **generate_kwargs)
+            result = attrs.evolve(result, message_spans=extension.spans or (), reused_ids=extension.reused)
             self.messages.append(reply)
         self.messages.extend(new_messages)
         self.turns.append(result)

@@ -44,16 +44,25 @@ from __future__ import annotations
 import json
 import weakref
 from collections import Counter
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
 from backends_core.errors import BridgeError, RenderError
 from backends_core.multiturn.rendering import encode, render_text
-from backends_core.types import GenerateResult, Message
+from backends_core.multiturn.spans import bridged_spans, delta_bounds, token_bounds
+from backends_core.types import GenerateResult, Message, MessageSpan
 
-__all__ = ["BridgeStats", "clear_template_cache", "end_of_turn_ids", "end_of_turn_stop_ids", "extend_prompt"]
+__all__ = [
+    "BridgeStats",
+    "Extension",
+    "clear_template_cache",
+    "end_of_turn_ids",
+    "end_of_turn_stop_ids",
+    "extend_prompt",
+    "extend_with_spans",
+]
 
 _SENTINEL = "\u27e6backends-bridge-sentinel\u27e7"
 _CONTEXT_USER = "\u27e6backends-bridge-context\u27e7"
@@ -103,6 +112,8 @@ class _TemplateState:
     eot: tuple[str, tuple[int, ...]] | None = None
     stop_ids: tuple[int, ...] | None = None
     verdicts: dict[Hashable, int] = attrs.field(factory=dict)
+    #: The text the template appends for ``add_generation_prompt`` (``""`` when it cannot be told apart).
+    generation_prompt: str | None = None
 
 
 _STATES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, str, str], _TemplateState]] = weakref.WeakKeyDictionary()
@@ -246,13 +257,21 @@ def _render_delta(
     tools: Sequence[Mapping[str, Any]] | None,
     kwargs: Mapping[str, Any],
     tail_render: bool,
-) -> tuple[str, str]:
-    """The delta text and how it was rendered (``"tail"`` or the reason for a full render)."""
+) -> tuple[str, str, Callable[[int], str]]:
+    """The delta text, how it was rendered (``"tail"`` or the reason for a full render), and the delta of the first
+    ``j`` new messages without a generation prompt, rendered in the same context (for their spans)."""
 
-    def render(context: Sequence[Message] | None) -> str:
-        messages = list(new_messages) if context is None else [*context, sentinel_turn, *new_messages]
-        text = render_text(tokenizer, messages, tools=tools, add_generation_prompt=True, chat_template_kwargs=kwargs)
+    def render(
+        context: Sequence[Message] | None, new: Sequence[Message] = new_messages, generation: bool = True
+    ) -> str:
+        messages = list(new) if context is None else [*context, sentinel_turn, *new]
+        text = render_text(
+            tokenizer, messages, tools=tools, add_generation_prompt=generation, chat_template_kwargs=kwargs
+        )
         return text if context is None else _delta(text, eot)
+
+    def in_context(context: Sequence[Message] | None) -> Callable[[int], str]:
+        return lambda j: render(context, new_messages[:j], False)
 
     shape: Hashable = None
     if state is None:
@@ -271,15 +290,16 @@ def _render_delta(
             elif verdict == _POSITION_DEPENDENT:
                 how = "position_dependent"
             else:
+                context = _contexts(history)[verdict]
                 try:
-                    return render(_contexts(history)[verdict]), "tail"
+                    return render(context), "tail", in_context(context)
                 except (RenderError, BridgeError):
                     how = "tail_error"
     delta = render(history)
     if how == "verify":
         assert state is not None
         how = _verify(state, shape, history, delta, render)
-    return delta, how
+    return delta, how, in_context(history)
 
 
 def _verify(state: _TemplateState, shape: Hashable, history: Sequence[Message], delta: str, render: Any) -> str:
@@ -314,6 +334,31 @@ def _unclosed_think_ids(tokenizer: Any, completion_ids: Sequence[int]) -> list[i
     return encode(tokenizer, "\n</think>\n\n") if opened > closed else []
 
 
+def _generation_prompt(tokenizer: Any, state: _TemplateState | None, kwargs: Mapping[str, Any]) -> str | None:
+    """The text ``add_generation_prompt`` appends in this template, probed once per template (``None`` when the
+    render with it does not extend the one without)."""
+    if state is not None and state.generation_prompt is not None:
+        return state.generation_prompt or None
+    probe = [{"role": "user", "content": _CONTEXT_USER}]
+    without = render_text(tokenizer, probe, add_generation_prompt=False, chat_template_kwargs=kwargs)
+    with_prompt = render_text(tokenizer, probe, add_generation_prompt=True, chat_template_kwargs=kwargs)
+    found = with_prompt[len(without) :] if with_prompt.startswith(without) else ""
+    if state is not None:
+        state.generation_prompt = found
+    return found or None
+
+
+@attrs.frozen
+class Extension:
+    """A bridged prompt: its ids, and which of them are what (see :func:`extend_with_spans`)."""
+
+    ids: list[int]
+    #: The message spans of ``ids`` (``None`` when the previous turn has none to carry over).
+    spans: tuple[MessageSpan, ...] | None
+    #: Leading ids reused verbatim: the previous prompt and completion.
+    reused: int
+
+
 def extend_prompt(
     tokenizer: Any,
     *,
@@ -342,6 +387,36 @@ def extend_prompt(
     :raises BridgeError: with ``reason`` one of ``sentinel_missing``, ``no_end_of_turn``,
         ``foreign_stop_token``, ``boundary_drift``, ``template_error``, ``empty_turn``.
     """
+    return extend_with_spans(
+        tokenizer,
+        history=history,
+        previous=previous,
+        new_messages=new_messages,
+        assistant_message=assistant_message,
+        tools=tools,
+        chat_template_kwargs=chat_template_kwargs,
+        stats=stats,
+        tail_render=tail_render,
+        spans=False,
+    ).ids
+
+
+def extend_with_spans(
+    tokenizer: Any,
+    *,
+    history: Sequence[Message],
+    previous: GenerateResult,
+    new_messages: Sequence[Message],
+    assistant_message: Message | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    stats: BridgeStats | None = None,
+    tail_render: bool = True,
+    spans: bool = True,
+) -> Extension:
+    """:func:`extend_prompt`, with the new prompt's message spans (``spans``): the previous turn's, its completion
+    as the reply's sampled span (the reply is message ``len(history)``), then the new messages from
+    ``len(history) + 1`` and the generation prompt (:func:`~backends_core.multiturn.spans.bridged_spans`)."""
     kwargs = dict(chat_template_kwargs or {})
     if not new_messages:
         raise BridgeError("empty_turn", "a new turn needs at least one new message")
@@ -356,9 +431,11 @@ def extend_prompt(
             eot, eot_ids = end_of_turn_ids(tokenizer, kwargs)
             if state is not None:
                 state.eot = (eot, eot_ids)
-        delta_text, how = _render_delta(
+        delta_text, how, render_new = _render_delta(
             tokenizer, state, eot, history, sentinel_turn, new_messages, tools, kwargs, tail_render
         )
+        generation_prompt = _generation_prompt(tokenizer, state, kwargs) if spans else None
+        char_ends = delta_bounds(delta_text, new_messages, render_new, generation_prompt) if spans else []
     except RenderError as exc:
         raise BridgeError("template_error", str(exc)) from exc
     tail_ids = encode(tokenizer, eot + delta_text)
@@ -390,4 +467,20 @@ def extend_prompt(
         else:
             stats.full_renders[how] += 1
     # one copy of the previous ids (C speed), untouched: the new prompt starts with them by construction
-    return [*previous.prompt_ids, *completion, *close, *delta_ids]
+    ids = [*previous.prompt_ids, *completion, *close, *delta_ids]
+    found: tuple[MessageSpan, ...] | None = None
+    if spans and (previous.message_spans or not previous.prompt_ids):
+        ends = token_bounds(tokenizer, eot + delta_text, tail_ids, [len(eot) + e for e in char_ends])
+        if ends is not None:
+            found = bridged_spans(
+                previous.message_spans,
+                reply=len(history),
+                prompt_len=len(previous.prompt_ids),
+                completion_len=len(completion),
+                close_len=len(close),
+                new_messages=new_messages,
+                first_new=len(history) + 1,
+                delta_ends=[e - len(eot_ids) for e in ends],
+                delta_len=len(delta_ids),
+            )
+    return Extension(ids, found, len(previous.prompt_ids) + len(completion))

@@ -27,11 +27,11 @@ import attrs
 
 from backends_core.config import StatelessPolicy
 from backends_core.errors import BridgeError
-from backends_core.multiturn.extension import BridgeStats, extend_prompt
+from backends_core.multiturn.extension import BridgeStats, Extension, extend_with_spans
 from backends_core.multiturn.messages import _flat_strings, normal_forms, normalize_message
 from backends_core.types import GenerateResult
 
-__all__ = ["REASONING_KEYS", "Turn", "TurnCache", "check_reply", "reply_form"]
+__all__ = ["REASONING_KEYS", "Turn", "TurnCache", "check_reply", "extend_after_reply", "reply_form"]
 
 _TAIL_ROLES = frozenset({"tool", "user"})
 
@@ -118,9 +118,9 @@ class TurnCache:
         tools: Sequence[Mapping[str, Any]] | None,
         chat_template_kwargs: Mapping[str, Any] | None,
         stats: BridgeStats | None = None,
-    ) -> list[int] | None:
-        """Prompt ids reusing an earlier turn, ``None`` for a session's first turn; ``stats`` counts how the
-        tail was rendered (see :func:`~backends_core.multiturn.extension.extend_prompt`).
+    ) -> Extension | None:
+        """The prompt reusing an earlier turn (ids and spans), ``None`` for a session's first turn; ``stats``
+        counts how the tail was rendered (see :func:`~backends_core.multiturn.extension.extend_prompt`).
 
         :raises BridgeError: reasons ``no_prefix`` (no remembered turn prefixes the list: history rewritten
             or folded), ``assistant_mismatch`` (the assistant message after the reused turn is not the parse
@@ -138,25 +138,55 @@ class TurnCache:
                 f"{len(normalized)} messages (history rewritten or folded?)",
             )
         turn, at = found
-        check_reply(normalized[at], self.parse(turn.result))
-        tail = normalized[at + 1 :]
-        odd = [m["role"] for m in tail if m["role"] not in _TAIL_ROLES]
-        if odd:
-            raise BridgeError(
-                "history_rewritten",
-                f"after the reused turn the new messages hold {odd}: only tool "
-                "results and user messages can follow without re-rendering",
-            )
-        return extend_prompt(
+        return extend_after_reply(
             tokenizer,
-            history=turn.messages,
-            previous=turn.result,
-            new_messages=tail,
-            assistant_message=normalized[at],
+            normalized,
+            at,
+            turn.result,
+            self.parse,
             tools=tools,
             chat_template_kwargs=chat_template_kwargs,
             stats=stats,
         )
+
+
+def extend_after_reply(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    at: int,
+    previous: GenerateResult,
+    parse: Callable[[GenerateResult], Mapping[str, Any]],
+    *,
+    tools: Sequence[Mapping[str, Any]] | None,
+    chat_template_kwargs: Mapping[str, Any] | None,
+    stats: BridgeStats | None,
+) -> Extension:
+    """The prompt for ``messages`` (normal forms) that reuses ``previous``'s exact ids: ``messages[at]`` must be
+    the same turn as ``previous``'s completion (:func:`check_reply`), ``messages[:at]`` is its history, and what
+    follows may hold only tool results and user messages.
+
+    :raises BridgeError: ``assistant_mismatch``, ``history_rewritten``, or any
+        :func:`~backends_core.multiturn.extension.extend_prompt` reason.
+    """
+    check_reply(messages[at], parse(previous))
+    tail = messages[at + 1 :]
+    odd = [m["role"] for m in tail if m["role"] not in _TAIL_ROLES]
+    if odd:
+        raise BridgeError(
+            "history_rewritten",
+            f"after the reused turn the new messages hold {odd}: only tool "
+            "results and user messages can follow without re-rendering",
+        )
+    return extend_with_spans(
+        tokenizer,
+        history=messages[:at],
+        previous=previous,
+        new_messages=tail,
+        assistant_message=messages[at],
+        tools=tools,
+        chat_template_kwargs=chat_template_kwargs,
+        stats=stats,
+    )
 
 
 #: Keys under which harnesses hold an assistant message's reasoning (OpenAI-style clients, vLLM's newer name).
