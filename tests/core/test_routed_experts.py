@@ -5,10 +5,14 @@ import io
 import json
 from pathlib import Path
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 from backends_core import ResponseParseError, align_routed_experts, decode_routed_experts
+from backends_core.jsonnode import Node
+from backends_core.routed_experts import decode_routed_object
 
 WIRE = Path(__file__).resolve().parents[1] / "fixtures" / "wire"  # real captures copied from ../shared/wire
 
@@ -100,3 +104,57 @@ def test_align_refuses_row_counts_that_fit_no_reading() -> None:
         align_routed_experts(np.zeros((7, 2, 2), np.int32), total_tokens=10, server_start=0, wanted_start=0)
     with pytest.raises(ResponseParseError, match="after the requested start"):
         align_routed_experts(np.zeros((6, 2, 2), np.int32), total_tokens=10, server_start=3, wanted_start=1)
+
+
+# -- the object form, whole and as prime-rl's vLLM server sent it before it named dtype and start --------------
+
+
+def routed_object(array: np.ndarray, **fields: object) -> dict[str, object]:
+    """``{"data", "shape"}`` of ``array`` (little-endian, C order) and ``fields`` beside them."""
+    data = b64(np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes())
+    return {"data": data, "shape": list(array.shape), **fields}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    shape=st.tuples(st.integers(0, 12), st.integers(1, 4), st.integers(1, 4)),
+    seed=st.integers(0, 2**32 - 1),
+    start=st.integers(0, 50),
+)
+def test_a_record_without_dtype_or_start_decodes_like_the_whole_record(
+    shape: tuple[int, int, int], seed: int, start: int
+) -> None:
+    array = np.random.default_rng(seed).integers(0, 256, size=shape, dtype=np.uint8)
+    whole, whole_start = decode_routed_object(Node(routed_object(array, start=start, dtype="uint8")))
+    for peer in (routed_object(array), routed_object(array, start=start)):
+        experts, named_start = decode_routed_object(Node(peer))
+        assert experts.dtype == np.uint8 and np.array_equal(experts, whole)
+        assert named_start == (whole_start if "start" in peer else None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    shape=st.tuples(st.integers(1, 12), st.integers(1, 4), st.integers(1, 4)),
+    dtype=st.sampled_from(["uint16", "int16", "int32"]),
+)
+def test_a_wider_payload_naming_no_dtype_is_refused_naming_the_data(shape: tuple[int, int, int], dtype: str) -> None:
+    record = routed_object(np.zeros(shape, dtype), start=0)
+    with pytest.raises(ResponseParseError, match=r"it names no dtype: read as uint8\) @ \$\.routed_experts\.data"):
+        decode_routed_object(Node(record, "$.routed_experts"))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"dtype": None}, r"expected a string, got null @ \$\.r\.dtype"),
+        ({"dtype": "float32"}, r"unsupported dtype 'float32'.* @ \$\.r\.dtype"),
+        ({"dtype": "uint7"}, r"unknown dtype 'uint7' @ \$\.r\.dtype"),
+        ({"start": None}, r"expected an integer, got null @ \$\.r\.start"),
+        ({"start": -1}, r"start must be >= 0, got -1 @ \$\.r\.start"),
+        ({"shape": [4, 0, 2]}, r"at least one layer and one expert per token.* @ \$\.r\.shape"),
+        ({"data": [[[1, 2]]]}, r"\$\.r\.data must be a base64 string, got list"),
+    ],
+)
+def test_a_present_but_bad_field_is_refused_by_name(change: dict[str, object], message: str) -> None:
+    with pytest.raises(ResponseParseError, match=message):
+        decode_routed_object(Node({**routed_object(np.zeros((4, 3, 2), np.uint8)), **change}, "$.r"))

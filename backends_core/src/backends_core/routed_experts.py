@@ -1,6 +1,8 @@
 """Decoding MoE routed experts (router replay), shared by every backend.
 
-Servers send routing as base64, either raw little-endian bytes (SGLang: int32) or a ``.npy`` file (vLLM).
+Servers send routing as base64, either raw little-endian bytes (SGLang: int32) or a ``.npy`` file (vLLM), or
+as an object holding raw bytes with their shape (prime-rl's vLLM server, Dynamo's vLLM worker), read by
+:func:`decode_routed_object`.
 :func:`decode_routed_experts` base64-decodes once and views the bytes with ``np.frombuffer``: no second
 copy of the payload, whatever its size. The returned array is read-only (it views the decoded bytes).
 The payload may be a ``memoryview`` into the raw response body (``Server.request(large_strings=...)``), so the
@@ -26,12 +28,25 @@ import orjson
 import pybase64
 
 from backends_core.errors import ResponseParseError
+from backends_core.jsonnode import Node
 from backends_core.types import RoutedExperts
 
-__all__ = ["ALLOWED_DTYPES", "align_routed_experts", "decode_routed_experts", "npy_base64_length"]
+__all__ = [
+    "ALLOWED_DTYPES",
+    "OBJECT_DEFAULT_DTYPE",
+    "align_routed_experts",
+    "decode_routed_experts",
+    "decode_routed_object",
+    "npy_base64_length",
+]
 
 #: Integer dtypes servers use for expert ids.
 ALLOWED_DTYPES = frozenset({np.dtype("uint8"), np.dtype("uint16"), np.dtype("int16"), np.dtype("int32")})
+#: The dtype of an object-form payload that names none. prime-rl's vLLM server sent uint8 without naming it (first
+#: ``{"data", "shape"}``, then with ``"start"``) and names it since it also sends uint16 (models of more than 256
+#: experts). A wider payload read as uint8 has more rows than its shape says, so a wrong default is refused by the
+#: row check, never misread.
+OBJECT_DEFAULT_DTYPE = np.dtype("uint8")
 _NPY_MAGIC = b"\x93NUMPY"
 _NPY_MAGIC_B64 = pybase64.b64encode(_NPY_MAGIC)  # 6 bytes: 8 characters, whatever follows
 #: Longest ``.npy`` header read to size a payload (numpy writes 64-byte aligned headers of a few hundred bytes).
@@ -159,6 +174,55 @@ def _decode(
             bound = f"[0, {num_experts})" if num_experts is not None else ">= 0"
             raise ResponseParseError(f"{field} has expert ids in [{lo}, {hi}], expected {bound}")
     return array
+
+
+def decode_routed_object(record: Node) -> tuple[npt.NDArray[np.integer[Any]], int | None]:
+    """Decode routing in its object form: ``{"data": base64 of the C-order little-endian array, "shape": [rows,
+    layers, top_k], "start": first routed position, "dtype": "uint8" | "uint16" | "int16" | "int32"}`` (the dtype
+    also as ``"torch.<name>"``).
+
+    ``dtype`` may be absent (then :data:`OBJECT_DEFAULT_DTYPE`), and so may ``start`` (then ``None`` is returned,
+    for the caller to infer the start from the row count as for a ``.npy`` payload). A key that is present must
+    hold a valid value: ``null`` is refused like any other bad value.
+
+    :param record: the object, with its JSON path and server (named by every error).
+    :returns: the ``[rows, layers, top_k]`` array and the start the record names, ``None`` when it names none.
+    :raises ResponseParseError: a bad shape, dtype or start, or data that does not decode to the shape.
+    """
+    present = record.obj()
+    shape_node = record.get("shape")
+    shape = [d.integer() for d in shape_node.items()]
+    if len(shape) != 3 or min(shape) < 0:
+        raise shape_node.fail(f"expected [rows, layers, top_k], got {shape}")
+    rows, layers, top_k = shape
+    if layers == 0 or top_k == 0:
+        raise shape_node.fail(f"expected at least one layer and one expert per token, got {shape}")
+    dtype = _named_dtype(record.get("dtype")) if "dtype" in present else OBJECT_DEFAULT_DTYPE
+    start = None
+    if "start" in present:
+        start = record.get("start").integer()
+        if start < 0:
+            raise record.get("start").fail(f"start must be >= 0, got {start}")
+    data = record.get("data")
+    experts = decode_routed_experts(
+        data.value, num_layers=layers, top_k=top_k, dtype=dtype, field=data.path, url=data.url
+    )
+    if experts.shape[0] != rows:
+        read_as = "" if "dtype" in present else f" (it names no dtype: read as {OBJECT_DEFAULT_DTYPE})"
+        raise data.fail(f"decodes to {experts.shape[0]} rows but shape says {rows}{read_as}")
+    return experts, start
+
+
+def _named_dtype(node: Node) -> np.dtype[Any]:
+    """The dtype a routing object names (numpy's name, or torch's ``"torch.<name>"``), one of :data:`ALLOWED_DTYPES`."""
+    name = node.string().removeprefix("torch.")
+    try:
+        dtype = np.dtype(name)
+    except (TypeError, ValueError, SyntaxError) as exc:
+        raise node.fail(f"unknown dtype {name!r}") from exc
+    if dtype not in ALLOWED_DTYPES:
+        raise node.fail(f"unsupported dtype {name!r}; expected one of {sorted(map(str, ALLOWED_DTYPES))}")
+    return dtype
 
 
 def _unescaped(payload: str | bytes | memoryview) -> bytes | None:

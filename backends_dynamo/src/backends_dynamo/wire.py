@@ -67,7 +67,7 @@ from backends_core.converters import make_converter, structure_response
 from backends_core.errors import InvalidRequestError, ResponseParseError, UnsupportedOperationError
 from backends_core.jsonnode import U32, Node
 from backends_core.multiturn.messages import part_texts
-from backends_core.routed_experts import ALLOWED_DTYPES, align_routed_experts, decode_routed_experts
+from backends_core.routed_experts import align_routed_experts, decode_routed_experts, decode_routed_object
 from backends_core.types import (
     Choice,
     FinishReason,
@@ -287,20 +287,10 @@ def finish_reason(
     return finish
 
 
-def _dtype(node: Node) -> np.dtype[Any]:
-    name = node.string().removeprefix("torch.")
-    try:
-        dtype = np.dtype(name)
-    except TypeError as exc:
-        raise node.fail(f"unknown dtype {name!r}") from exc
-    if dtype not in ALLOWED_DTYPES:
-        raise node.fail(f"unsupported dtype {name!r}; expected one of {sorted(map(str, ALLOWED_DTYPES))}")
-    return dtype
-
-
 def routed_experts(nvext: Node, request: GenerateRequest, ids: tuple[int, ...]) -> RoutedExperts | None:
     """Routing from ``nvext.routed_experts`` or ``engine_data.routed_experts`` (``{data: base64, shape, start,
-    dtype}``), trimmed client-side to ``request.routed_experts_start`` (Dynamo has no request field for it)."""
+    dtype}``, start and dtype optional: see :func:`decode_routed_object`), trimmed client-side to
+    ``request.routed_experts_start`` (Dynamo has no request field for it)."""
     if not request.return_routed_experts:
         return None
     engine = engine_data(nvext)
@@ -317,21 +307,8 @@ def routed_experts(nvext: Node, request: GenerateRequest, ids: tuple[int, ...]) 
         experts = decode_routed_experts(field.value, field=field.path, url=field.url)
         start = 0
     else:
-        shape = [n.integer() for n in field.get("shape").items()]
-        if len(shape) != 3:
-            raise field.get("shape").fail(f"expected [tokens, layers, top_k], got {shape}")
-        data = field.get("data")
-        experts = decode_routed_experts(
-            data.value if isinstance(data.value, memoryview) else data.string(),
-            num_layers=shape[1],
-            top_k=shape[2],
-            dtype=_dtype(field.get("dtype")),
-            field=f"{field.path}.data",
-            url=field.url,
-        )
-        if list(experts.shape) != shape:
-            raise field.fail(f"data decodes to shape {list(experts.shape)}, the answer says {shape}")
-        start = field.get("start").integer() if field.has("start") else 0
+        experts, named_start = decode_routed_object(field)
+        start = 0 if named_start is None else named_start  # Dynamo sends no start to the worker: it routes from 0
     return align_routed_experts(
         experts,
         total_tokens=len(request.prompt_ids) + len(ids),

@@ -28,11 +28,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from backends_core.errors import InvalidRequestError, ResponseParseError
 from backends_core.jsonnode import PLACEHOLDER_LOGPROB, Node
-from backends_core.routed_experts import align_routed_experts, decode_routed_experts
+from backends_core.routed_experts import align_routed_experts, decode_routed_experts, decode_routed_object
 from backends_core.types import (
     Choice,
     GenerateRequest,
@@ -75,8 +74,6 @@ Float32s = np.ndarray[Any, np.dtype[np.float32]]
 _TOKEN_ID, _LOGPROB = operator.itemgetter("token_id"), operator.itemgetter("logprob")
 #: vLLM's default ``--max-logprobs``.
 MAX_LOGPROBS = 20
-#: ``dtype`` names of the object form of routed experts (what prime-rl's vLLM server keeps from vLLM's capture).
-_ROUTED_DTYPES = frozenset({"uint8", "uint16", "int16", "int32"})
 
 
 def _ids(body: Node) -> tuple[int, ...]:
@@ -287,13 +284,16 @@ def _routed(choice: Node, request: GenerateRequest, completion: tuple[int, ...])
             "--enable-return-routed-experts (MoE models only)"
         )
     server_start = request.routed_experts_start
-    if isinstance(field.value, Mapping):
-        experts, server_start = _routed_object(field)
-        needed = len(request.prompt_ids) + len(completion) - 1 - server_start
-        if experts.shape[0] != needed:
-            raise field.fail(
-                f"{experts.shape[0]} rows from start {server_start}; the sequence routed from there has {needed}"
-            )
+    if isinstance(field.value, Mapping):  # prime-rl's vLLM server
+        experts, named_start = decode_routed_object(field)
+        if named_start is not None:
+            server_start = named_start
+            needed = len(request.prompt_ids) + len(completion) - 1 - server_start
+            if experts.shape[0] != needed:
+                raise field.fail(
+                    f"{experts.shape[0]} rows from start {server_start}; the sequence routed from there has {needed}"
+                )
+        # with no start named, align_routed_experts reads it from the row count, as for a .npy payload
     else:
         experts = decode_routed_experts(field.value, field=field.path, url=field.url)
     return align_routed_experts(
@@ -304,31 +304,6 @@ def _routed(choice: Node, request: GenerateRequest, completion: tuple[int, ...])
         field=field.path,
         url=field.url,
     )
-
-
-def _routed_object(field: Node) -> tuple[npt.NDArray[np.integer[Any]], int]:
-    """Routing in the object form prime-rl's vLLM server sends: ``{"data": base64 of the C-order
-    little-endian array, "shape": [rows, layers, top_k], "start": first routed position, "dtype": "uint8" |
-    "uint16" | "int16" | "int32"}``. Returns the array and its start."""
-    shape = [d.integer() for d in field.get("shape").items()]
-    if len(shape) != 3 or min(shape) < 0:
-        raise field.get("shape").fail(f"expected [rows, layers, top_k], got {shape}")
-    dtype = field.get("dtype").string()
-    if dtype not in _ROUTED_DTYPES:
-        raise field.get("dtype").fail(f"unsupported dtype {dtype!r}; expected one of {sorted(_ROUTED_DTYPES)}")
-    start = field.get("start").integer()
-    if start < 0:
-        raise field.get("start").fail(f"start must be >= 0, got {start}")
-    data = field.get("data")
-    rows, layers, top_k = shape
-    if layers == 0 or top_k == 0:
-        raise field.get("shape").fail(f"expected at least one layer and one expert per token, got {shape}")
-    experts = decode_routed_experts(
-        data.value, num_layers=layers, top_k=top_k, dtype=dtype, field=data.path, url=data.url
-    )
-    if experts.shape[0] != rows:
-        raise data.fail(f"decodes to {experts.shape[0]} rows but shape says {rows}")
-    return experts, start
 
 
 def _usage(body: Node, completion_tokens: int, prompt_tokens: int) -> Usage:

@@ -274,10 +274,19 @@ def test_routing_lifted_from_the_raw_body_decodes_like_the_parsed_string(where: 
     ("change", "message"),
     [
         (lambda r: r.update(shape=[19, 2, 3]), "not a multiple"),
-        (lambda r: r.update(shape=[19, 4]), r"expected \[tokens, layers, top_k\]"),
+        (lambda r: r.update(shape=[19, 4]), r"expected \[rows, layers, top_k\].* @ \$\.nvext\.engine_data\.routed"),
         (lambda r: r.update(dtype="float32"), "unsupported dtype"),
         (lambda r: r.update(start=12), "after the requested start 10"),
         (lambda r: r.update(data="%%%"), "not valid base64"),
+        (lambda r: r.update(start=-1), r"start must be >= 0, got -1 @ \$\.nvext\.engine_data\.routed_experts\.start"),
+        (
+            lambda r: r.update(dtype=None),
+            r"expected a string, got null @ \$\.nvext\.engine_data\.routed_experts\.dtype",
+        ),
+        (
+            lambda r: r.pop("dtype"),
+            r"it names no dtype: read as uint8\) @ \$\.nvext\.engine_data\.routed_experts\.data",
+        ),
     ],
 )
 def test_bad_routing_records_are_refused(change: Any, message: str) -> None:
@@ -287,6 +296,24 @@ def test_bad_routing_records_are_refused(change: Any, message: str) -> None:
     body, request = with_routing(rec)
     with pytest.raises(ResponseParseError, match=message):
         wire.parse_generation(body, request, URL)
+
+
+@pytest.mark.parametrize("where", ["engine_data", "nvext"])
+@pytest.mark.parametrize("named", [(), ("start",)])
+def test_a_routing_record_naming_no_dtype_decodes_as_uint8_like_the_whole_record(
+    where: str, named: tuple[str, ...]
+) -> None:
+    routing = (np.arange(19 * 2 * 2).reshape(19, 2, 2) % 8).astype(np.uint8)  # 16 prompt + 4 completion - 1
+    whole = record(routing, dtype="uint8")
+    body, request = with_routing(whole, where=where)
+    (expected,) = wire.parse_generation(body, request, URL)
+    body, request = with_routing({key: whole[key] for key in ("data", "shape", *named)}, where=where)
+    (result,) = wire.parse_generation(body, request, URL)
+    assert result.routed_experts is not None and expected.routed_experts is not None
+    assert result.routed_experts.start == expected.routed_experts.start == 10
+    np.testing.assert_array_equal(result.routed_experts.experts, expected.routed_experts.experts)
+    np.testing.assert_array_equal(result.routed_experts.experts, routing[10:])
+    assert result.routed_experts.experts.dtype == np.uint8
 
 
 def test_missing_routing_names_the_worker_flag() -> None:

@@ -430,6 +430,8 @@ def test_routed_experts_as_an_object_decode_from_their_own_start(dtype: str) -> 
         ({"start": 11}, r"10 rows from start 11; the sequence routed from there has 9"),
         ({"data": "not base64!"}, r"routed_experts\.data is not valid base64"),
         ({"start": None}, r"routed_experts\.start"),
+        ({"start": -1}, r"start must be >= 0, got -1 @ \$\.choices\[0\]\.routed_experts\.start"),
+        ({"dtype": None}, r"expected a string, got null @ \$\.choices\[0\]\.routed_experts\.dtype"),
     ],
 )
 def test_a_bad_routed_experts_object_names_the_field_and_the_server(change: dict[str, Any], message: str) -> None:
@@ -441,6 +443,46 @@ def test_a_bad_routed_experts_object_names_the_field_and_the_server(change: dict
     with pytest.raises(ResponseParseError, match=message) as caught:
         wire.parse_generate(body, request, "http://v:8000")
     assert caught.value.url == "http://v:8000" and "from http://v:8000" in str(caught.value)
+
+
+@pytest.mark.parametrize("rows", [10, 20])  # the server honoured the requested start 10, or routed from 0
+@pytest.mark.parametrize("named", [(), ("start",)])
+def test_routed_experts_in_prime_rls_earlier_object_form_decode_like_the_whole_form(
+    rows: int, named: tuple[str, ...]
+) -> None:
+    """prime-rl's vLLM server sent ``{"data", "shape"}`` (uint8), then with ``"start"``, before it named the dtype:
+    the same rows decode to the same array and start as in the whole form, the start read from the row count
+    when the record names none."""
+    body = copy.deepcopy(capture("generate_tokens_logprobs")["response"]["body"])
+    ids = capture("generate_tokens_logprobs")["request"]["body"]["token_ids"]  # 16 prompt + 5 completion
+    routing = (np.arange(rows * 3 * 2).reshape(rows, 3, 2) % 7).astype(np.uint8)
+    request = GenerateRequest(prompt_ids=ids, return_routed_experts=True, routed_experts_start=10)
+    whole = routed_object(routing, start=20 - rows)
+    body["choices"][0]["routed_experts"] = whole
+    (expected,) = wire.parse_generate(body, request, "http://v")
+    body["choices"][0]["routed_experts"] = {key: whole[key] for key in ("data", "shape", *named)}
+    (result,) = wire.parse_generate(body, request, "http://v")
+    assert result.routed_experts is not None and expected.routed_experts is not None
+    assert result.routed_experts.start == expected.routed_experts.start == 10
+    np.testing.assert_array_equal(result.routed_experts.experts, expected.routed_experts.experts)
+    np.testing.assert_array_equal(result.routed_experts.experts, routing[rows - 10 :])
+    assert result.routed_experts.experts.dtype == np.uint8
+
+
+def test_an_int32_payload_naming_no_dtype_is_refused_naming_the_field() -> None:
+    body = copy.deepcopy(capture("generate_tokens_logprobs")["response"]["body"])
+    ids = capture("generate_tokens_logprobs")["request"]["body"]["token_ids"]
+    record = routed_object(np.zeros((10, 3, 2), np.int32), start=10)
+    del record["dtype"]
+    body["choices"][0]["routed_experts"] = record
+    request = GenerateRequest(prompt_ids=ids, return_routed_experts=True, routed_experts_start=10)
+    with pytest.raises(
+        ResponseParseError,
+        match=r"decodes to 40 rows but shape says 10 \(it names no dtype: read as uint8\) "
+        r"@ \$\.choices\[0\]\.routed_experts\.data",
+    ) as caught:
+        wire.parse_generate(body, request, "http://v:8000")
+    assert caught.value.url == "http://v:8000"
 
 
 def test_a_routed_experts_decode_error_names_the_server() -> None:
