@@ -38,6 +38,8 @@ from typing import Any
 import _common as c
 import numpy as np
 
+from backends_core import SamplingParams
+
 SIZES = (4096, 32768)
 
 
@@ -76,7 +78,9 @@ def methods(rows: int, tok: Any) -> tuple[dict[str, Callable[[], np.ndarray]], d
     npy_body = c.generate_body(completion, prompt_tokens=prompt_tokens, routed="npy", rows=rows)
     obj_body = c.generate_body(completion, prompt_tokens=prompt_tokens, routed="object", rows=rows)
     sg_body = sglang_body(completion, rows)
-    request = GenerateRequest(prompt_ids=[1] * prompt_tokens, return_routed_experts=True)
+    request = GenerateRequest(
+        prompt_ids=[1] * prompt_tokens, return_routed_experts=True, sampling=SamplingParams(max_tokens=16)
+    )
     keys = ("routed_experts",)
     start = npy_body.index(b'"routed_experts":"') + len(b'"routed_experts":"')
     text = memoryview(npy_body)[start : npy_body.index(b'"', start)]

@@ -29,6 +29,8 @@ from typing import Any
 
 import _common as c
 
+from backends_core import SamplingParams
+
 
 def status_kb(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -82,6 +84,7 @@ def peer_factory(client: str, url: str, body: str, fx: Any) -> Any:
                     model=c.MODEL,
                     prompt_ids=fx.prompt_ids,
                     sampling_params=sampling,
+                    sampling=SamplingParams(max_tokens=16),
                 )
 
             return call, oc.close

@@ -102,7 +102,16 @@ def test_list_prints_one_json_object_per_backend(capsys) -> None:
     assert main(["list", "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {"reference", "vllm", "sglang", "dynamo"} <= {row["name"] for row in rows}
-    assert all(set(row) == {"name", "distribution", "version", "capabilities", "error"} for row in rows)
+    assert all(set(row) == {"name", "distribution", "version", "capabilities", "parsers", "error"} for row in rows)
+    assert all(row["parsers"] == {"tool": ["hermes"], "reasoning": ["qwen3"]} for row in rows)
+
+
+def test_list_shows_the_parsers_auto_chooses_for_a_tokenizers_template(tiny_models, capsys) -> None:
+    assert main(["list", "--json", "--tokenizer", str(tiny_models.dense)]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {(row["parsers"]["auto_tool"], row["parsers"]["auto_reasoning"]) for row in rows} == {("hermes", "qwen3")}
+    assert main(["list", "--tokenizer", str(tiny_models.dense)]) == 0
+    assert f"(auto for {tiny_models.dense}: tool hermes, reasoning qwen3)" in capsys.readouterr().out
 
 
 def test_json_is_accepted_before_the_verb_too(server, tiny_models, capsys) -> None:

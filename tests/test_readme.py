@@ -255,7 +255,8 @@ def test_the_snippets_that_must_run_are_run() -> None:
         "from backends_core import ClientConfig, SamplingParams, SyncClient",  # synchronous use
         "seen = []\nasync with client.stream(",  # streaming
         "conv = client.conversation(",  # multi-turn
-        'messages = [{"role": "user", "content": "List the files."}]',  # stateless agent loops
+        "sampling = SamplingParams(max_tokens=256)\nmessages = [",  # stateless agent loops
+        "from backends_core import loss_mask\n",  # token spans and loss masks
     ):
         assert any(text.startswith(start) for text in run), start
 

@@ -28,7 +28,7 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
 
 
 def request(**sampling: Any) -> GenerateRequest:
-    return GenerateRequest(prompt_ids=[1, 2, 3], sampling=SamplingParams(**sampling))
+    return GenerateRequest(prompt_ids=[1, 2, 3], sampling=SamplingParams(**{"max_tokens": 16, **sampling}))
 
 
 def features(backend: str, **options: Any) -> frozenset[str]:

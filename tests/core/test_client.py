@@ -72,7 +72,7 @@ def answering(samples: list[dict[str, Any]]) -> FakeServer:
 async def test_generate_round_trip_and_request_recording() -> None:
     fake = answering([{"ids": [5, 6], "lps": [-0.1, -0.2]}])
     async with Client(config(), transport=fake.transport(), plugin=Tiny()) as client:
-        result = await client.generate(prompt_ids=[1, 2, 3], cache_salt="v1")
+        result = await client.generate(prompt_ids=[1, 2, 3], cache_salt="v1", sampling=SamplingParams(max_tokens=16))
     assert result.token_ids == (1, 2, 3, 5, 6)
     assert result.logprobs.dtype == np.float32
     assert result.server == "http://s1"
@@ -93,7 +93,7 @@ async def test_generate_round_trip_and_request_recording() -> None:
 async def test_broken_results_never_reach_the_caller(samples: list[dict[str, Any]], message: str) -> None:
     async with Client(config(), transport=answering(samples).transport(), plugin=Tiny()) as client:
         with pytest.raises(ResponseParseError) as info:
-            await client.generate(prompt_ids=[1])
+            await client.generate(prompt_ids=[1], sampling=SamplingParams(max_tokens=16))
     assert message in str(info.value)
 
 
@@ -122,7 +122,7 @@ async def test_bad_arguments_fail_before_sending(kwargs: dict[str, Any], message
     fake = answering([{"ids": [5], "lps": [-1.0]}])
     async with Client(config(), transport=fake.transport(), plugin=Tiny()) as client:
         with pytest.raises(InvalidRequestError, match=message):
-            await client.generate(**kwargs)
+            await client.generate(**{"sampling": SamplingParams(max_tokens=4), **kwargs})
     assert fake.requests == []
 
 
@@ -139,7 +139,7 @@ async def test_bad_arguments_fail_before_sending(kwargs: dict[str, Any], message
 )
 def test_sampling_params_validate(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidRequestError, match=message):
-        SamplingParams(**kwargs)
+        SamplingParams(**{"max_tokens": 16, **kwargs})
 
 
 async def test_missing_optional_operations_raise_unsupported_before_sending() -> None:
@@ -179,7 +179,7 @@ async def test_backend_options_are_validated_and_passed_to_hooks() -> None:
     async with Client(
         config(backend_options={"path": "/alt"}), transport=fake.transport(), plugin=WithOptions()
     ) as client:
-        assert (await client.generate(prompt_ids=[1])).completion_ids == (9,)
+        assert (await client.generate(prompt_ids=[1], sampling=SamplingParams(max_tokens=16))).completion_ids == (9,)
     with pytest.raises(ConfigError, match="unknown option"):
         Client(config(backend_options={"nope": 1}), plugin=WithOptions())
 
@@ -202,7 +202,7 @@ async def test_cross_cutting_plugins_observe_and_rewrite_requests() -> None:
     async with Client(
         config(), transport=fake.transport(), plugin=Tiny(), plugins=[Metrics(), SaltByVersion()]
     ) as client:
-        await client.generate(prompt_ids=[1, 2])
+        await client.generate(prompt_ids=[1, 2], sampling=SamplingParams(max_tokens=16))
         with pytest.raises(UnsupportedOperationError):
             await client.admin.state()
     assert fake.requests[0].json["salt"] == "weights-v7"
@@ -248,8 +248,8 @@ async def test_requests_spread_over_servers() -> None:
     cfg = config(base_url=["http://s1", "http://s2", "http://s3"])
     async with Client(cfg, transport=httpx.MockTransport(handle), plugin=Tiny()) as client:
         for _ in range(6):
-            await client.generate(prompt_ids=[1])
-        await client.generate(prompt_ids=[1], server="http://s2")
+            await client.generate(prompt_ids=[1], sampling=SamplingParams(max_tokens=16))
+        await client.generate(prompt_ids=[1], server="http://s2", sampling=SamplingParams(max_tokens=16))
     assert sorted(hosts[:6]) == ["s1", "s1", "s2", "s2", "s3", "s3"]
     assert hosts[6] == "s2"
 
@@ -264,7 +264,7 @@ async def test_api_key_and_headers_are_sent(monkeypatch: pytest.MonkeyPatch) -> 
 
     cfg = config(api_key_var="INFER_KEY", headers={"x-run": "42"})
     async with Client(cfg, transport=httpx.MockTransport(handle), plugin=Tiny()) as client:
-        await client.generate(prompt_ids=[1])
+        await client.generate(prompt_ids=[1], sampling=SamplingParams(max_tokens=16))
     assert seen[0]["authorization"] == "Bearer sk-1" and seen[0]["x-run"] == "42"
 
 

@@ -150,9 +150,9 @@ async def scripted_client(tiny_models):
 
 async def test_each_reply_is_recorded_as_the_parse_of_its_completion(scripted_client: Client) -> None:
     conv = scripted_client.conversation(tools=TOOLS)
-    first = await conv.send([{"role": "user", "content": "list the files"}])
-    second = await conv.send([{"role": "tool", "content": "a.py b.py"}])
-    await conv.send([{"role": "user", "content": "thanks"}])
+    first = await conv.send([{"role": "user", "content": "list the files"}], sampling=SamplingParams(max_tokens=16))
+    second = await conv.send([{"role": "tool", "content": "a.py b.py"}], sampling=SamplingParams(max_tokens=16))
+    await conv.send([{"role": "user", "content": "thanks"}], sampling=SamplingParams(max_tokens=16))
     assert conv.messages[1] == scripted_client.parse_completion(first)
     assert conv.messages[1]["reasoning_content"] == "the user wants files" and conv.messages[1]["content"] == ""
     assert conv.messages[1]["tool_calls"][0]["function"] == {"name": "ls", "arguments": '{"path": "src"}'}
@@ -170,13 +170,17 @@ async def test_each_reply_is_recorded_as_the_parse_of_its_completion(scripted_cl
 
 async def test_an_assistant_message_given_for_the_previous_turn_must_be_its_parse(scripted_client: Client) -> None:
     conv = scripted_client.conversation(tools=TOOLS)
-    first = await conv.send([{"role": "user", "content": "list the files"}])
+    first = await conv.send([{"role": "user", "content": "list the files"}], sampling=SamplingParams(max_tokens=16))
     edited = {**scripted_client.parse_completion(first), "reasoning_content": "something else"}
     with pytest.raises(BridgeError) as info:
-        await conv.send([{"role": "tool", "content": "a.py"}], assistant_message=edited)
+        await conv.send(
+            [{"role": "tool", "content": "a.py"}], assistant_message=edited, sampling=SamplingParams(max_tokens=16)
+        )
     assert info.value.reason == "assistant_mismatch" and "reasoning_content" in str(info.value)
     assert scripted_client.bridge_stats.failures == {"assistant_mismatch": 1}
     same = {**scripted_client.parse_completion(first), "reasoning_content": "the user wants files"}
     same["tool_calls"] = [{**call, "id": "mine"} for call in same["tool_calls"]]  # call ids are the caller's
-    second = await conv.send([{"role": "tool", "content": "a.py"}], assistant_message=same)
+    second = await conv.send(
+        [{"role": "tool", "content": "a.py"}], assistant_message=same, sampling=SamplingParams(max_tokens=16)
+    )
     assert second.prompt_ids[: len(first.token_ids)] == first.token_ids

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from backends_core import Client, ClientConfig
+from backends_core import Client, ClientConfig, SamplingParams
 
 FRONTEND = "http://frontend.test:8000"
 WORKERS = ["http://w1.test:8081", "http://w2.test:8081"]
@@ -30,7 +30,7 @@ async def exercise(config: ClientConfig) -> dict[str, set[str | None]]:
         await client.admin.outcomes().state()
         await client.admin.outcomes().flush_cache()
         with pytest.raises(Exception):  # noqa: B017,PT011 - only the headers matter here
-            await client.generate(prompt_ids=[1, 2])
+            await client.generate(prompt_ids=[1, 2], sampling=SamplingParams(max_tokens=16))
     return seen
 
 

@@ -125,12 +125,14 @@ async def test_a_joining_server_gets_no_generation_until_it_is_on_the_fleets_wei
         assert [(m.url, m.state) for m in client.fleet.members()][-1] == ("http://s2", "joining")
         assert await some_generations(client) == {"http://s0", "http://s1"}
         with pytest.raises(InvalidRequestError, match="joining"):
-            await client.generate(prompt_ids=[1, 2], server="http://s2")
+            await client.generate(prompt_ids=[1, 2], server="http://s2", sampling=SamplingParams(max_tokens=16))
         assert "http://s2" not in client.base_urls
         release.set()
         member = await joining
         assert member.state == "serving" and member.error is None
-        pinned = await client.generate(prompt_ids=[1, 2], server="http://s2", lora="a")
+        pinned = await client.generate(
+            prompt_ids=[1, 2], server="http://s2", lora="a", sampling=SamplingParams(max_tokens=16)
+        )
         assert "http://s2" in await some_generations(client)
     engine = servers.emulators["s2"].engine
     assert engine.weight_version == "v1" and "a" in engine.loras
@@ -189,7 +191,7 @@ async def test_a_failed_catch_up_keeps_the_server_out_counted_reported_and_retri
         broken["on"] = False
         await client.fleet.refresh()
         assert [m.state for m in client.fleet.members()] == ["serving"] * 3
-        caught_up = await client.generate(prompt_ids=[1, 2], server="http://s2")
+        caught_up = await client.generate(prompt_ids=[1, 2], server="http://s2", sampling=SamplingParams(max_tokens=16))
     assert caught_up.weight_version == "v3"
     catch_ups = [e for e in observer.events if e.operation == "catch_up"]
     assert [e.ok for e in catch_ups] == [False, False, True]
@@ -303,7 +305,7 @@ async def test_membership_errors_are_clear(servers, tiny_models) -> None:
         with pytest.raises(MembershipError, match="last server serving"):
             await client.fleet.remove("http://s0")
         with pytest.raises(InvalidRequestError, match="left the fleet"):
-            await client.generate(prompt_ids=[1, 2], server="http://s1")
+            await client.generate(prompt_ids=[1, 2], server="http://s1", sampling=SamplingParams(max_tokens=16))
         await client.fleet.add("http://s1")  # back, as a new member
         assert client.base_urls == ["http://s0", "http://s1"]
         assert await some_generations(client) == {"http://s0", "http://s1"}

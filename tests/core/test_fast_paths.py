@@ -273,15 +273,15 @@ def test_token_id_check_decides_like_an_item_by_item_check(items: list[object]) 
 
 def test_a_request_keeps_the_callers_tuple_of_ints_and_converts_other_sequences() -> None:
     ids = (5, 6, 7)
-    assert GenerateRequest(prompt_ids=ids).prompt_ids is ids
-    assert GenerateRequest(prompt_ids=[5, 6, 7]).prompt_ids == ids
-    converted = GenerateRequest(prompt_ids=np.array([5, 6, 7])).prompt_ids
+    assert GenerateRequest(prompt_ids=ids, sampling=SamplingParams(max_tokens=16)).prompt_ids is ids
+    assert GenerateRequest(prompt_ids=[5, 6, 7], sampling=SamplingParams(max_tokens=16)).prompt_ids == ids
+    converted = GenerateRequest(prompt_ids=np.array([5, 6, 7]), sampling=SamplingParams(max_tokens=16)).prompt_ids
     assert converted == ids and all(type(t) is int for t in converted)
     for bad in ("567", b"567", {5: 1}, 5, None):
         with pytest.raises(InvalidRequestError, match="sequence of ints"):
-            GenerateRequest(prompt_ids=bad)  # type: ignore[arg-type]
+            GenerateRequest(prompt_ids=bad, sampling=SamplingParams(max_tokens=16))  # type: ignore[arg-type]
     with pytest.raises(InvalidRequestError, match="item 1 is True"):
-        GenerateRequest(prompt_ids=[5, True])
+        GenerateRequest(prompt_ids=[5, True], sampling=SamplingParams(max_tokens=16))
 
 
 def test_a_salted_request_equals_the_evolved_one_in_every_field() -> None:

@@ -146,7 +146,7 @@ async def test_a_request_that_may_have_reached_the_engine_is_reported_not_resent
     handlers = {h: reset_mid_request for h in HOSTS}
     async with Client(config(tiny_models), transport=routed(handlers)) as client:
         with pytest.raises(NetworkError) as info:
-            await client.generate(prompt_ids=[1, 2, 3])
+            await client.generate(prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=16))
     assert info.value.maybe_processed
     assert len(calls) == 1
 
@@ -159,7 +159,7 @@ async def test_sessions_stick_and_carry_the_session_header(fleet, tiny_models) -
         turns = [await conv.send([{"role": "user", "content": "hi"}], sampling=sampling)]
         for text in ("again", "more"):
             turns.append(await conv.send([{"role": "user", "content": text}], sampling=sampling))
-        lone = await client.generate(prompt_ids=[5, 6], session="trajectory-7")
+        lone = await client.generate(prompt_ids=[5, 6], session="trajectory-7", sampling=SamplingParams(max_tokens=16))
     assert len({t.server for t in turns}) == 1
     generate_calls = [r for r in seen if r.url.path == "/generate"]
     assert {r.headers["x-session-id"] for r in generate_calls[:3]} == {conv.session}
@@ -176,11 +176,11 @@ async def test_cache_salt_follows_the_weight_version_this_client_set(fleet, tiny
 
     seen: list[httpx.Request] = []
     async with Client(config(tiny_models), transport=routed({h: e.handle for h, e in fleet.items()}, seen)) as client:
-        await client.generate(prompt_ids=[1, 2], server=0)
+        await client.generate(prompt_ids=[1, 2], server=0, sampling=SamplingParams(max_tokens=16))
         new = write_perturbed_weights(tiny_models.dense, tmp_path / "w1", seed=3, scale=0.1)
         await client.admin.update_weights(str(new), version="step-9")
-        await client.generate(prompt_ids=[1, 2], server=0)
-        await client.generate(prompt_ids=[1, 2], cache_salt="mine")
+        await client.generate(prompt_ids=[1, 2], server=0, sampling=SamplingParams(max_tokens=16))
+        await client.generate(prompt_ids=[1, 2], cache_salt="mine", sampling=SamplingParams(max_tokens=16))
     assert salts(seen) == [None, "weights:step-9", "mine"]
 
 
@@ -197,13 +197,17 @@ async def test_a_separate_rollout_client_salts_with_the_version_the_server_repor
         Client(config(tiny_models), transport=transport) as trainer,
         Client(config(tiny_models), transport=routed({h: e.handle for h, e in fleet.items()}, seen)) as rollout,
     ):
-        await rollout.generate(prompt_ids=[1, 2], server=0)  # its answer reports the start-up version
-        await rollout.generate(prompt_ids=[1, 2], server=0)
+        await rollout.generate(
+            prompt_ids=[1, 2], server=0, sampling=SamplingParams(max_tokens=16)
+        )  # its answer reports the start-up version
+        await rollout.generate(prompt_ids=[1, 2], server=0, sampling=SamplingParams(max_tokens=16))
         await trainer.admin.weight_sync(path=str(new), version="v1", mode="keep")
-        await rollout.generate(prompt_ids=[1, 2], server=0)  # answered on v1: a version-mismatch answer
-        await rollout.generate(prompt_ids=[1, 2], server=0)
+        await rollout.generate(
+            prompt_ids=[1, 2], server=0, sampling=SamplingParams(max_tokens=16)
+        )  # answered on v1: a version-mismatch answer
+        await rollout.generate(prompt_ids=[1, 2], server=0, sampling=SamplingParams(max_tokens=16))
         await rollout.admin.state()  # a state check refreshes every server
-        await rollout.generate(prompt_ids=[1, 2], server=1)
+        await rollout.generate(prompt_ids=[1, 2], server=1, sampling=SamplingParams(max_tokens=16))
     start = salts(seen)[1]
     assert start is not None and start.startswith("weights:") and start != "weights:v1"
     assert salts(seen) == [None, start, start, "weights:v1", "weights:v1"]
@@ -215,10 +219,10 @@ async def test_a_hot_swapped_adapter_never_reuses_prefix_blocks_of_the_old_one(f
     seen: list[httpx.Request] = []
     async with Client(config(tiny_models), transport=routed({h: e.handle for h, e in fleet.items()}, seen)) as client:
         await client.admin.load_lora(LoraAdapter(name="a", path=str(tiny_models.lora)))
-        await client.generate(prompt_ids=[1, 2], lora="a", server=0)
+        await client.generate(prompt_ids=[1, 2], lora="a", server=0, sampling=SamplingParams(max_tokens=16))
         await client.admin.load_lora(LoraAdapter(name="a", path=str(tiny_models.lora), replace=True))
-        await client.generate(prompt_ids=[1, 2], lora="a", server=0)
-        await client.generate(prompt_ids=[1, 2], server=0)
+        await client.generate(prompt_ids=[1, 2], lora="a", server=0, sampling=SamplingParams(max_tokens=16))
+        await client.generate(prompt_ids=[1, 2], server=0, sampling=SamplingParams(max_tokens=16))
         await client.admin.unload_lora("a")
     paths = [r.url.path for r in seen]
     swap = paths.index("/lora/load", paths.index("/lora/load") + len(HOSTS))
@@ -248,25 +252,29 @@ async def test_a_server_back_with_other_weights_gets_no_requests_until_it_is_cau
         client.balancer._clock = clock
         await client.admin.update_weights(str(new), version="v6")
         down["s1"] = True
-        await client.generate(prompt_ids=[1, 2], server=None, session=None)  # s1 refuses if picked
+        await client.generate(
+            prompt_ids=[1, 2], server=None, session=None, sampling=SamplingParams(max_tokens=16)
+        )  # s1 refuses if picked
         with pytest.raises(NetworkError):
-            await client.generate(prompt_ids=[1, 2], server=1)
+            await client.generate(prompt_ids=[1, 2], server=1, sampling=SamplingParams(max_tokens=16))
         fleet["s1"].engine.load_weights(str(tiny_models.dense), weight_version="default")  # restarted
         down["s1"] = False
         clock.now += 10  # the cooldown is over
         with pytest.raises(StaleServerError, match="'default' but the fleet is on 'v6'"):
-            await client.generate(prompt_ids=[1, 2], server=1)
+            await client.generate(prompt_ids=[1, 2], server=1, sampling=SamplingParams(max_tokens=16))
         seen.clear()
-        results = [await client.generate(prompt_ids=[1, 2]) for _ in range(6)]
+        results = [await client.generate(prompt_ids=[1, 2], sampling=SamplingParams(max_tokens=16)) for _ in range(6)]
         await client.admin.state()  # a state check reads its version but does not vouch for it
         clock.now += 10  # out of the cooldown again: many requests at once, one version check
-        results += await asyncio.gather(*(client.generate(prompt_ids=[1, 2]) for _ in range(6)))
+        results += await asyncio.gather(
+            *(client.generate(prompt_ids=[1, 2], sampling=SamplingParams(max_tokens=16)) for _ in range(6))
+        )
         assert {r.server for r in results} == {"http://s0", "http://s2"}
         assert not [r for r in seen if r.url.host == "s1" and r.url.path == "/generate"]
         assert client.balancer.healthy() == [True, False, True]
         await client.admin.outcomes([client.servers[1]]).update_weights(str(new), version="v6")
         clock.now += 10
-        caught_up = await client.generate(prompt_ids=[1, 2], server=1)
+        caught_up = await client.generate(prompt_ids=[1, 2], server=1, sampling=SamplingParams(max_tokens=16))
     assert caught_up.server == "http://s1" and caught_up.weight_version == "v6"
 
 
@@ -506,12 +514,14 @@ async def test_after_an_update_that_failed_on_one_server_that_server_is_kept_out
             await client.admin.update_weights(str(new), version="v7")
         assert client.weight_version is None
         with pytest.raises(StaleServerError, match=r"http://s1 serves weight version .* but the fleet is on 'v7'"):
-            await client.generate(prompt_ids=[1, 2], server=1)
-        results = [await client.generate(prompt_ids=[1, 2]) for _ in range(4)]
+            await client.generate(prompt_ids=[1, 2], server=1, sampling=SamplingParams(max_tokens=16))
+        results = [await client.generate(prompt_ids=[1, 2], sampling=SamplingParams(max_tokens=16)) for _ in range(4)]
         assert {r.server for r in results} == {"http://s0", "http://s2"}
         disk_full[0] = False
         await client.admin.update_weights(str(new), version="v7")  # retried: now everywhere
-        assert (await client.generate(prompt_ids=[1, 2], server=1)).weight_version == "v7"
+        assert (
+            await client.generate(prompt_ids=[1, 2], server=1, sampling=SamplingParams(max_tokens=16))
+        ).weight_version == "v7"
 
 
 async def test_weight_sync_updates_every_server_before_any_flushes_and_each_resumes_after_its_own_flush(

@@ -48,7 +48,7 @@ async def admin_resume(server):
 
 SCRIPT = """
 import asyncio, httpx
-from backends_core import Client, ClientConfig, available_backends
+from backends_core import Client, ClientConfig, SamplingParams, available_backends
 
 info = {b.name: b for b in available_backends()}["throwaway"]
 print("listed", info.distribution, info.version)
@@ -56,7 +56,7 @@ print("listed", info.distribution, info.version)
 async def main():
     transport = httpx.MockTransport(lambda r: httpx.Response(200, json={"out": [4, 2], "lp": [-1.0, -2.0]}))
     async with Client(ClientConfig(backend="throwaway", base_url="http://x"), transport=transport) as client:
-        result = await client.generate(prompt_ids=[1])
+        result = await client.generate(prompt_ids=[1], sampling=SamplingParams(max_tokens=2))
         print("generated", list(result.completion_ids), sorted(client.capabilities))
 
 asyncio.run(main())

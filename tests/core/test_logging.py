@@ -143,10 +143,14 @@ async def test_failover_and_cooldown_are_logged_with_the_server_and_request(flee
             for i in range(3):  # the first pick is s0: it refuses, the request goes elsewhere
                 await client.generate(prompt_ids=[1, 2], sampling=SamplingParams(max_tokens=2), request_id=f"r{i}")
             with pytest.raises(NetworkError):
-                await client.generate(prompt_ids=[1, 2], server=0, request_id="pinned")
+                await client.generate(
+                    prompt_ids=[1, 2], server=0, request_id="pinned", sampling=SamplingParams(max_tokens=16)
+                )
             down["s0"] = False
             clock.now += 5.0
-            await client.generate(prompt_ids=[1, 2], server=0, request_id="probe")
+            await client.generate(
+                prompt_ids=[1, 2], server=0, request_id="probe", sampling=SamplingParams(max_tokens=16)
+            )
     assert lines(caplog, "backends_core.balancer") == [
         (
             logging.WARNING,

@@ -13,6 +13,7 @@ from backends_core import (
     BackendLoadError,
     BackendNotFoundError,
     BackendValidationError,
+    SamplingParams,
     available_backends,
     hookimpl,
 )
@@ -85,7 +86,7 @@ async def test_a_third_party_backend_runs_end_to_end_through_its_entry_point(sit
     install_distribution(site, "backends-acme", {"acme": "throwaway_acme"}, {"throwaway_acme": GOOD_BACKEND})
     transport = httpx.MockTransport(lambda r: httpx.Response(200, json={"ids": [7, 8], "lps": [-0.5, -1.5]}))
     async with Client(ClientConfig(backend="acme", base_url="http://acme"), transport=transport) as client:
-        result = await client.generate(prompt_ids=[1, 2, 3])
+        result = await client.generate(prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=16))
         assert result.completion_ids == (7, 8)
         assert result.logprobs.tolist() == [-0.5, -1.5]
         assert client.capabilities == {"admin_health"}

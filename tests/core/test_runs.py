@@ -56,7 +56,7 @@ def test_a_rows_sampling_overrides_the_command_line_and_reads_json_shapes() -> N
     assert sampling.max_tokens == 8 and sampling.temperature == 0
     assert sampling.stop == ("END",) and sampling.logit_bias == {7: -100.0} and sampling.stop_token_ids == (3,)
     assert sampling.structured == Choice(["yes", "no"])
-    schema = sampling_from_row({"structured": {"json_schema": {"type": "object"}}}, {})
+    schema = sampling_from_row({"structured": {"json_schema": {"type": "object"}}}, {"max_tokens": 8})
     assert schema.structured == JsonSchema({"type": "object"})
 
 

@@ -64,7 +64,7 @@ def test_new_fields_are_normalised() -> None:
 )
 def test_bad_values_are_refused_with_the_field_named(fields: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidRequestError, match=message):
-        SamplingParams(**fields)
+        SamplingParams(**{"max_tokens": 16, **fields})
 
 
 def test_structured_kinds_validate_their_content() -> None:
@@ -82,7 +82,7 @@ def test_structured_kinds_validate_their_content() -> None:
 
 def test_a_request_never_carries_unresolved_stop_ids() -> None:
     assert SamplingParams(max_tokens=16).stop_token_ids is None
-    assert GenerateRequest(prompt_ids=[1]).sampling.stop_token_ids == ()
+    assert GenerateRequest(prompt_ids=[1], sampling=SamplingParams(max_tokens=16)).sampling.stop_token_ids == ()
     assert GenerateRequest(
         prompt_ids=[1], sampling=SamplingParams(max_tokens=16, stop_token_ids=[9])
     ).sampling.stop_token_ids == (9,)

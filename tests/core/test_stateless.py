@@ -120,7 +120,7 @@ async def scripted(tiny_models):
 async def test_benign_differences_between_turns_do_not_break_reuse(scripted) -> None:
     client = await scripted(LS_CALL, "two files<|im_end|>", "ok<|im_end|>")
     first_msgs = [{"role": "user", "content": "call ls", "name": None}]
-    first = await client.generate(messages=first_msgs, tools=TOOLS, session="s")
+    first = await client.generate(messages=first_msgs, tools=TOOLS, session="s", sampling=SamplingParams(max_tokens=16))
     parsed = client.parse_completion(first)
     assert parsed["tool_calls"][0]["function"] == {"name": "ls", "arguments": '{"path": "src", "all": true}'}
     call = {"type": "function", "function": {"name": "ls", "arguments": '{"path":  "src",  "all": true}'}}
@@ -130,7 +130,9 @@ async def test_benign_differences_between_turns_do_not_break_reuse(scripted) -> 
         PydanticLike(role="assistant", content=None, tool_calls=[call]),
         {"role": "tool", "content": "a.py"},
     ]
-    second = await client.generate(messages=second_msgs, tools=TOOLS, session="s")
+    second = await client.generate(
+        messages=second_msgs, tools=TOOLS, session="s", sampling=SamplingParams(max_tokens=16)
+    )
     assert second.prompt_ids[: len(first.token_ids)] == first.token_ids
     call_respaced = {"type": "function", "function": {"name": "ls", "arguments": {"all": True, "path": "src"}}}
     third_msgs = [
@@ -140,7 +142,7 @@ async def test_benign_differences_between_turns_do_not_break_reuse(scripted) -> 
         reply(client, second),
         {"role": "user", "content": "thanks"},
     ]
-    third = await client.generate(messages=third_msgs, tools=TOOLS, session="s")
+    third = await client.generate(messages=third_msgs, tools=TOOLS, session="s", sampling=SamplingParams(max_tokens=16))
     assert third.prompt_ids[: len(second.token_ids)] == second.token_ids
     assert client.bridge_stats.successes == 2
 
@@ -148,18 +150,25 @@ async def test_benign_differences_between_turns_do_not_break_reuse(scripted) -> 
 async def test_a_reply_that_is_not_the_parse_of_the_reused_completion_is_a_counted_break(scripted) -> None:
     client = await scripted(LS_CALL, "unused<|im_end|>")
     messages: list = [{"role": "user", "content": "list files"}]
-    first = await client.generate(messages=messages, tools=TOOLS, session="s")
+    first = await client.generate(messages=messages, tools=TOOLS, session="s", sampling=SamplingParams(max_tokens=16))
     edited = client.parse_completion(first)
     edited["tool_calls"][0]["function"]["arguments"] = '{"path": "lib", "all": true}'  # not what was sampled
     with pytest.raises(BridgeError) as info:
         await client.generate(
-            messages=[*messages, edited, {"role": "tool", "content": "a.py"}], tools=TOOLS, session="s"
+            messages=[*messages, edited, {"role": "tool", "content": "a.py"}],
+            tools=TOOLS,
+            session="s",
+            sampling=SamplingParams(max_tokens=16),
         )
     assert info.value.reason == "assistant_mismatch" and "tool_calls" in str(info.value)
     assert client.bridge_stats.failures == {"assistant_mismatch": 1} and client.bridge_stats.successes == 0
     as_text = {"role": "assistant", "content": client.tokenizer.decode(list(first.completion_ids))}
     with pytest.raises(BridgeError) as info:  # the raw text of a completion with a tool call is not its parse
-        await client.generate(messages=[*messages, as_text, {"role": "tool", "content": "a.py"}], session="s")
+        await client.generate(
+            messages=[*messages, as_text, {"role": "tool", "content": "a.py"}],
+            session="s",
+            sampling=SamplingParams(max_tokens=16),
+        )
     assert info.value.reason == "assistant_mismatch"
     assert client.bridge_stats.failures == {"assistant_mismatch": 2}
 
@@ -167,11 +176,13 @@ async def test_a_reply_that_is_not_the_parse_of_the_reused_completion_is_a_count
 async def test_a_mismatched_reply_is_rerendered_only_when_the_caller_chose_so_and_counted(scripted, caplog) -> None:
     client = await scripted(LS_CALL, "done<|im_end|>", on_break="rerender")
     messages: list = [{"role": "user", "content": "list files"}]
-    first = await client.generate(messages=messages, tools=TOOLS, session="s")
+    first = await client.generate(messages=messages, tools=TOOLS, session="s", sampling=SamplingParams(max_tokens=16))
     edited = {**client.parse_completion(first), "content": "let me look"}
     messages += [edited, {"role": "tool", "content": "a.py"}]
     with caplog.at_level(logging.WARNING, logger="backends_core.multiturn"):
-        second = await client.generate(messages=messages, tools=TOOLS, session="s")
+        second = await client.generate(
+            messages=messages, tools=TOOLS, session="s", sampling=SamplingParams(max_tokens=16)
+        )
     assert list(second.prompt_ids) == client.render(messages, tools=TOOLS)  # the edited reply, rendered in full
     assert second.prompt_ids[: len(first.token_ids)] != first.token_ids
     assert client.bridge_stats.rerendered == 1 and client.bridge_stats.failures == {"assistant_mismatch": 1}
@@ -184,11 +195,11 @@ async def test_rewritten_history_raises_by_default_with_the_reason(make_client) 
     first = await client.generate(messages=msgs, sampling=SamplingParams(max_tokens=4), session="s")
     folded = [{"role": "user", "content": "summary of earlier work"}, {"role": "user", "content": "go on"}]
     with pytest.raises(BridgeError) as info:
-        await client.generate(messages=folded, session="s")
+        await client.generate(messages=folded, session="s", sampling=SamplingParams(max_tokens=16))
     assert info.value.reason == "no_prefix"
     rewritten = [*msgs, reply(client, first), {"role": "assistant", "content": "injected"}]
     with pytest.raises(BridgeError) as info:
-        await client.generate(messages=rewritten, session="s")
+        await client.generate(messages=rewritten, session="s", sampling=SamplingParams(max_tokens=16))
     assert info.value.reason == "history_rewritten"
     assert client.bridge_stats.failures == {"no_prefix": 1, "history_rewritten": 1}
 
@@ -264,19 +275,19 @@ async def test_a_history_edited_in_place_is_still_a_break(make_client) -> None:
 async def test_a_tool_call_edited_in_place_deep_in_the_history_is_still_a_break(scripted) -> None:
     client = await scripted(LS_CALL, "two files<|im_end|>", "unused<|im_end|>", "welcome<|im_end|>")
     messages: list = [{"role": "user", "content": "list files"}]
-    first = await client.generate(messages=messages, tools=TOOLS, session="s")
+    first = await client.generate(messages=messages, tools=TOOLS, session="s", sampling=SamplingParams(max_tokens=16))
     call = client.parse_completion(first)
     messages += [call, {"role": "tool", "content": "a.py"}]
-    second = await client.generate(messages=messages, tools=TOOLS, session="s")
+    second = await client.generate(messages=messages, tools=TOOLS, session="s", sampling=SamplingParams(max_tokens=16))
     messages += [reply(client, second), {"role": "user", "content": "thanks"}]
     function = call["tool_calls"][0]["function"]
     function["arguments"] = function["arguments"].replace("src", "lib")  # in place, in an object already sent
     with pytest.raises(BridgeError) as info:
-        await client.generate(messages=messages, tools=TOOLS, session="s")
+        await client.generate(messages=messages, tools=TOOLS, session="s", sampling=SamplingParams(max_tokens=16))
     # only turn 1 is still a prefix, and the (edited) tool call after it is not the parse of its completion
     assert info.value.reason == "assistant_mismatch"
     function["arguments"] = function["arguments"].replace("lib", "src")
-    third = await client.generate(messages=messages, tools=TOOLS, session="s")
+    third = await client.generate(messages=messages, tools=TOOLS, session="s", sampling=SamplingParams(max_tokens=16))
     assert third.prompt_ids[: len(second.token_ids)] == second.token_ids
 
 

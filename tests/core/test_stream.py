@@ -79,7 +79,7 @@ async def _collect(server: Server, into: list[bytes]) -> None:
 
 
 async def _deltas(client: Client, into: list[tuple[int, ...]]) -> None:
-    async with client.stream(prompt_ids=PROMPT) as stream:
+    async with client.stream(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=16)) as stream:
         async for delta in stream:
             into.append(delta.completion_ids)
 
@@ -281,7 +281,9 @@ async def test_bad_input_is_refused_before_anything_is_sent(engine: ReferenceEng
         with pytest.raises(InvalidRequestError, match="n = 2"):
             client.stream(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=16, n=2))
         with pytest.raises(InvalidRequestError, match="exactly one"):
-            client.stream(prompt_ids=PROMPT, messages=[{"role": "user", "content": "hi"}])
+            client.stream(
+                prompt_ids=PROMPT, messages=[{"role": "user", "content": "hi"}], sampling=SamplingParams(max_tokens=16)
+            )
     assert sent == []
 
 

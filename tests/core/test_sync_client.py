@@ -149,7 +149,7 @@ def test_calls_from_eight_threads_are_in_flight_on_the_server_together(client: S
 
 def test_errors_come_back_unchanged(client: SyncClient, server: VllmServer) -> None:
     with pytest.raises(InvalidRequestError, match="exactly one of messages= or prompt_ids="):
-        client.generate(messages=HELLO, prompt_ids=[1, 2])
+        client.generate(messages=HELLO, prompt_ids=[1, 2], sampling=SamplingParams(max_tokens=16))
     with pytest.raises(InvalidRequestError, match="pause mode"):
         client.admin.pause(mode="later")  # type: ignore[arg-type]
 

@@ -104,7 +104,12 @@ def test_vllm_generate_parser(raw) -> None:
 @SETTINGS
 @given(raw=mutated(GENERATE_CAPTURE) | json_values)
 def test_vllm_generate_parser_with_routed_experts(raw) -> None:
-    request = GenerateRequest(prompt_ids=GEN_REQUEST.prompt_ids, return_routed_experts=True, routed_experts_start=3)
+    request = GenerateRequest(
+        prompt_ids=GEN_REQUEST.prompt_ids,
+        return_routed_experts=True,
+        routed_experts_start=3,
+        sampling=SamplingParams(max_tokens=16),
+    )
     for result in parse_or_refuse(lambda r: vllm_wire.parse_generate(r, request, "http://v"), raw):
         check_result(result, where="fuzz", url=None)
 

@@ -12,7 +12,16 @@ import httpx
 import numpy as np
 import pytest
 
-from backends_core import Client, ClientConfig, GenerateResult, RequestError, ResponseParseError, RetryPolicy, hookimpl
+from backends_core import (
+    Client,
+    ClientConfig,
+    GenerateResult,
+    RequestError,
+    ResponseParseError,
+    RetryPolicy,
+    SamplingParams,
+    hookimpl,
+)
 from backends_testkit.faults import Fault, FaultyTransport
 
 N_REQUESTS = 10_000
@@ -71,7 +80,9 @@ async def test_ten_thousand_requests_with_one_percent_faults() -> None:
             rid = f"req-{i}"
             async with limit:
                 try:
-                    result = await client.generate(prompt_ids=[1, 2], request_id=rid)
+                    result = await client.generate(
+                        prompt_ids=[1, 2], request_id=rid, sampling=SamplingParams(max_tokens=16)
+                    )
                 except (RequestError, ResponseParseError) as exc:
                     outcomes[rid] = type(exc).__name__
                     return

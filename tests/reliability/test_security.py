@@ -9,7 +9,16 @@ import subprocess
 import httpx
 import pytest
 
-from backends_core import AdminError, Client, ClientConfig, ConfigError, NetworkError, RetryPolicy, ServerStatusError
+from backends_core import (
+    AdminError,
+    Client,
+    ClientConfig,
+    ConfigError,
+    NetworkError,
+    RetryPolicy,
+    SamplingParams,
+    ServerStatusError,
+)
 from backends_core.cli import main
 from backends_testkit.engine import ReferenceEngine
 from backends_testkit.http_server import serve
@@ -34,7 +43,7 @@ async def test_the_api_key_is_sent_but_never_logged_shown_or_put_in_errors(monke
     errors: list[BaseException] = []
     with caplog.at_level(logging.DEBUG):
         async with Client(config, transport=httpx.MockTransport(handle)) as client:
-            await client.generate(prompt_ids=[1, 2, 3])
+            await client.generate(prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=16))
             try:
                 await client.admin.pause()
             except AdminError as exc:

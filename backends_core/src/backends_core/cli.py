@@ -48,6 +48,8 @@ from backends_core.errors import (
     ConfigError,
     InvalidRequestError,
 )
+from backends_core.multiturn.rendering import load_tokenizer
+from backends_core.parsing import AUTO, chosen_parser, merge_parsers
 from backends_core.plugins import available_backends, implemented_hooks, make_plugin_manager
 from backends_core.types import LoraAdapter, SamplingParams
 
@@ -78,13 +80,22 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 
 
 def _list(args: argparse.Namespace) -> int:
+    template = None
+    if args.tokenizer is not None:  # a bad directory is a ConfigError naming it, before anything is listed
+        template = getattr(load_tokenizer(args.tokenizer), "chat_template", None) or ""
     rows: list[dict[str, Any]] = []
     for info in available_backends():
+        parsers: dict[str, Any] = {}
         try:
             pm = make_plugin_manager(info.name)
             caps = sorted(implemented_hooks(pm, pm.get_plugin(info.name)) & CAPABILITY_HOOKS)
+            for kind, found in (("tool", pm.hook.tool_parsers()), ("reasoning", pm.hook.reasoning_parsers())):
+                installed = merge_parsers(kind, found)
+                parsers[kind] = sorted(installed)
+                if template is not None:
+                    parsers[f"auto_{kind}"] = chosen_parser(kind, AUTO, installed, template)
             error = None
-        except BackendError as exc:
+        except (BackendError, ConfigError) as exc:
             caps, error = [], str(exc)
         rows.append(
             {
@@ -92,6 +103,7 @@ def _list(args: argparse.Namespace) -> int:
                 "distribution": info.distribution,
                 "version": info.version,
                 "capabilities": caps,
+                "parsers": parsers,
                 "error": error,
             }
         )
@@ -103,11 +115,17 @@ def _list(args: argparse.Namespace) -> int:
         print('no backends installed; try: pip install "backends[vllm]"')
     for row in rows:
         print(f"{row['name']:<12} {row['distribution']} {row['version']}")
-        print(
-            f"  error: {row['error']}"
-            if row["error"]
-            else "  capabilities: " + (", ".join(row["capabilities"]) or "(generate only)")
+        if row["error"]:
+            print(f"  error: {row['error']}")
+            continue
+        print("  capabilities: " + (", ".join(row["capabilities"]) or "(generate only)"))
+        parsers = row["parsers"]
+        line = (
+            f"  parsers: tool {', '.join(parsers['tool']) or '-'}; reasoning {', '.join(parsers['reasoning']) or '-'}"
         )
+        if template is not None:
+            line += f" (auto for {args.tokenizer}: tool {parsers['auto_tool']}, reasoning {parsers['auto_reasoning']})"
+        print(line)
     return EXIT_OK
 
 
@@ -476,7 +494,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_level_flag(parser, verb=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("list", help="installed backends with version and capabilities")
+    p = sub.add_parser("list", help="installed backends with version, capabilities and parsers")
+    p.add_argument(
+        "--tokenizer", help="a local tokenizer directory: also show the parsers 'auto' chooses for its chat template"
+    )
     add_json_flag(p)
     p.set_defaults(func=_list)
 

@@ -32,7 +32,7 @@ from backends_core.fleet import Admin, ServedVersions
 from backends_core.fronts import Front, FrontFleet
 from backends_core.membership import Fleet
 from backends_core.multiturn import BridgeStats, Conversation
-from backends_core.multiturn.extension import Extension, end_of_turn_stop_ids
+from backends_core.multiturn.extension import Extension, end_of_turn_ids, end_of_turn_stop_ids
 from backends_core.multiturn.messages import as_plain, check_content_parts, normal_forms, normalize_messages
 from backends_core.multiturn.prefix_cache import PrefixRenderCache
 from backends_core.multiturn.rendering import load_tokenizer
@@ -439,7 +439,12 @@ class Client:
             if reused is None:
                 ids: Sequence[int] = self.render(plain, tools=tools, chat_template_kwargs=chat_template_kwargs)
                 spans = rendered_spans(
-                    self.tokenizer, plain, ids, tools=tools, chat_template_kwargs=chat_template_kwargs
+                    self.tokenizer,
+                    plain,
+                    ids,
+                    tools=tools,
+                    chat_template_kwargs=chat_template_kwargs,
+                    end_of_turn=self._end_of_turn(chat_template_kwargs),
                 )
                 attribute = _attribution(spans or (), 0)
             else:
@@ -457,6 +462,13 @@ class Client:
             ids = prompt_ids  # checked by GenerateRequest, which keeps the caller's tuple as it is
         request = GenerateRequest(prompt_ids=ids, sampling=_required(sampling), **fields)
         return self.driver.prepare_request(request), attribute
+
+    def _end_of_turn(self, chat_template_kwargs: Mapping[str, Any] | None) -> str | None:
+        """The chat template's end-of-turn text (probed once per template), ``None`` where it has none."""
+        try:
+            return end_of_turn_ids(self.tokenizer, chat_template_kwargs)[0]
+        except BridgeError:
+            return None
 
     def template_stop(
         self, sampling: SamplingParams | None, *, chat_template_kwargs: Mapping[str, Any] | None = None

@@ -291,7 +291,9 @@ class BackendConformance:
             "admin_sleep": client.admin.sleep,
             "admin_wake": client.admin.wake,
             "admin_abort": client.admin.abort,
-            "post_generate_stream": lambda: _drain(client.stream(prompt_ids=PROMPT)),
+            "post_generate_stream": lambda: _drain(
+                client.stream(prompt_ids=PROMPT, sampling=SamplingParams(max_tokens=16))
+            ),
         }
         assert set(calls) == CAPABILITY_HOOKS
         for name in sorted(CAPABILITY_HOOKS - set(self.expected_capabilities)):
@@ -1169,7 +1171,7 @@ class BackendConformance:
     @pytest.mark.asyncio
     async def test_group_sizes_are_checked_before_sending(self, client: Client) -> None:
         with pytest.raises(InvalidRequestError, match="n >= 1"):
-            await client.generate_group(prompt_ids=PROMPT, n=0)
+            await client.generate_group(prompt_ids=PROMPT, n=0, sampling=SamplingParams(max_tokens=16))
         with pytest.raises(InvalidRequestError, match=r"sampling\.n must stay 1"):
             await client.generate_group(prompt_ids=PROMPT, n=2, sampling=SamplingParams(max_tokens=16, n=2))
 

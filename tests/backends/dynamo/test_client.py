@@ -136,12 +136,12 @@ async def test_limits_are_refused_before_sending(deployment: Deployment) -> None
         with pytest.raises(InvalidRequestError, match=r"33 stop_token_ids: Dynamo 1\.6\.1 accepts at most 32"):
             await c.generate(prompt_ids=[1, 2], sampling=SamplingParams(max_tokens=16, stop_token_ids=list(range(33))))
         with pytest.raises(InvalidRequestError, match="u32"):
-            await c.generate(prompt_ids=[1, 2**32])
+            await c.generate(prompt_ids=[1, 2**32], sampling=SamplingParams(max_tokens=16))
         with pytest.raises(InvalidRequestError, match="i32"):
-            await c.generate(prompt_ids=[1, 2], priority=2**31)
+            await c.generate(prompt_ids=[1, 2], priority=2**31, sampling=SamplingParams(max_tokens=16))
         image = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {}}]}]
         with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content\[1\] is a part of type 'image_url'"):
-            await c.generate(messages=image)
+            await c.generate(messages=image, sampling=SamplingParams(max_tokens=16))
     assert deployment.sent == []
 
 
@@ -163,7 +163,7 @@ async def test_overlong_prompts_are_refused_before_sending(deployment: Deploymen
         with pytest.raises(
             InvalidRequestError, match=r"'other' is not served by .* \(it serves \['tiny-lora', 'tiny-qwen3'\]\)"
         ):
-            await c.generate(prompt_ids=PROMPT, model="other")
+            await c.generate(prompt_ids=PROMPT, model="other", sampling=SamplingParams(max_tokens=16))
     paths = [(s.method, s.path) for s in deployment.sent]
     # one read, one more for the unknown model (an adapter may have been loaded since), one generation
     assert paths == [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models")]
@@ -195,7 +195,7 @@ async def test_refusals_carry_the_servers_words_and_a_hint(
     deployment.add(FRONTEND, "POST", "/v1/chat/completions", json_body=cap["response"], status=cap["status"])
     async with client(deployment) as c:
         with pytest.raises(ServerStatusError, match=hint) as info:
-            await c.generate(prompt_ids=[1, 2])
+            await c.generate(prompt_ids=[1, 2], sampling=SamplingParams(max_tokens=16))
     assert info.value.status_code == cap["status"] and info.value.body == cap["response"]
 
 

@@ -37,7 +37,7 @@ def prompt_of(cap: dict[str, Any]) -> list[int]:
 
 
 def request_for(cap: dict[str, Any], **sampling: Any) -> GenerateRequest:
-    return GenerateRequest(prompt_ids=prompt_of(cap), sampling=SamplingParams(**sampling))
+    return GenerateRequest(prompt_ids=prompt_of(cap), sampling=SamplingParams(**{"max_tokens": 16, **sampling}))
 
 
 # -- golden parses -------------------------------------------------------------------------------------
@@ -186,7 +186,7 @@ def test_the_mocker_gives_ids_but_no_logprobs() -> None:
     body = cap["response"]
     nvext = Node(body["nvext"], "$.nvext")
     assert wire.completion_ids(nvext) == (1736,) and wire.stop_reason(nvext) == "t"
-    request = GenerateRequest(prompt_ids=list(range(26)))
+    request = GenerateRequest(prompt_ids=list(range(26)), sampling=SamplingParams(max_tokens=16))
     with pytest.raises(ResponseParseError, match="the Dynamo mocker never returns logprobs"):
         wire.parse_generation(body, request, URL)
     stopped = capture("chat_stop_token_ids_32")["response"]["nvext"]
@@ -195,12 +195,12 @@ def test_the_mocker_gives_ids_but_no_logprobs() -> None:
 
 def test_prompt_echoes_must_match_the_ids_sent() -> None:
     body, request = engine_body()
-    other = GenerateRequest(prompt_ids=[*request.prompt_ids[:-1], 7])
+    other = GenerateRequest(prompt_ids=[*request.prompt_ids[:-1], 7], sampling=SamplingParams(max_tokens=16))
     with pytest.raises(ResponseParseError, match="the worker received 16 prompt ids that differ from the 16 sent"):
         wire.parse_generation(body, other, URL)
     del body["nvext"]["engine_data"]["prompt_token_ids"]
     with pytest.raises(ResponseParseError, match=r"did not generate from nvext.token_data"):
-        wire.parse_generation(body, GenerateRequest(prompt_ids=[1, 2, 3]), URL)
+        wire.parse_generation(body, GenerateRequest(prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=16)), URL)
 
 
 def test_the_abort_trap_is_undone_where_it_can_be_told() -> None:
@@ -235,7 +235,9 @@ def with_routing(record: Any, where: str = "engine_data") -> tuple[dict[str, Any
     body = copy.deepcopy(cap["response"])
     (body["nvext"]["engine_data"] if where == "engine_data" else body["nvext"])["routed_experts"] = record
     prompt = body["nvext"]["engine_data"]["prompt_token_ids"]
-    return body, GenerateRequest(prompt_ids=prompt, return_routed_experts=True, routed_experts_start=10)
+    return body, GenerateRequest(
+        prompt_ids=prompt, return_routed_experts=True, routed_experts_start=10, sampling=SamplingParams(max_tokens=16)
+    )
 
 
 def record(array: np.ndarray, dtype: str = "int32", start: int = 0) -> dict[str, Any]:
@@ -318,7 +320,9 @@ def test_a_routing_record_naming_no_dtype_decodes_as_uint8_like_the_whole_record
 
 def test_missing_routing_names_the_worker_flag() -> None:
     cap = vllm("moe_completions_routed_experts_requested")  # requested, never returned by the CPU build
-    request = GenerateRequest(prompt_ids=prompt_of(cap), return_routed_experts=True)
+    request = GenerateRequest(
+        prompt_ids=prompt_of(cap), return_routed_experts=True, sampling=SamplingParams(max_tokens=16)
+    )
     with pytest.raises(ResponseParseError, match="--enable-return-routed-experts"):
         wire.parse_generation(cap["response"], request, URL)
 
@@ -442,7 +446,9 @@ def test_teacher_and_tokenize_bodies_send_only_accepted_fields() -> None:
 
 
 def test_plain_requests_have_no_optional_fields() -> None:
-    _, body = wire.generation_payload(GenerateRequest(prompt_ids=[1]), "m", transport="chat", stream=True)
+    _, body = wire.generation_payload(
+        GenerateRequest(prompt_ids=[1], sampling=SamplingParams(max_tokens=16)), "m", transport="chat", stream=True
+    )
     assert "return_tokens_as_token_ids" not in body and body["top_logprobs"] == 0
     assert set(body["nvext"]) == {"token_data", "extra_fields"}
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
@@ -459,7 +465,9 @@ def test_a_streamed_vllm_answer_folds_into_the_same_result() -> None:
     engine = body["nvext"]["engine_data"]
     assert body["nvext"]["completion_token_ids"] == engine["completion_token_ids"]  # the deltas add up
     assert body["usage"]["completion_tokens"] == 6 and len(body["choices"][0]["logprobs"]["content"]) == 6
-    (result,) = wire.parse_generation(body, GenerateRequest(prompt_ids=engine["prompt_token_ids"]), URL)
+    (result,) = wire.parse_generation(
+        body, GenerateRequest(prompt_ids=engine["prompt_token_ids"], sampling=SamplingParams(max_tokens=16)), URL
+    )
     assert list(result.completion_ids) == engine["completion_token_ids"] and result.finish_reason == "length"
     np.testing.assert_array_equal(result.logprobs, np.asarray(engine["completion_logprobs"], np.float32))
 

@@ -46,7 +46,9 @@ def answer(name: str) -> Any:
 def request_of(name: str, **fields: Any) -> GenerateRequest:
     body = capture(name)["request"]["json"]
     sampling = fields.pop("sampling", {})
-    return GenerateRequest(prompt_ids=body["input_ids"], sampling=SamplingParams(**sampling), **fields)
+    return GenerateRequest(
+        prompt_ids=body["input_ids"], sampling=SamplingParams(**{"max_tokens": 16, **sampling}), **fields
+    )
 
 
 # -- generation answers ------------------------------------------------------------------------------------
@@ -75,7 +77,9 @@ def test_stop_finish_reasons_carry_what_matched(name: str, finish: str, stop_rea
     body = answer(name)
     body["meta_info"]["output_token_logprobs"] = [[-1.0, t, None] for t in body["output_ids"]]
     ids = capture(name)["request"]["json"].get("input_ids") or list(range(body["meta_info"]["prompt_tokens"]))
-    (result,) = wire.parse_generate(body, GenerateRequest(prompt_ids=ids), URL, None)
+    (result,) = wire.parse_generate(
+        body, GenerateRequest(prompt_ids=ids, sampling=SamplingParams(max_tokens=16)), URL, None
+    )
     assert (result.finish_reason, result.stop_reason) == (finish, stop_reason)
     assert result.usage is not None and result.usage.cached_tokens == body["meta_info"]["cached_tokens"]
 
@@ -251,7 +255,12 @@ def test_generate_payload_maps_every_sampling_field_to_sglang_names() -> None:
     )
     assert body["return_logprob"] is True and body["top_logprobs_num"] == 2 and body["logprob_start_len"] == -1
     assert "return_routed_experts" not in body and "model" not in body
-    assert "sampling_seed" not in wire.generate_payload(GenerateRequest(prompt_ids=[1]))["sampling_params"]
+    assert (
+        "sampling_seed"
+        not in wire.generate_payload(GenerateRequest(prompt_ids=[1], sampling=SamplingParams(max_tokens=16)))[
+            "sampling_params"
+        ]
+    )
 
 
 def test_teacher_payload_scores_from_position_zero_without_generating() -> None:

@@ -37,7 +37,7 @@ def capture(name: str) -> dict[str, Any]:
 def request_of(name: str, **sampling: Any) -> GenerateRequest:
     body = capture(name)["request"]["body"]
     ids = body.get("token_ids") or body.get("prompt")
-    return GenerateRequest(prompt_ids=ids, sampling=SamplingParams(**sampling))
+    return GenerateRequest(prompt_ids=ids, sampling=SamplingParams(**{"max_tokens": 16, **sampling}))
 
 
 def test_generate_capture_parses_with_ids_logprobs_alternatives_and_versions() -> None:
@@ -174,7 +174,12 @@ def test_payloads_send_every_sampling_field_explicitly() -> None:
     cmpl = wire.completions_payload(request, "tiny-qwen3")
     assert expected <= set(cmpl) and list(cmpl["prompt"]) == [1, 2] and cmpl["return_tokens_as_token_ids"] is True
     assert cmpl["routed_experts_prompt_start"] == 1
-    assert wire.generate_payload(GenerateRequest(prompt_ids=[1], lora="tiny-lora"), "base")["model"] == "tiny-lora"
+    assert (
+        wire.generate_payload(
+            GenerateRequest(prompt_ids=[1], lora="tiny-lora", sampling=SamplingParams(max_tokens=16)), "base"
+        )["model"]
+        == "tiny-lora"
+    )
 
 
 def npy_b64(array: np.ndarray) -> str:
@@ -190,7 +195,9 @@ def test_routed_experts_in_the_documented_format_decode_and_trim() -> None:
     ids = capture("generate_tokens_logprobs")["request"]["body"]["token_ids"]  # 16 prompt + 5 completion
     routing = np.arange((21 - 1 - 10) * 2 * 2, dtype=np.uint8).reshape(10, 2, 2) % 8
     body["choices"][0]["routed_experts"] = npy_b64(routing)
-    request = GenerateRequest(prompt_ids=ids, return_routed_experts=True, routed_experts_start=10)
+    request = GenerateRequest(
+        prompt_ids=ids, return_routed_experts=True, routed_experts_start=10, sampling=SamplingParams(max_tokens=16)
+    )
     (result,) = wire.parse_generate(body, request, "http://v")
     assert result.routed_experts is not None and result.routed_experts.start == 10
     np.testing.assert_array_equal(result.routed_experts.experts, routing)
@@ -232,7 +239,7 @@ async def test_overlong_prompts_are_refused_before_sending() -> None:
         with pytest.raises(InvalidRequestError, match="exceeds max_model_len 2048"):
             await client.generate(prompt_ids=[5] * 2040, sampling=SamplingParams(max_tokens=16))
         with pytest.raises(InvalidRequestError, match="'other' is not served"):
-            await client.generate(prompt_ids=[5], model="other")
+            await client.generate(prompt_ids=[5], model="other", sampling=SamplingParams(max_tokens=16))
     assert "/inference/v1/generate" not in [r.path for r in fake.requests]
 
 
@@ -248,7 +255,7 @@ async def test_a_missing_generate_route_names_the_server_flag() -> None:
         ClientConfig(backend="vllm", base_url="http://v", model="tiny-qwen3"), transport=fake.transport()
     ) as client:
         with pytest.raises(ServerStatusError, match="--enable-scale-out") as info:
-            await client.generate(prompt_ids=[1, 2])
+            await client.generate(prompt_ids=[1, 2], sampling=SamplingParams(max_tokens=16))
     assert "transport = 'completions'" in str(info.value)
     assert [r.path for r in fake.requests].count("/v1/completions") == 0  # never a silent switch
 
@@ -414,7 +421,9 @@ def test_routed_experts_as_an_object_decode_from_their_own_start(dtype: str) -> 
     ids = capture("generate_tokens_logprobs")["request"]["body"]["token_ids"]  # 16 prompt + 5 completion
     routing = (np.arange(10 * 3 * 2).reshape(10, 3, 2) % 7).astype(dtype)
     body["choices"][0]["routed_experts"] = routed_object(routing, start=10)
-    request = GenerateRequest(prompt_ids=ids, return_routed_experts=True, routed_experts_start=12)
+    request = GenerateRequest(
+        prompt_ids=ids, return_routed_experts=True, routed_experts_start=12, sampling=SamplingParams(max_tokens=16)
+    )
     (result,) = wire.parse_generate(body, request, "http://v")
     assert result.routed_experts is not None and result.routed_experts.start == 12
     np.testing.assert_array_equal(result.routed_experts.experts, routing[2:])  # trimmed from 10 to 12
@@ -439,7 +448,9 @@ def test_a_bad_routed_experts_object_names_the_field_and_the_server(change: dict
     ids = capture("generate_tokens_logprobs")["request"]["body"]["token_ids"]
     routing = np.zeros((10, 3, 2), np.uint8)
     body["choices"][0]["routed_experts"] = {**routed_object(routing, start=10), **change}
-    request = GenerateRequest(prompt_ids=ids, return_routed_experts=True, routed_experts_start=10)
+    request = GenerateRequest(
+        prompt_ids=ids, return_routed_experts=True, routed_experts_start=10, sampling=SamplingParams(max_tokens=16)
+    )
     with pytest.raises(ResponseParseError, match=message) as caught:
         wire.parse_generate(body, request, "http://v:8000")
     assert caught.value.url == "http://v:8000" and "from http://v:8000" in str(caught.value)
@@ -456,7 +467,9 @@ def test_routed_experts_in_prime_rls_earlier_object_form_decode_like_the_whole_f
     body = copy.deepcopy(capture("generate_tokens_logprobs")["response"]["body"])
     ids = capture("generate_tokens_logprobs")["request"]["body"]["token_ids"]  # 16 prompt + 5 completion
     routing = (np.arange(rows * 3 * 2).reshape(rows, 3, 2) % 7).astype(np.uint8)
-    request = GenerateRequest(prompt_ids=ids, return_routed_experts=True, routed_experts_start=10)
+    request = GenerateRequest(
+        prompt_ids=ids, return_routed_experts=True, routed_experts_start=10, sampling=SamplingParams(max_tokens=16)
+    )
     whole = routed_object(routing, start=20 - rows)
     body["choices"][0]["routed_experts"] = whole
     (expected,) = wire.parse_generate(body, request, "http://v")
@@ -475,7 +488,9 @@ def test_an_int32_payload_naming_no_dtype_is_refused_naming_the_field() -> None:
     record = routed_object(np.zeros((10, 3, 2), np.int32), start=10)
     del record["dtype"]
     body["choices"][0]["routed_experts"] = record
-    request = GenerateRequest(prompt_ids=ids, return_routed_experts=True, routed_experts_start=10)
+    request = GenerateRequest(
+        prompt_ids=ids, return_routed_experts=True, routed_experts_start=10, sampling=SamplingParams(max_tokens=16)
+    )
     with pytest.raises(
         ResponseParseError,
         match=r"decodes to 40 rows but shape says 10 \(it names no dtype: read as uint8\) "
@@ -489,7 +504,7 @@ def test_a_routed_experts_decode_error_names_the_server() -> None:
     body = copy.deepcopy(capture("generate_tokens_logprobs")["response"]["body"])
     ids = capture("generate_tokens_logprobs")["request"]["body"]["token_ids"]
     body["choices"][0]["routed_experts"] = "@@@"
-    request = GenerateRequest(prompt_ids=ids, return_routed_experts=True)
+    request = GenerateRequest(prompt_ids=ids, return_routed_experts=True, sampling=SamplingParams(max_tokens=16))
     with pytest.raises(ResponseParseError, match="not valid base64") as caught:
         wire.parse_generate(body, request, "http://v:8000")
     assert caught.value.url == "http://v:8000"

@@ -2,9 +2,16 @@
 
 A prompt rendered from messages is attributed to them through the template itself: the conversation rendered up
 to message ``k`` (no generation prompt) agrees with the whole render up to some character, and message ``k``'s
-text ends there. Where a template renders an earlier message differently once later ones follow (tool results
-grouped into one turn, say), the message ends where the two renders stop agreeing, so the spans always cover the
-prompt contiguously and in order. The text after the last message is the generation prompt (``message=None``).
+text ends there. A template may render a message differently once later ones follow:
+
+* it defers the message's closing markup (tool results grouped into one turn: the first result's block is not
+  closed before the second's): the message ends where the two renders stop agreeing;
+* it renders the message's beginning differently (Qwen3 writes a think block only for the last assistant turn):
+  the rest of the partial render, from some point on, continues the whole render right there and ends with the
+  template's end of turn, and the message ends where that continuation ends.
+
+Either way the spans cover the prompt contiguously and in order. The text after the last message is the
+generation prompt (``message=None``).
 Character offsets become token offsets through the tokenizer's own offsets (a token that straddles a boundary
 belongs to the message it starts in).
 
@@ -87,10 +94,15 @@ def rendered_spans(
     *,
     tools: Sequence[Mapping[str, Any]] | None,
     chat_template_kwargs: Mapping[str, Any] | None,
+    end_of_turn: str | None,
     add_generation_prompt: bool = True,
 ) -> tuple[MessageSpan, ...] | None:
     """The spans of ``prompt_ids`` rendered whole from ``messages``; ``None`` when they are not the encoding of
-    the template's text (a backend's own ``render`` hook built them otherwise)."""
+    the template's text (a backend's own ``render`` hook built them otherwise).
+
+    :param end_of_turn: the template's text after a message (``"<|im_end|>\n"``), ``None`` when it has none to
+        probe (then a message ends where the renders stop agreeing).
+    """
     kwargs = dict(chat_template_kwargs or {})
 
     def render(upto: int, generation: bool) -> str:
@@ -101,13 +113,25 @@ def rendered_spans(
     whole = render(len(messages), add_generation_prompt)
     bounds, at = [], 0
     for k in range(1, len(messages) + 1):
-        at = max(at, agreeing_prefix(render(k, False), whole))
+        at = max(at, _message_end(render(k, False), whole, end_of_turn))
         bounds.append(at)
     tokens = token_bounds(tokenizer, whole, prompt_ids, bounds)
     if tokens is None:
         return None
     roles = [str(m.get("role")) for m in messages]
     return _spans(range(len(messages)), roles, tokens, offset=0, end=len(prompt_ids))
+
+
+def _message_end(partial: str, whole: str, end_of_turn: str | None) -> int:
+    """Where the last message of ``partial`` (a render of the first messages) ends in ``whole``."""
+    agree = agreeing_prefix(partial, whole)
+    rest = partial[agree:]
+    if not end_of_turn or not rest.endswith(end_of_turn) or rest == end_of_turn:
+        return agree
+    for length in range(len(rest) - 1, len(end_of_turn) - 1, -1):
+        if whole.startswith(rest[-length:], agree):
+            return agree + length
+    return agree
 
 
 def _spans(
