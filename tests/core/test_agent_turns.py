@@ -263,7 +263,7 @@ def ids_of(spans: Any, ids: Any, message: int) -> list[int]:
 
 
 @pytest.mark.parametrize("template", TEMPLATES)
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 async def test_spans_and_loss_masks_are_exact_over_generated_agent_conversations(
     scripted: Callable[..., Client], template: str, data: st.DataObject
