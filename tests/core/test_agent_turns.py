@@ -22,7 +22,9 @@ from backends_core import (
     Client,
     ClientConfig,
     GenerateResult,
+    InvalidRequestError,
     SamplingParams,
+    SyncClient,
     loss_mask,
 )
 from backends_core.config import StatelessPolicy
@@ -30,6 +32,8 @@ from backends_core.multiturn.extension import clear_template_cache
 from backends_core.multiturn.rendering import load_tokenizer, render_text
 from backends_core.multiturn.spans import rendered_spans
 from backends_testkit._chat_template import CHAT_TEMPLATE
+from backends_testkit.engine import ReferenceEngine
+from backends_testkit.reference.emulator import ReferenceEmulator
 from scripted_backend import ScriptedBackend
 
 TOOLS = [
@@ -332,3 +336,119 @@ def test_a_prompt_rendered_whole_is_attributed_by_the_template(scripted: Callabl
     assert texts[4] == (4, "\n<tool_response>\nb.py\n</tool_response><|im_end|>\n")
     assert texts[5] == (None, "<|im_start|>assistant\n")
     assert texts[0][1].startswith("<|im_start|>system\nbe brief") and "<tools>" in texts[0][1]
+
+
+# -- previous=: the stateless extension ----------------------------------------------------------------------------
+
+LS = '<tool_call>\n{"name": "ls", "arguments": {"path": "src"}}\n</tool_call><|im_end|>'
+
+
+async def test_previous_as_a_result_or_an_id_pair_extends_without_keeping_state(
+    scripted: Callable[..., Client],
+) -> None:
+    client = scripted("qwen3", [LS, "two files<|im_end|>", "two files<|im_end|>"])
+    first = [{"role": "user", "content": "look"}]
+    r1 = await client.generate(messages=first, tools=TOOLS, sampling=SAMPLING)
+    messages = [*first, client.parse_completion(r1), {"role": "tool", "content": "a.py b.py"}]
+    by_result = await client.generate(messages=messages, tools=TOOLS, sampling=SAMPLING, previous=r1)
+    by_pair = await client.generate(
+        messages=messages, tools=TOOLS, sampling=SAMPLING, previous=(list(r1.prompt_ids), list(r1.completion_ids))
+    )
+    assert by_result.prompt_ids == by_pair.prompt_ids and by_result.prompt_ids[: len(r1.token_ids)] == r1.token_ids
+    assert by_result.reused_ids == by_pair.reused_ids == len(r1.token_ids)
+    assert client._turns.turns("anything") == [] and len(client._turns) == 0  # nothing remembered
+    assert client.bridge_stats.successes == 2
+    assert [s.sampled for s in by_result.message_spans].count(True) == 1
+    assert by_pair.message_spans == ()  # an id pair carries no spans to extend...
+    with pytest.raises(InvalidRequestError, match="pass the previous GenerateResult"):
+        loss_mask(by_pair)  # ...so the mask cannot tell the sampled ids, and says so
+
+
+async def test_previous_on_groups_and_streams(tiny_models: Any) -> None:
+    config = ClientConfig(backend="reference", base_url="http://ref", tokenizer=str(tiny_models.dense))
+    sampling = SamplingParams(max_tokens=8, seed=4)
+    first = [{"role": "user", "content": "look"}]
+    engine = ReferenceEngine(tiny_models.dense, seed=0)
+    try:
+        async with Client(config, transport=ReferenceEmulator(engine).transport()) as client:
+            r1 = await client.generate(messages=first, sampling=sampling)
+            messages = [*first, client.parse_completion(r1), {"role": "user", "content": "more"}]
+            group = await client.generate_group(n=3, messages=messages, sampling=sampling, previous=r1)
+            assert all(g.prompt_ids[: len(r1.token_ids)] == r1.token_ids for g in group)
+            assert len({g.message_spans for g in group}) == 1 and group[0].message_spans
+            async with client.stream(messages=messages, sampling=sampling, previous=r1) as s:
+                async for _ in s:
+                    pass
+            assert s.result.prompt_ids == group[0].prompt_ids and s.result.message_spans == group[0].message_spans
+            assert len(client._turns) == 0
+    finally:
+        await engine.aclose()
+
+
+def test_previous_on_the_sync_client(model_dirs: dict[str, str]) -> None:
+    tok = load_tokenizer(model_dirs["qwen3"])
+    config = ClientConfig(backend="scripted", base_url="http://scripted", tokenizer=model_dirs["qwen3"])
+    first = [{"role": "user", "content": "look"}]
+    with SyncClient(config, plugin=ScriptedBackend(tok, [LS, "done<|im_end|>"])) as sync:
+        s1 = sync.generate(messages=first, tools=TOOLS, sampling=SAMPLING)
+        later = [*first, sync.parse_completion(s1), {"role": "tool", "content": "a.py"}]
+        s2 = sync.generate(messages=later, tools=TOOLS, sampling=SAMPLING, previous=s1)
+    assert s2.prompt_ids[: len(s1.token_ids)] == s1.token_ids and s2.reused_ids == len(s1.token_ids)
+    assert [s.message for s in s2.message_spans if s.sampled] == [1]
+
+
+@pytest.mark.parametrize(
+    ("previous", "message"),
+    [
+        ("ids", "previous must be the previous turn's GenerateResult or a pair"),
+        (([1, 2], [3], [4]), "previous must be the previous turn's GenerateResult or a pair"),
+        (([1, "x"], [3]), "previous: "),
+    ],
+)
+async def test_a_bad_previous_is_refused_before_sending(
+    scripted: Callable[..., Client], previous: Any, message: str
+) -> None:
+    backend_calls: list[Any] = []
+    client = scripted("qwen3", backend_calls)
+    messages = [{"role": "user", "content": "look"}, {"role": "assistant", "content": "x"}]
+    with pytest.raises(InvalidRequestError, match=message):
+        await client.generate(messages=messages, sampling=SAMPLING, previous=previous)
+    with pytest.raises(InvalidRequestError, match="previous= extends a conversation given as messages="):
+        await client.generate(prompt_ids=[1, 2], sampling=SAMPLING, previous=([1], [2]))
+
+
+async def test_previous_without_a_reply_or_with_an_edited_one_is_a_counted_break(
+    scripted: Callable[..., Client],
+) -> None:
+    client = scripted("qwen3", [LS, "x<|im_end|>"])
+    first = [{"role": "user", "content": "look"}]
+    r1 = await client.generate(messages=first, tools=TOOLS, sampling=SAMPLING)
+    with pytest.raises(BridgeError) as info:
+        await client.generate(messages=[*first, {"role": "user", "content": "?"}], sampling=SAMPLING, previous=r1)
+    assert info.value.reason == "no_prefix" and "no assistant message" in str(info.value)
+    edited = {**client.parse_completion(r1), "content": "I will look."}
+    with pytest.raises(BridgeError) as info:
+        await client.generate(
+            messages=[*first, edited, {"role": "tool", "content": "a"}], sampling=SAMPLING, previous=r1
+        )
+    assert info.value.reason == "assistant_mismatch" and "content" in str(info.value)
+    assert client.bridge_stats.failures == {"no_prefix": 1, "assistant_mismatch": 1}
+
+
+# -- max_tokens has no default -------------------------------------------------------------------------------------
+
+
+async def test_max_tokens_is_required_and_a_generation_without_sampling_is_refused_before_sending(
+    scripted: Callable[..., Client],
+) -> None:
+    with pytest.raises(TypeError, match="max_tokens"):
+        SamplingParams()  # type: ignore[call-arg]
+    sent: list[Any] = []
+    client = scripted("qwen3", sent)
+    with pytest.raises(InvalidRequestError, match=r"sampling=SamplingParams\(max_tokens=...\) is required"):
+        await client.generate(messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        await client.generate_group(n=2, prompt_ids=[1, 2])
+    with pytest.raises(InvalidRequestError, match="must be a SamplingParams"):
+        await client.generate(prompt_ids=[1, 2], sampling={"max_tokens": 3})  # type: ignore[arg-type]
+    assert client.driver.pm.get_plugin("scripted").requests == []  # type: ignore[union-attr]

@@ -16,7 +16,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 from stream_checks import check_partial_rollout_stream
 
-from backends_core import SAMPLING_FEATURES, Client, ClientConfig, LoraAdapter, SamplingParams
+from backends_core import SAMPLING_FEATURES, Client, ClientConfig, LoraAdapter, SamplingParams, loss_mask
 from backends_core.cli import main
 from backends_core.driver import CAPABILITY_HOOKS
 from backends_testkit.conformance import BackendConformance
@@ -77,6 +77,38 @@ async def test_multi_turn_tito_over_six_turns_with_tool_messages(client: Client)
     assert client.bridge_stats.successes == 5 and client.bridge_stats.failed == 0
     teacher = await client.teacher_logprobs(turns[-1].token_ids)  # the whole exact sequence scores consistently
     np.testing.assert_allclose(teacher.logprobs[len(turns[-1].prompt_ids) :], turns[-1].logprobs, atol=1e-4)
+
+
+async def test_a_harness_loop_with_previous_reuses_exact_ids_and_masks_exactly_the_sampled_ids(client: Client) -> None:
+    """An agent harness holding its own history the OpenAI way (no reasoning kept, tool calls without ``type``),
+    extending each turn statelessly with ``previous=``: exact ids, spans covering the prompt, a loss mask that is 1
+    exactly on the engine's samples, and teacher logprobs over the whole sequence agreeing with the samples."""
+    sampling = SamplingParams(max_tokens=12, temperature=1.0, seed=5)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "list the files in src"}]
+    results = []
+    previous = None
+    for step in range(4):
+        result = await client.generate(messages=messages, tools=TOOLS, sampling=sampling, previous=previous)
+        if previous is not None:
+            assert result.prompt_ids[: len(previous.token_ids)] == previous.token_ids
+            assert result.reused_ids == len(previous.token_ids)
+        spans = result.message_spans
+        assert spans[0].start == 0 and spans[-1].end == len(result.prompt_ids) and spans[-1].message is None
+        assert all(a.end == b.start for a, b in itertools.pairwise(spans))
+        assert [result.prompt_ids[s.start : s.end] for s in spans if s.sampled] == [r.completion_ids for r in results]
+        mask = loss_mask(result)
+        assert int(mask.sum()) == sum(len(r.completion_ids) for r in [*results, result])
+        results.append(result)
+        previous = result
+        reply = {k: v for k, v in client.parse_completion(result).items() if k != "reasoning_content"}
+        if reply.get("tool_calls"):
+            reply["tool_calls"] = [{k: v for k, v in c.items() if k != "type"} for c in reply["tool_calls"]]
+        tail = {"role": "tool", "content": f"file_{step}.py"} if step % 2 == 0 else {"role": "user", "content": "go on"}
+        messages = [*messages, reply, tail]
+    assert client.bridge_stats.successes == 3 and client.bridge_stats.failed == 0
+    last = results[-1]
+    teacher = await client.teacher_logprobs(last.token_ids)
+    np.testing.assert_allclose(teacher.logprobs[len(last.prompt_ids) :], last.logprobs, atol=1e-4)
 
 
 def scaled_adapter(src: Path, dst: Path, factor: float) -> Path:

@@ -843,7 +843,7 @@ class Client:
         :raises RequestError: the server could not be reached or answered non-2xx.
         :raises ResponseParseError: the answer does not match the wire shape or breaks an invariant.
         """
-        if sampling is not None and sampling.n != 1:
+        if sampling is not None and _required(sampling).n != 1:
             raise InvalidRequestError(
                 f"generate returns one sample but sampling.n = {sampling.n}; use generate_samples"
             )
@@ -960,7 +960,7 @@ class Client:
         :raises InvalidRequestError: bad arguments, ``sampling.n`` other than 1.
         """
         self.driver.require("post_generate_stream")
-        if sampling is not None and sampling.n != 1:
+        if sampling is not None and _required(sampling).n != 1:
             raise InvalidRequestError(f"stream returns one sample but sampling.n = {sampling.n}")
         request, attribute = self._build_request(
             messages=messages,
