@@ -28,6 +28,13 @@ from backends_testkit.reference.emulator import ReferenceEmulator
 from backends_testkit.tinymodel import TinyModels
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
+#: The suite's tests that catch a generation in flight.
+CATCHING_TESTS = [
+    "test_abort_by_request_id",
+    "test_pause_abort_ends_in_flight_requests",
+    "test_pause_keep_freezes_and_resume_continues",
+    "test_pause_wait_lets_in_flight_requests_finish",
+]
 #: Seconds any test here may take: the suite's own deadlines are minutes, a verdict here takes seconds.
 GUARD_S = 60.0
 
@@ -228,29 +235,13 @@ async def test_a_pause_wait_that_aborts_fails_at_once(emulator: ReferenceEmulato
 # -- a correct server passes, also when the machine is loaded -----------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "test",
-    [
-        "test_abort_by_request_id",
-        "test_pause_abort_ends_in_flight_requests",
-        "test_pause_keep_freezes_and_resume_continues",
-        "test_pause_wait_lets_in_flight_requests_finish",
-    ],
-)
+@pytest.mark.parametrize("test", CATCHING_TESTS)
 async def test_a_working_server_passes_at_the_first_attempt(emulator: ReferenceEmulator, test: str) -> None:
     await verdict(emulator, emulator.transport(), test)
     assert generations(emulator) == 1
 
 
-@pytest.mark.parametrize(
-    "test",
-    [
-        "test_abort_by_request_id",
-        "test_pause_abort_ends_in_flight_requests",
-        "test_pause_keep_freezes_and_resume_continues",
-        "test_pause_wait_lets_in_flight_requests_finish",
-    ],
-)
+@pytest.mark.parametrize("test", CATCHING_TESTS)
 async def test_an_admin_plane_behind_whole_generations_is_retried(emulator: ReferenceEmulator, test: str) -> None:
     """Three generations in a row end before the server answers the state poll: each attempt is repeated and the
     fourth gives the verdict (the suite used to give up after three)."""
@@ -258,15 +249,7 @@ async def test_an_admin_plane_behind_whole_generations_is_retried(emulator: Refe
     assert generations(emulator) == 4
 
 
-@pytest.mark.parametrize(
-    "test",
-    [
-        "test_abort_by_request_id",
-        "test_pause_abort_ends_in_flight_requests",
-        "test_pause_keep_freezes_and_resume_continues",
-        "test_pause_wait_lets_in_flight_requests_finish",
-    ],
-)
+@pytest.mark.parametrize("test", CATCHING_TESTS)
 async def test_an_admin_plane_always_behind_is_no_verdict_and_says_so(emulator: ReferenceEmulator, test: str) -> None:
     """No attempt caught its generation: nothing was observed for or against the server, and the test is skipped
     with what each attempt saw (it used to fail, or to hang)."""
@@ -416,15 +399,7 @@ async def test_with_the_engine_counter_an_engine_always_done_first_is_no_verdict
 
 
 @pytest.mark.usefixtures("quick_engine_freeze")
-@pytest.mark.parametrize(
-    "test",
-    [
-        "test_abort_by_request_id",
-        "test_pause_abort_ends_in_flight_requests",
-        "test_pause_keep_freezes_and_resume_continues",
-        "test_pause_wait_lets_in_flight_requests_finish",
-    ],
-)
+@pytest.mark.parametrize("test", CATCHING_TESTS)
 async def test_with_the_engine_counter_a_working_server_passes_at_the_first_attempt(
     emulator: ReferenceEmulator, test: str
 ) -> None:
