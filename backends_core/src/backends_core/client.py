@@ -438,15 +438,7 @@ class Client:
                 )
             if reused is None:
                 ids: Sequence[int] = self.render(plain, tools=tools, chat_template_kwargs=chat_template_kwargs)
-                spans = rendered_spans(
-                    self.tokenizer,
-                    plain,
-                    ids,
-                    tools=tools,
-                    chat_template_kwargs=chat_template_kwargs,
-                    end_of_turn=self._end_of_turn(chat_template_kwargs),
-                )
-                attribute = _attribution(spans or (), 0)
+                attribute = _attribution(self._spans_of(plain, ids, tools, chat_template_kwargs), 0)
             else:
                 ids = reused.ids
                 attribute = _attribution(reused.spans or (), reused.reused)
@@ -462,6 +454,33 @@ class Client:
             ids = prompt_ids  # checked by GenerateRequest, which keeps the caller's tuple as it is
         request = GenerateRequest(prompt_ids=ids, sampling=_required(sampling), **fields)
         return self.driver.prepare_request(request), attribute
+
+    def _spans_of(
+        self,
+        messages: list[dict[str, Any]],
+        ids: Sequence[int],
+        tools: Sequence[Mapping[str, Any]] | None,
+        chat_template_kwargs: Mapping[str, Any] | None,
+    ) -> Callable[[], tuple[MessageSpan, ...]]:
+        """The spans of ``ids`` rendered whole from ``messages``, computed when first read (empty where the
+        backend's own ``render`` hook built ids that are not the template text's encoding)."""
+
+        memo: list[tuple[MessageSpan, ...]] = []  # one computation for every sample of a group
+
+        def spans() -> tuple[MessageSpan, ...]:
+            if not memo:
+                found = rendered_spans(
+                    self.tokenizer,
+                    messages,
+                    ids,
+                    tools=tools,
+                    chat_template_kwargs=chat_template_kwargs,
+                    end_of_turn=self._end_of_turn(chat_template_kwargs),
+                )
+                memo.append(found or ())
+            return memo[0]
+
+        return spans
 
     def _end_of_turn(self, chat_template_kwargs: Mapping[str, Any] | None) -> str | None:
         """The chat template's end-of-turn text (probed once per template), ``None`` where it has none."""
@@ -1235,7 +1254,9 @@ def _previous_result(previous: Previous) -> GenerateResult:
     )
 
 
-def _attribution(spans: tuple[MessageSpan, ...], reused: int) -> Callable[[GenerateResult], GenerateResult]:
+def _attribution(
+    spans: tuple[MessageSpan, ...] | Callable[[], tuple[MessageSpan, ...]], reused: int
+) -> Callable[[GenerateResult], GenerateResult]:
     def attribute(result: GenerateResult) -> GenerateResult:
         return attrs.evolve(result, message_spans=spans, reused_ids=reused)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
 import attrs
@@ -506,8 +506,20 @@ class GenerateResult:
     request_id: str | None = None
     server: str | None = None
     metadata: Mapping[str, Any] = attrs.field(factory=dict)
-    message_spans: tuple[MessageSpan, ...] = ()
+    # the spans, or a function computing them on first read (attributing a prompt rendered whole costs renders of
+    # its prefixes, which a caller that never reads them should not pay)
+    _message_spans: tuple[MessageSpan, ...] | Callable[[], tuple[MessageSpan, ...]] = attrs.field(
+        default=(), alias="message_spans", eq=False, repr=False
+    )
     reused_ids: int = 0
+
+    @property
+    def message_spans(self) -> tuple[MessageSpan, ...]:
+        spans = self._message_spans
+        if callable(spans):
+            spans = spans()
+            object.__setattr__(self, "_message_spans", spans)
+        return spans
 
     @property
     def token_ids(self) -> tuple[int, ...]:

@@ -1,14 +1,19 @@
 """Which prompt ids belong to which message, and which ids a trainer trains on.
 
-A prompt rendered from messages is attributed to them through the template itself: the conversation rendered up
-to message ``k`` (no generation prompt) agrees with the whole render up to some character, and message ``k``'s
-text ends there. A template may render a message differently once later ones follow:
+A prompt rendered from messages is attributed to them through the template itself. Where message ``k``'s content
+is a non-empty string, the whole conversation is rendered again with a marker appended to that content: the
+marker's position is where the content ends in the whole render (checked: the marked render is the whole render
+with the marker inserted there), and the message ends where the markup the template writes after its content
+(tool calls, the end of turn) stops agreeing with the whole render, taken from the first ``k`` messages rendered
+with the marker. Otherwise message ``k``'s text is what rendering the first ``k`` messages adds to rendering the
+first ``k - 1``; in the whole render it starts where message ``k - 1`` ended. A template may render a message
+differently once later ones follow:
 
 * it defers the message's closing markup (tool results grouped into one turn: the first result's block is not
-  closed before the second's): the message ends where the two renders stop agreeing;
-* it renders the message's beginning differently (Qwen3 writes a think block only for the last assistant turn):
-  the rest of the partial render, from some point on, continues the whole render right there and ends with the
-  template's end of turn, and the message ends where that continuation ends.
+  closed before the second's): the message ends where the two stop agreeing;
+* it renders the message's beginning differently (Qwen3 writes a think block only for assistant turns after the
+  last user message): the rest of the message's text, from some point on, continues the whole render right there
+  and ends with the template's end of turn, and the message ends where that continuation ends.
 
 Either way the spans cover the prompt contiguously and in order. The text after the last message is the
 generation prompt (``message=None``).
@@ -110,10 +115,20 @@ def rendered_spans(
             tokenizer, messages[:upto], tools=tools, add_generation_prompt=generation, chat_template_kwargs=kwargs
         )
 
+    def render_list(listed: Sequence[Message], generation: bool) -> str:
+        return render_text(
+            tokenizer, listed, tools=tools, add_generation_prompt=generation, chat_template_kwargs=kwargs
+        )
+
     whole = render(len(messages), add_generation_prompt)
     bounds, at = [], 0
     for k in range(1, len(messages) + 1):
-        at = max(at, _message_end(render(k, False), whole, end_of_turn))
+        end = _marked_end(messages, k - 1, whole, render_list, add_generation_prompt)
+        if end is None or end < at:
+            upto = render(k, False)
+            added = upto[agreeing_prefix(render(k - 1, False) if k > 1 else "", upto) :]
+            end = at + _message_end(added, whole[at:], end_of_turn)
+        at = max(at, end)
         bounds.append(at)
     tokens = token_bounds(tokenizer, whole, prompt_ids, bounds)
     if tokens is None:
@@ -122,8 +137,34 @@ def rendered_spans(
     return _spans(range(len(messages)), roles, tokens, offset=0, end=len(prompt_ids))
 
 
+_MARK = "\u27e6backends-span-mark\u27e7"
+
+
+def _marked_end(
+    messages: Sequence[Message],
+    index: int,
+    whole: str,
+    render_list: Callable[[Sequence[Message], bool], str],
+    generation: bool,
+) -> int | None:
+    """Where message ``index`` ends in ``whole``, found with a marker after its content; ``None`` where its content
+    is not a non-empty string or the marked render is not ``whole`` with the marker inserted."""
+    message = messages[index]
+    content = message.get("content")
+    if not isinstance(content, str) or not content:
+        return None
+    marked = [*messages[:index], {**message, "content": content + _MARK}, *messages[index + 1 :]]
+    text = render_list(marked, generation)
+    at = text.find(_MARK)
+    if at < 0 or text.count(_MARK) != 1 or text[:at] != whole[:at] or text[at + len(_MARK) :] != whole[at:]:
+        return None
+    partial = render_list(marked[: index + 1], False)
+    after = partial[partial.index(_MARK) + len(_MARK) :] if partial.count(_MARK) == 1 else ""
+    return at + agreeing_prefix(after, whole[at:])
+
+
 def _message_end(partial: str, whole: str, end_of_turn: str | None) -> int:
-    """Where the last message of ``partial`` (a render of the first messages) ends in ``whole``."""
+    """Where ``partial`` (a message's text) ends in ``whole`` (the whole render from where the message starts)."""
     agree = agreeing_prefix(partial, whole)
     rest = partial[agree:]
     if not end_of_turn or not rest.endswith(end_of_turn) or rest == end_of_turn:
