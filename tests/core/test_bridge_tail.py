@@ -332,7 +332,9 @@ def test_the_stateless_cache_counts_tail_renders(tok) -> None:
         completion = encode(tok, f"Answer {i}.<|im_end|>")
         cache.remember("s", normalize_messages(messages), result(prompt, completion))
         messages = [*messages, {"role": "assistant", "content": f"Answer {i}."}, {"role": "user", "content": f"Q{i}"}]
-        ids = cache.prompt_ids(tok, "s", messages, tools=None, chat_template_kwargs=None, stats=stats)
+        extension = cache.prompt_ids(tok, "s", messages, tools=None, chat_template_kwargs=None, stats=stats)
+        assert extension is not None
+        ids = extension.ids
         assert ids == encode(tok, render_text(tok, messages))
         prompt = ids
     assert stats.tail_renders == 3 and stats.full_renders == {"short_history": 1, "verify": 1}
