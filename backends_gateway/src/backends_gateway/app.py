@@ -1,0 +1,313 @@
+"""The gateway's HTTP routes (aiohttp's server): OpenAI's chat completions and models for harnesses, with or
+without a session in the path, and the trajectory routes for the trainer.
+
+| route | what |
+|---|---|
+| ``POST /v1/chat/completions``, ``/s/{session}/v1/chat/completions`` | a turn (``stream`` or not) |
+| ``GET /v1/models``, ``/s/{session}/v1/models`` | the served model |
+| ``GET /v1/sessions?group=&status=&limit=&after=`` | session summaries |
+| ``GET /v1/sessions/{id}`` | one summary |
+| ``GET /v1/sessions/{id}/trajectory`` | every turn and branch, with each branch's training view |
+| ``POST /v1/sessions/{id}/reward`` | ``{"reward": float, "info"?: {...}}`` |
+| ``POST /v1/sessions/{id}/close`` | no more turns; the trajectory is final |
+| ``GET /health`` | ``{"status": "ok", ...}`` |
+
+A session comes from the path, else the ``X-Session-ID`` header, else the request joins the open session whose
+turn its messages extend, else starts one; the answer's ``X-Session-ID`` header names it. ``X-Session-Group``
+puts a new session in a group (GRPO).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from backends_gateway.errors import GatewayError, Overloaded
+from backends_gateway.gateway import Gateway, Served, Started, TextDelta, check_session_id
+from backends_gateway.openai_chat import ChatCall, chat_completion, chunk, error_body, finish_reason, parse_chat_request
+
+__all__ = ["create_app", "serve"]
+
+GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(body: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
+
+
+def _error(exc: GatewayError) -> web.Response:
+    headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, Overloaded) else None
+    return _json(error_body(exc), status=exc.status, headers=headers)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure in OpenAI's error shape, naming what was wrong."""
+    try:
+        return await handler(request)
+    except GatewayError as exc:
+        return _error(exc)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return _error(GatewayError(413, f"the body is larger than the gateway's max_body_bytes ({exc.text})", param="body", code="body_too_large"))
+    except web.HTTPNotFound:
+        return _error(
+            GatewayError(404, f"no route {request.method} {request.path}", kind="not_found_error", code="unknown_route")
+        )
+    except web.HTTPMethodNotAllowed as exc:
+        return _error(
+            GatewayError(
+                405, f"{request.method} {request.path} is not allowed (allowed: {sorted(exc.allowed_methods)})",
+                code="method_not_allowed",
+            )
+        )
+
+
+async def _body(request: web.Request) -> Any:
+    raw = await request.read()
+    if not raw:
+        raise GatewayError(400, "the request has no body: send a JSON object", param="body", code="invalid_json")
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise GatewayError(400, f"the body is not valid JSON: {exc}", param="body", code="invalid_json") from None
+
+
+def _session_of(request: web.Request) -> str | None:
+    return request.match_info.get("session") or request.headers.get("X-Session-ID") or None
+
+
+def _gateway(request: web.Request) -> Gateway:
+    return request.app[GATEWAY_KEY]
+
+
+def _check_model(gateway: Gateway, call: ChatCall) -> None:
+    served = gateway.model
+    if served is not None and call.model != served:
+        raise GatewayError(
+            404,
+            f"the model {call.model!r} is not served here: this gateway serves {served!r}",
+            kind="not_found_error",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _logprobs(gateway: Gateway, served: Served) -> list[dict[str, Any]]:
+    tokenizer = gateway.client.tokenizer
+    result = served.result
+    tops = result.top_logprobs
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    out = []
+    for i, (token_id, logprob) in enumerate(zip(result.completion_ids, result.logprobs.tolist(), strict=True)):
+        item = entry(token_id, logprob)
+        item["top_logprobs"] = [] if tops is None else [entry(t.token_id, t.logprob) for t in tops[i]]
+        out.append(item)
+    return out
+
+
+def _headers(served: Served | Started) -> dict[str, str]:
+    headers = {"X-Session-ID": served.session}
+    if isinstance(served, Served):
+        headers["X-Turn"] = str(served.record.turn)
+        headers["X-Branch"] = str(served.record.branch)
+    return headers
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    gateway = _gateway(request)
+    call = parse_chat_request(await _body(request), max_completion_tokens=gateway.limits.max_completion_tokens)
+    _check_model(gateway, call)
+    session = _session_of(request)
+    group = request.headers.get("X-Session-Group") or None
+    if call.stream:
+        return await _stream(request, gateway, call, session, group)
+    served = await gateway.turn(call.turn, session=session, group=group)
+    result = served.result
+    body = chat_completion(
+        id=f"chatcmpl-{served.session}-{served.record.turn}",
+        model=call.model,
+        message=served.message,
+        finish=result.finish_reason,
+        prompt_tokens=len(result.prompt_ids),
+        completion_tokens=len(result.completion_ids),
+        logprobs=_logprobs(gateway, served) if call.logprobs else None,
+        fingerprint=result.weight_version,
+    )
+    return _json(body, headers=_headers(served))
+
+
+async def _stream(
+    request: web.Request, gateway: Gateway, call: ChatCall, session: str | None, group: str | None
+) -> web.StreamResponse:
+    events = gateway.stream_turn(call.turn, session=session, group=group)
+    first = await anext(events)  # the session is placed (or the request refused) before anything is sent
+    assert isinstance(first, Started)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_headers(first)})
+    await response.prepare(request)
+    created = int(time.time())
+    ident = f"chatcmpl-{first.session}-{uuid_suffix()}"
+
+    async def send(body: dict[str, Any]) -> None:
+        await response.write(b"data: " + orjson.dumps(body) + b"\n\n")
+
+    await send(chunk(id=ident, model=call.model, created=created, delta={"role": "assistant", "content": ""}))
+    try:
+        async for event in events:
+            if isinstance(event, TextDelta):
+                key = "content" if event.kind == "content" else "reasoning_content"
+                await send(chunk(id=ident, model=call.model, created=created, delta={key: event.text}))
+            elif isinstance(event, Served):
+                await _finish_stream(send, gateway, call, event, ident, created)
+    except GatewayError as exc:
+        await send(error_body(exc))
+    finally:
+        with contextlib.suppress(Exception):
+            await events.aclose()
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def _finish_stream(
+    send: Callable[[dict[str, Any]], Awaitable[None]],
+    gateway: Gateway,
+    call: ChatCall,
+    served: Served,
+    ident: str,
+    created: int,
+) -> None:
+    message = served.message
+    for i, tool_call in enumerate(message.get("tool_calls") or ()):
+        delta = {"tool_calls": [{"index": i, **tool_call}]}
+        await send(chunk(id=ident, model=call.model, created=created, delta=delta))
+    result = served.result
+    await send(
+        chunk(
+            id=ident,
+            model=call.model,
+            created=created,
+            delta={},
+            finish=finish_reason(message, result.finish_reason),
+            logprobs=_logprobs(gateway, served) if call.logprobs else None,
+        )
+    )
+    if call.include_usage:
+        prompt, completion = len(result.prompt_ids), len(result.completion_ids)
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        await send(chunk(id=ident, model=call.model, created=created, delta=None, usage_=usage))
+
+
+def uuid_suffix() -> str:
+    import uuid
+
+    return uuid.uuid4().hex[:12]
+
+
+async def models(request: web.Request) -> web.Response:
+    gateway = _gateway(request)
+    name = gateway.model or "default"
+    model = {"id": name, "object": "model", "created": int(gateway.started), "owned_by": "backends"}
+    return _json({"object": "list", "data": [model]})
+
+
+def _after(request: web.Request) -> float | None:
+    raw = request.query.get("after")
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise GatewayError(400, f"after must be a time in seconds, got {raw!r}", param="after", code="invalid_value") from None
+    return value
+
+
+def _limit(request: web.Request) -> int:
+    raw = request.query.get("limit", "1000")
+    if not raw.isdigit() or not 1 <= int(raw) <= 10_000:
+        raise GatewayError(400, f"limit must be an integer in [1, 10000], got {raw!r}", param="limit", code="invalid_value")
+    return int(raw)
+
+
+async def list_sessions(request: web.Request) -> web.Response:
+    gateway = _gateway(request)
+    unknown = sorted(set(request.query) - {"group", "status", "limit", "after"})
+    if unknown:
+        raise GatewayError(400, f"unknown query parameter {unknown[0]!r}", param=unknown[0], code="unknown_parameter")
+    data = await gateway.sessions(
+        group=request.query.get("group"), status=request.query.get("status"), limit=_limit(request), after=_after(request)
+    )
+    return _json({"object": "list", "data": data})
+
+
+async def get_session(request: web.Request) -> web.Response:
+    return _json(await _gateway(request).summary(request.match_info["id"]))
+
+
+async def trajectory(request: web.Request) -> web.Response:
+    return _json(await _gateway(request).trajectory(request.match_info["id"]))
+
+
+async def reward(request: web.Request) -> web.Response:
+    body = await _body(request)
+    if not isinstance(body, dict) or set(body) - {"reward", "info"}:
+        raise GatewayError(400, 'the body must be {"reward": number, "info"?: {...}}', param="body", code="invalid_value")
+    value = body.get("reward")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise GatewayError(400, f"reward must be a finite number, got {value!r}", param="reward", code="invalid_value")
+    info = body.get("info")
+    if info is not None and not isinstance(info, dict):
+        raise GatewayError(400, "info must be an object", param="info", code="invalid_type")
+    return _json(await _gateway(request).set_reward(request.match_info["id"], float(value), info))
+
+
+async def close(request: web.Request) -> web.Response:
+    check_session_id(request.match_info["id"], "session")
+    return _json(await _gateway(request).close(request.match_info["id"]))
+
+
+async def health(request: web.Request) -> web.Response:
+    gateway = _gateway(request)
+    return _json({"status": "ok", "model": gateway.model, "open_sessions": len(gateway._sessions)})
+
+
+def create_app(gateway: Gateway) -> web.Application:
+    """The aiohttp application serving ``gateway`` (its client and store opened by the caller)."""
+    app = web.Application(middlewares=[_errors], client_max_size=gateway.limits.max_body_bytes)
+    app[GATEWAY_KEY] = gateway
+    for prefix in ("", "/s/{session}"):
+        app.router.add_post(prefix + "/v1/chat/completions", chat_completions)
+        app.router.add_get(prefix + "/v1/models", models)
+    app.router.add_get("/v1/sessions", list_sessions)
+    app.router.add_get("/v1/sessions/{id}", get_session)
+    app.router.add_get("/v1/sessions/{id}/trajectory", trajectory)
+    app.router.add_post("/v1/sessions/{id}/reward", reward)
+    app.router.add_post("/v1/sessions/{id}/close", close)
+    app.router.add_get("/health", health)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def serve(gateway: Gateway, *, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
+    """Serve ``gateway`` until the block exits; yields the base URL (``port=0``: a free port)."""
+    runner = web.AppRunner(create_app(gateway), access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        server = site._server
+        assert server is not None
+        bound = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+        yield f"http://{host}:{bound}"
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,536 @@
+"""The gateway's core, independent of any wire: a turn asked for (:class:`TurnRequest`) is placed in its session
+and branch, generated token-in/token-out through a :class:`~backends_core.Client` (extending the exact ids of
+the turn it continues, pinned to that session's server), parsed into the assistant message, and kept durably
+before it is answered. The routes (:mod:`backends_gateway.app`) only translate wires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from backends_core import BackendError, BridgeError, Client, GenerateResult
+from backends_gateway.errors import GatewayError, Overloaded, from_backend_error
+from backends_gateway.sessions import (
+    STATUSES,
+    Branch,
+    SessionRecord,
+    SessionState,
+    TurnRecord,
+    TurnRequest,
+    chain_digests,
+)
+from backends_gateway.store import Store
+from backends_gateway.trajectory import trajectory_json
+
+__all__ = ["Gateway", "GatewayLimits", "Served", "Started", "TextDelta"]
+
+log = logging.getLogger("backends_gateway")
+_SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
+
+
+@attrs.frozen(kw_only=True)
+class GatewayLimits:
+    """What one gateway process takes at most.
+
+    :param max_body_bytes: a request body's size.
+    :param max_sessions: open sessions held at once (a new one past it is answered 429).
+    :param max_turns_per_session: answered turns of one session.
+    :param max_tokens_per_session: a session's longest sequence plus a turn's ``max_tokens``.
+    :param max_in_flight: turns generating at once (past it: 429 with ``Retry-After``).
+    :param max_completion_tokens: a turn's completion at most; a request naming none may use all of it.
+    :param retry_after_s: the ``Retry-After`` of a 429.
+    """
+
+    max_body_bytes: int = 16 << 20
+    max_sessions: int = 100_000
+    max_turns_per_session: int = 1024
+    max_tokens_per_session: int = 1 << 20
+    max_in_flight: int = 4096
+    max_completion_tokens: int = 4096
+    retry_after_s: int = 1
+
+
+@attrs.frozen(kw_only=True)
+class TextDelta:
+    """Streamed text of the reply: ``kind`` is ``"content"`` or ``"reasoning"``."""
+
+    kind: str
+    text: str
+
+
+@attrs.frozen(kw_only=True)
+class Started:
+    """A streamed turn's first event: the session it joined (sent before any text)."""
+
+    session: str
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Served:
+    """An answered turn: the reply as the harness gets it, and its record (already durable)."""
+
+    session: str
+    record: TurnRecord
+    result: GenerateResult
+    message: Mapping[str, Any]
+
+
+@attrs.define(kw_only=True)
+class _Plan:
+    """Where a turn goes: the turn it extends (``None``: rendered whole) and its branch (``None``: a new one,
+    started by ``reason``)."""
+
+    previous: TurnRecord | None
+    branch: int | None
+    reason: str | None
+    parent_branch: int | None
+    digests: list[bytes]
+
+
+def new_session_id() -> str:
+    return uuid.uuid4().hex
+
+
+def check_session_id(value: str, where: str) -> str:
+    if not _SESSION_ID.fullmatch(value):
+        raise GatewayError(
+            400, f"{where} must match [A-Za-z0-9._:@-]{{1,128}}, got {value[:160]!r}", param=where, code="session_id"
+        )
+    return value
+
+
+class Gateway:
+    """Sessions over one client and one store.
+
+    :param client: an open :class:`~backends_core.Client` (any backend, fleet or router front). Its stateless
+        turn cache is not used: the gateway keeps the turns and extends them itself (``previous=``), and a turn
+        that cannot reuse the ids it should starts a new branch, never a re-render inside one.
+    :param store: where turns are kept (:class:`~backends_gateway.SQLiteStore` by default in the CLI).
+    :param limits: see :class:`GatewayLimits`.
+    """
+
+    def __init__(self, client: Client, store: Store, *, limits: GatewayLimits | None = None) -> None:
+        self.client = client
+        self.store = store
+        self.limits = limits or GatewayLimits()
+        self._sessions: dict[str, SessionState] = {}
+        self._loading: dict[str, asyncio.Future[SessionState | None]] = {}
+        self._joined: dict[bytes, str] = {}  # a turn's digest -> its open session (for requests naming none)
+        self._in_flight = 0
+        self.started = time.time()
+
+    @property
+    def model(self) -> str | None:
+        """The served model name (``config.model``)."""
+        return self.client.config.model
+
+    async def open(self) -> None:
+        await self.store.open()
+
+    async def aclose(self) -> None:
+        await self.store.aclose()
+
+    async def __aenter__(self) -> Gateway:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- sessions ------------------------------------------------------------------------------------------
+
+    async def _load(self, session: str) -> SessionState | None:
+        """A stored session into memory (after a restart, or one another process wrote); ``None``: unknown."""
+        record = await self.store.get_session(session)
+        if record is None:
+            return None
+        state = SessionState(record=record)
+        for branch in await self.store.branches(session):
+            state.branches[branch.branch] = branch
+        for turn in await self.store.turns(session):
+            digest = state.key(turn)
+            state.add(turn, digest)
+            if record.status == "open":
+                self._joined[digest] = session
+        return state
+
+    async def state(self, session: str) -> SessionState | None:
+        """The session, from memory or the store; ``None`` if unknown."""
+        state = self._sessions.get(session)
+        if state is not None:
+            return state
+        pending = self._loading.get(session)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[SessionState | None] = asyncio.get_running_loop().create_future()
+        self._loading[session] = future
+        try:
+            state = await self._load(session)
+            if state is not None and state.record.status == "open":
+                self._sessions[session] = state
+            future.set_result(state)
+            return state
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: a waiter re-raises it
+            raise
+        finally:
+            del self._loading[session]
+
+    async def _create(self, session: str, group: str | None) -> SessionState:
+        if len(self._sessions) >= self.limits.max_sessions:
+            raise Overloaded(
+                f"{len(self._sessions)} sessions are open (the gateway's max_sessions): close finished sessions "
+                "(POST /v1/sessions/{id}/close) or retry later",
+                retry_after=self.limits.retry_after_s,
+                code="too_many_sessions",
+            )
+        state = SessionState(record=SessionRecord(id=session, group=group))
+        self._sessions[session] = state
+        try:
+            await self.store.create_session(state.record)
+        except BaseException:
+            self._sessions.pop(session, None)
+            raise
+        return state
+
+    async def _session_for(
+        self, session: str | None, group: str | None, digests: Sequence[bytes], messages: Sequence[Mapping[str, Any]]
+    ) -> SessionState:
+        if session is not None:
+            state = await self.state(session)
+            if state is None:
+                state = self._sessions.get(session) or await self._create(session, group)
+        else:
+            state = None
+            for i in range(len(digests) - 1, -1, -1):
+                if messages[i].get("role") == "assistant" and digests[i] in self._joined:
+                    state = self._sessions.get(self._joined[digests[i]])
+                    if state is not None:
+                        break
+            if state is None:
+                state = await self._create(new_session_id(), group)
+        record = state.record
+        if record.status != "open":
+            raise GatewayError(409, f"session {record.id} is closed", param="session", code="session_closed")
+        if group is not None and record.group != group:
+            raise GatewayError(
+                400,
+                f"session {record.id} is in group {record.group!r}, not {group!r}",
+                param="X-Session-Group",
+                code="group_mismatch",
+            )
+        return state
+
+    def _plan(self, state: SessionState, request: TurnRequest, digests: list[bytes]) -> _Plan:
+        anchor = state.anchor(digests, request.messages)
+        if anchor is None:
+            if not state.branch_of:
+                return _Plan(previous=None, branch=None, reason="first", parent_branch=None, digests=digests)
+            return _Plan(
+                previous=None, branch=None, reason="rewritten", parent_branch=state.last_branch, digests=digests
+            )
+        branch = state.branch_of[anchor]
+        tip = state.tips[branch]
+        if tip.turn == anchor and branch not in state.claimed:
+            state.claimed.add(branch)
+            return _Plan(previous=tip, branch=branch, reason=None, parent_branch=None, digests=digests)
+        reason = "concurrent" if tip.turn == anchor else "edited"
+        return _Plan(previous=None, branch=None, reason=reason, parent_branch=branch, digests=digests)
+
+    async def _previous(self, state: SessionState, plan: _Plan, anchor_turn: int | None) -> None:
+        """Fill ``plan.previous`` for a new branch extending a turn that is no branch's tip (from the store)."""
+        if anchor_turn is None:
+            return
+        for turn in await self.store.turns(state.record.id):
+            if turn.turn == anchor_turn:
+                plan.previous = turn
+                return
+
+    def _check_limits(self, state: SessionState, request: TurnRequest) -> None:
+        limits = self.limits
+        if state.record.counts["turns"] >= limits.max_turns_per_session:
+            raise GatewayError(
+                400,
+                f"session {state.record.id} has {state.record.counts['turns']} turns, the gateway's "
+                f"max_turns_per_session",
+                param="session",
+                code="session_turn_limit",
+            )
+        if state.longest + request.sampling.max_tokens > limits.max_tokens_per_session:
+            raise GatewayError(
+                400,
+                f"session {state.record.id}'s longest sequence ({state.longest} ids) plus max_tokens "
+                f"({request.sampling.max_tokens}) passes the gateway's max_tokens_per_session "
+                f"({limits.max_tokens_per_session})",
+                param="max_tokens",
+                code="session_token_limit",
+            )
+
+    def _admit(self) -> None:
+        if self._in_flight >= self.limits.max_in_flight:
+            raise Overloaded(
+                f"{self._in_flight} turns are generating (the gateway's max_in_flight)",
+                retry_after=self.limits.retry_after_s,
+                code="too_many_requests",
+            )
+
+    async def _begin(
+        self, request: TurnRequest, session: str | None, group: str | None
+    ) -> tuple[SessionState, _Plan]:
+        if session is not None:
+            check_session_id(session, "session")
+        if group is not None:
+            check_session_id(group, "X-Session-Group")
+        self._admit()
+        digests = chain_digests(request.messages, request.tools, request.chat_template_kwargs)
+        state = await self._session_for(session, group, digests, request.messages)
+        self._check_limits(state, request)
+        plan = self._plan(state, request, digests)
+        if plan.previous is None and plan.reason in ("edited", "concurrent"):
+            await self._previous(state, plan, state.anchor(digests, request.messages))
+        return state, plan
+
+    def _end(self, state: SessionState, plan: _Plan) -> None:
+        if plan.branch is not None:
+            state.claimed.discard(plan.branch)
+
+    def _generate_args(self, state: SessionState, request: TurnRequest, plan: _Plan) -> dict[str, Any]:
+        return {
+            "messages": request.messages,
+            "sampling": request.sampling,
+            "tools": request.tools,
+            "chat_template_kwargs": request.chat_template_kwargs,
+            "return_routed_experts": request.return_routed_experts,
+            "session": state.record.id,
+            "previous": None if plan.previous is None else plan.previous.result(),
+            "request_id": f"{state.record.id}-{uuid.uuid4().hex[:12]}",
+        }
+
+    def _refused(self, state: SessionState, plan: _Plan, exc: BridgeError) -> None:
+        """The client refused to extend the planned turn: a new branch, rendered whole."""
+        log.info("session %s: %s; the turn starts a new branch rendered whole", state.record.id, exc)
+        self._end(state, plan)
+        parent = plan.branch if plan.branch is not None else plan.parent_branch
+        plan.previous, plan.branch, plan.reason, plan.parent_branch = None, None, exc.reason, parent
+
+    async def _record(
+        self, state: SessionState, plan: _Plan, request: TurnRequest, result: GenerateResult
+    ) -> Served:
+        record = state.record
+        message = self.client.parse_completion(result)
+        counts = dict(record.counts)
+        new_branch = None
+        if plan.branch is None:
+            number = len(state.branches)
+            new_branch = Branch(
+                session=record.id,
+                branch=number,
+                parent_branch=plan.parent_branch,
+                parent_turn=None if plan.previous is None else plan.previous.turn,
+                reason=plan.reason or "first",
+                created=time.time(),
+            )
+            state.branches[number] = new_branch
+            if number > 0:
+                counts["branched"] += 1
+            branch = number
+        else:
+            branch = plan.branch
+        if plan.previous is not None:
+            counts["bridged"] += 1
+        elif state.branch_of:
+            counts["rerendered"] += 1
+        turn = TurnRecord.of(
+            result,
+            session=record.id,
+            turn=counts["turns"],
+            branch=branch,
+            parent=None if plan.previous is None else plan.previous.turn,
+            request=request,
+            reply=message,
+            model=self.model or "",
+        )
+        counts["turns"] += 1
+        record.counts = counts
+        digest = chain_digests([*request.messages, message], request.tools, request.chat_template_kwargs)[-1]
+        state.add(turn, digest)  # before the store answers, so a concurrent turn numbers after it
+        await self.store.record_turn(turn, record, new_branch)
+        self._joined[digest] = record.id
+        return Served(session=record.id, record=turn, result=result, message=message)
+
+    # -- turns ---------------------------------------------------------------------------------------------
+
+    async def turn(self, request: TurnRequest, *, session: str | None = None, group: str | None = None) -> Served:
+        """Generate and keep one turn; returns once it is durable.
+
+        :raises GatewayError: bad input (400), a closed session (409), a limit (429), an engine failure (5xx).
+        """
+        state, plan = await self._begin(request, session, group)
+        self._in_flight += 1
+        try:
+            try:
+                result = await self.client.generate(**self._generate_args(state, request, plan))
+            except BridgeError as exc:
+                self._refused(state, plan, exc)
+                result = await self.client.generate(**self._generate_args(state, request, plan))
+            return await self._record(state, plan, request, result)
+        except BackendError as exc:
+            raise from_backend_error(exc) from exc
+        finally:
+            self._in_flight -= 1
+            self._end(state, plan)
+
+    async def stream_turn(
+        self, request: TurnRequest, *, session: str | None = None, group: str | None = None
+    ) -> AsyncIterator[Started | TextDelta | Served]:
+        """Generate one turn as a stream: :class:`Started` (the session), :class:`TextDelta` s of the reply as it is sampled, then (once the turn
+        is durable) the rest of the text the whole parse gives, then the :class:`Served` turn.
+
+        Text is only sent once no later token can change how it parses: content once the reasoning block (if the
+        template has one) is closed, and never past a ``<`` that may open tool-call markup. Leaving the iterator
+        early aborts the generation on the engine.
+        """
+        state, plan = await self._begin(request, session, group)
+        self._in_flight += 1
+        try:
+            yield Started(session=state.record.id)
+            try:
+                stream = self.client.stream(**self._generate_args(state, request, plan))
+            except BridgeError as exc:
+                self._refused(state, plan, exc)
+                stream = self.client.stream(**self._generate_args(state, request, plan))
+            splitter = _Splitter(self.client, stream.request.prompt_ids)
+            async with stream:
+                async for delta in stream:
+                    for event in splitter.feed(delta.completion_ids):
+                        yield event
+            served = await self._record(state, plan, request, stream.result)
+            for event in splitter.finish(served.message):
+                yield event
+            yield served
+        except BackendError as exc:
+            raise from_backend_error(exc) from exc
+        finally:
+            self._in_flight -= 1
+            self._end(state, plan)
+
+    # -- the trainer's side ----------------------------------------------------------------------------------
+
+    async def _known(self, session: str) -> SessionRecord:
+        check_session_id(session, "session")
+        state = self._sessions.get(session)
+        record = state.record if state is not None else await self.store.get_session(session)
+        if record is None:
+            raise GatewayError(404, f"no session {session!r}", kind="not_found_error", param="session", code="not_found")
+        return record
+
+    async def summary(self, session: str) -> dict[str, Any]:
+        return (await self._known(session)).as_json()
+
+    async def set_reward(self, session: str, reward: float, info: Mapping[str, Any] | None) -> dict[str, Any]:
+        record = await self._known(session)
+        record.reward, record.reward_info = reward, None if info is None else dict(info)
+        await self.store.update_session(record)
+        return record.as_json()
+
+    async def close(self, session: str) -> dict[str, Any]:
+        """Close a session: no more turns join it; its trajectory is final."""
+        record = await self._known(session)
+        if record.status != "closed":
+            record.status, record.closed = "closed", time.time()
+            await self.store.update_session(record)
+            state = self._sessions.pop(session, None)
+            if state is not None:
+                for digest in state.index:
+                    if self._joined.get(digest) == session:
+                        del self._joined[digest]
+        return record.as_json()
+
+    async def sessions(
+        self, *, group: str | None, status: str | None, limit: int, after: float | None
+    ) -> list[dict[str, Any]]:
+        if status is not None and status not in STATUSES:
+            raise GatewayError(400, f"status must be one of {list(STATUSES)}, got {status!r}", param="status", code="invalid_value")
+        records = await self.store.list_sessions(group=group, status=status, limit=limit, after=after)
+        live = self._sessions
+        return [(live[r.id].record if r.id in live else r).as_json() for r in records]
+
+    async def trajectory(self, session: str) -> dict[str, Any]:
+        record = await self._known(session)
+        branches = await self.store.branches(session)
+        turns = await self.store.turns(session)
+        return trajectory_json(record, branches, turns)
+
+
+class _Splitter:
+    """The reply's text as far as it is settled, while the completion streams: re-parses the completion so far
+    and releases only what no later token can change."""
+
+    def __init__(self, client: Client, prompt_ids: Sequence[int]) -> None:
+        self.client = client
+        self.prompt_ids = tuple(prompt_ids)
+        self.ids: list[int] = []
+        self.sent = {"reasoning": "", "content": ""}
+        self.reasoned = client.parsers["reasoning"] is None
+
+    def _parse(self) -> Mapping[str, Any]:
+        partial = GenerateResult(
+            prompt_ids=self.prompt_ids,
+            completion_ids=tuple(self.ids),
+            logprobs=np.zeros(len(self.ids), np.float32),
+            finish_reason="length",
+        )
+        return self.client.parse_completion(partial)
+
+    def _release(self, kind: str, text: str) -> TextDelta | None:
+        sent = self.sent[kind]
+        if len(text) > len(sent) and text.startswith(sent):
+            self.sent[kind] = text
+            return TextDelta(kind=kind, text=text[len(sent) :])
+        return None
+
+    def feed(self, ids: Sequence[int]) -> list[TextDelta]:
+        self.ids.extend(ids)
+        parsed = self._parse()
+        out = []
+        reasoning = parsed.get("reasoning_content")
+        if reasoning is not None:
+            self.reasoned = True
+            event = self._release("reasoning", reasoning)
+            if event is not None:
+                out.append(event)
+        if self.reasoned and not parsed.get("tool_calls"):
+            content = parsed.get("content") or ""
+            sent = self.sent["content"]
+            cut = content.find("<", len(sent))
+            event = self._release("content", content if cut < 0 else content[:cut])
+            if event is not None:
+                out.append(event)
+        return out
+
+    def finish(self, message: Mapping[str, Any]) -> list[TextDelta]:
+        out = []
+        for kind, key in (("reasoning", "reasoning_content"), ("content", "content")):
+            text = message.get(key) or ""
+            sent = self.sent[kind]
+            if not text.startswith(sent):
+                raise GatewayError(
+                    500,
+                    f"the streamed {kind} {sent!r:.80} is not a prefix of the whole parse {text!r:.80}",
+                    kind="server_error",
+                    code="stream_parse",
+                )
+            if len(text) > len(sent):
+                self.sent[kind] = text
+                out.append(TextDelta(kind=kind, text=text[len(sent) :]))
+        return out

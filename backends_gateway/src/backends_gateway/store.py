@@ -1,0 +1,407 @@
+"""Where sessions, branches and turns are kept: one :class:`Store` interface, and :class:`SQLiteStore`, the
+embedded default (one file, write-ahead log).
+
+A turn is durable when :meth:`Store.record_turn` returns: the gateway answers the harness only after that, so a
+gateway killed at any moment loses no answered turn. Writes from many sessions are committed together (one
+transaction, one sync, for every turn waiting), which keeps the durable path fast under concurrency.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import io
+import os
+import queue
+import sqlite3
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from backends_core import MessageSpan, RoutedExperts, WeightVersionSpan
+from backends_gateway.sessions import Branch, SessionRecord, TurnRecord
+
+__all__ = ["SQLiteStore", "Store", "open_store"]
+
+
+class Store(abc.ABC):
+    """The gateway's storage. Every method is safe to call concurrently; ``record_turn`` is durable on return."""
+
+    async def open(self) -> None:  # noqa: B027  (a store may need no set-up)
+        """Create or migrate the schema."""
+
+    async def aclose(self) -> None:  # noqa: B027
+        """Flush and release everything."""
+
+    @abc.abstractmethod
+    async def create_session(self, session: SessionRecord) -> None:
+        """Insert a new session (its id is new)."""
+
+    @abc.abstractmethod
+    async def record_turn(self, turn: TurnRecord, session: SessionRecord, branch: Branch | None) -> None:
+        """Keep an answered turn, the session's new counts and, when the turn started one, its branch, in one
+        durable transaction."""
+
+    @abc.abstractmethod
+    async def update_session(self, session: SessionRecord) -> None:
+        """Keep a session's status, reward and counts."""
+
+    @abc.abstractmethod
+    async def get_session(self, session: str) -> SessionRecord | None: ...
+
+    @abc.abstractmethod
+    async def list_sessions(
+        self, *, group: str | None = None, status: str | None = None, limit: int = 1000, after: float | None = None
+    ) -> list[SessionRecord]:
+        """Sessions by creation time (closed ones by closing time when ``status="closed"``), after ``after``."""
+
+    @abc.abstractmethod
+    async def branches(self, session: str) -> list[Branch]: ...
+
+    @abc.abstractmethod
+    async def turns(self, session: str) -> list[TurnRecord]: ...
+
+
+def open_store(spec: str | os.PathLike[str]) -> Store:
+    """The store a ``--store`` value names: a path (or ``sqlite:///path``) is a SQLite file."""
+    text = os.fspath(spec)
+    if text.startswith("sqlite://"):
+        text = text.removeprefix("sqlite://")
+    elif "://" in text:
+        raise ValueError(f"unknown store {text!r}: give a SQLite file path")
+    return SQLiteStore(text)
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    id TEXT PRIMARY KEY, grp TEXT, status TEXT NOT NULL, reward REAL, reward_info BLOB,
+    created REAL NOT NULL, closed REAL, counts BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sessions_by_group ON sessions (grp, status);
+CREATE INDEX IF NOT EXISTS sessions_by_close ON sessions (status, closed);
+CREATE TABLE IF NOT EXISTS branches (
+    session TEXT NOT NULL, branch INTEGER NOT NULL, parent_branch INTEGER, parent_turn INTEGER,
+    reason TEXT NOT NULL, created REAL NOT NULL, PRIMARY KEY (session, branch)
+);
+CREATE TABLE IF NOT EXISTS turns (
+    session TEXT NOT NULL, turn INTEGER NOT NULL, branch INTEGER NOT NULL, parent INTEGER, created REAL NOT NULL,
+    messages BLOB NOT NULL, tools BLOB, template_kwargs BLOB, reply BLOB NOT NULL,
+    prompt_ids BLOB NOT NULL, completion_ids BLOB NOT NULL, logprobs BLOB NOT NULL, finish_reason TEXT NOT NULL,
+    weight_version TEXT, weight_versions BLOB NOT NULL, message_spans BLOB NOT NULL, server TEXT,
+    reused_ids INTEGER NOT NULL, routed_experts BLOB, routed_start INTEGER, request BLOB NOT NULL,
+    PRIMARY KEY (session, turn)
+);
+"""
+
+_SESSION_COLUMNS = "id, grp, status, reward, reward_info, created, closed, counts"
+_TURN_COLUMNS = (
+    "session, turn, branch, parent, created, messages, tools, template_kwargs, reply, prompt_ids, completion_ids, "
+    "logprobs, finish_reason, weight_version, weight_versions, message_spans, server, reused_ids, routed_experts, "
+    "routed_start, request"
+)
+
+
+def _json(value: Any) -> bytes | None:
+    return None if value is None else orjson.dumps(value)
+
+
+def _loads(value: bytes | None) -> Any:
+    return None if value is None else orjson.loads(value)
+
+
+def _session_row(s: SessionRecord) -> tuple[Any, ...]:
+    return (s.id, s.group, s.status, s.reward, _json(s.reward_info), s.created, s.closed, orjson.dumps(s.counts))
+
+
+def _session(row: Sequence[Any]) -> SessionRecord:
+    return SessionRecord(
+        id=row[0],
+        group=row[1],
+        status=row[2],
+        reward=row[3],
+        reward_info=_loads(row[4]),
+        created=row[5],
+        closed=row[6],
+        counts=orjson.loads(row[7]),
+    )
+
+
+def _turn_row(t: TurnRecord) -> tuple[Any, ...]:
+    experts = None
+    if t.routed_experts is not None:
+        buffer = io.BytesIO()
+        np.save(buffer, t.routed_experts.experts, allow_pickle=False)
+        experts = buffer.getvalue()
+    return (
+        t.session,
+        t.turn,
+        t.branch,
+        t.parent,
+        t.created,
+        orjson.dumps(list(t.messages)),
+        _json(t.tools),
+        _json(t.chat_template_kwargs),
+        orjson.dumps(dict(t.reply)),
+        t.prompt_ids.astype("<i4").tobytes(),
+        t.completion_ids.astype("<i4").tobytes(),
+        t.logprobs.astype("<f4").tobytes(),
+        t.finish_reason,
+        t.weight_version,
+        orjson.dumps([[s.version, s.start, s.end] for s in t.weight_versions]),
+        orjson.dumps([[s.message, s.role, s.start, s.end, s.sampled] for s in t.message_spans]),
+        t.server,
+        t.reused_ids,
+        experts,
+        None if t.routed_experts is None else t.routed_experts.start,
+        orjson.dumps(dict(t.request)),
+    )
+
+
+def _turn(row: Sequence[Any]) -> TurnRecord:
+    experts = None
+    if row[18] is not None:
+        experts = RoutedExperts(experts=np.load(io.BytesIO(row[18]), allow_pickle=False), start=row[19])
+    return TurnRecord(
+        session=row[0],
+        turn=row[1],
+        branch=row[2],
+        parent=row[3],
+        created=row[4],
+        messages=orjson.loads(row[5]),
+        tools=_loads(row[6]),
+        chat_template_kwargs=_loads(row[7]),
+        reply=orjson.loads(row[8]),
+        prompt_ids=np.frombuffer(row[9], dtype="<i4"),
+        completion_ids=np.frombuffer(row[10], dtype="<i4"),
+        logprobs=np.frombuffer(row[11], dtype="<f4").astype(np.float32),
+        finish_reason=row[12],
+        weight_version=row[13],
+        weight_versions=tuple(WeightVersionSpan(version=v, start=s, end=e) for v, s, e in orjson.loads(row[14])),
+        message_spans=tuple(
+            MessageSpan(message=m, role=r, start=s, end=e, sampled=x) for m, r, s, e, x in orjson.loads(row[15])
+        ),
+        server=row[16],
+        reused_ids=row[17],
+        routed_experts=experts,
+        request=orjson.loads(row[20]),
+    )
+
+
+def _branch(row: Sequence[Any]) -> Branch:
+    return Branch(
+        session=row[0], branch=row[1], parent_branch=row[2], parent_turn=row[3], reason=row[4], created=row[5]
+    )
+
+
+class SQLiteStore(Store):
+    """Sessions in one SQLite file in write-ahead-log mode.
+
+    One writer thread commits whatever writes are waiting in one transaction (``synchronous=FULL``: durable
+    against a crash of the machine too, not only of the gateway); reads run on their own connections beside it.
+    The file can be read while a gateway writes it (:class:`~backends_gateway.Trajectories`, ``backends gateway
+    export``).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._writes: queue.Queue[tuple[Callable[[sqlite3.Connection], None], asyncio.Future[None]] | None] = (
+            queue.Queue()
+        )
+        self._writer: threading.Thread | None = None
+        self._local = threading.local()
+        self._lock = threading.Lock()
+
+    # -- connections ---------------------------------------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, timeout=60.0, isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("PRAGMA busy_timeout=60000")
+        return db
+
+    def _reader(self) -> sqlite3.Connection:
+        db: sqlite3.Connection | None = getattr(self._local, "db", None)
+        if db is None:
+            db = self._connect()
+            self._local.db = db
+        return db
+
+    async def open(self) -> None:
+        self.open_sync()
+
+    def open_sync(self) -> None:
+        """Create the file and schema if needed, and start the writer."""
+        with self._lock:
+            if self._writer is not None:
+                return
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = self._connect()
+            db.executescript(_SCHEMA)
+            self._writer = threading.Thread(target=self._write_loop, args=(db,), name="gateway-store", daemon=True)
+            self._writer.start()
+
+    async def aclose(self) -> None:
+        writer = self._writer
+        if writer is not None:
+            self._writes.put(None)
+            await asyncio.to_thread(writer.join)
+            self._writer = None
+
+    def _write_loop(self, db: sqlite3.Connection) -> None:
+        try:
+            while True:
+                first = self._writes.get()
+                if first is None:
+                    break
+                batch = [first]
+                while True:
+                    try:
+                        more = self._writes.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is None:
+                        self._writes.put(None)
+                        break
+                    batch.append(more)
+                error: BaseException | None = None
+                try:
+                    db.execute("BEGIN IMMEDIATE")
+                    for write, _ in batch:
+                        write(db)
+                    db.execute("COMMIT")
+                except BaseException as exc:
+                    error = exc
+                    if db.in_transaction:
+                        db.execute("ROLLBACK")
+                    if len(batch) > 1:  # one bad write must not fail the others: each on its own
+                        for write, future in batch:
+                            self._one(db, write, future)
+                        continue
+                for _, future in batch:
+                    _settle(future, error)
+        finally:
+            db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            db.close()
+
+    def _one(self, db: sqlite3.Connection, write: Callable[[sqlite3.Connection], None], future: Any) -> None:
+        try:
+            db.execute("BEGIN IMMEDIATE")
+            write(db)
+            db.execute("COMMIT")
+        except BaseException as exc:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            _settle(future, exc)
+        else:
+            _settle(future, None)
+
+    async def _write(self, write: Callable[[sqlite3.Connection], None]) -> None:
+        if self._writer is None:
+            self.open_sync()
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._writes.put((write, future))
+        await future
+
+    # -- writes --------------------------------------------------------------------------------------
+
+    async def create_session(self, session: SessionRecord) -> None:
+        row = _session_row(session)
+        await self._write(lambda db: db.execute(f"INSERT INTO sessions ({_SESSION_COLUMNS}) VALUES (?,?,?,?,?,?,?,?)", row))
+
+    async def record_turn(self, turn: TurnRecord, session: SessionRecord, branch: Branch | None) -> None:
+        row = _turn_row(turn)
+        counts = orjson.dumps(session.counts)
+        branch_row = None if branch is None else tuple(branch.as_json().values())
+
+        def write(db: sqlite3.Connection) -> None:
+            if branch_row is not None:
+                db.execute("INSERT INTO branches VALUES (?,?,?,?,?,?)", branch_row)
+            db.execute(f"INSERT INTO turns ({_TURN_COLUMNS}) VALUES ({','.join('?' * 21)})", row)
+            db.execute("UPDATE sessions SET counts = ? WHERE id = ?", (counts, session.id))
+
+        await self._write(write)
+
+    async def update_session(self, session: SessionRecord) -> None:
+        row = _session_row(session)
+        await self._write(
+            lambda db: db.execute(
+                "UPDATE sessions SET grp=?, status=?, reward=?, reward_info=?, created=?, closed=?, counts=? "
+                "WHERE id=?",
+                (*row[1:], row[0]),
+            )
+        )
+
+    # -- reads (sync: the trainer's reader and export use them directly) -------------------------------
+
+    def get_session_sync(self, session: str) -> SessionRecord | None:
+        row = self._reader().execute(f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE id = ?", (session,)).fetchone()
+        return None if row is None else _session(row)
+
+    def list_sessions_sync(
+        self, *, group: str | None = None, status: str | None = None, limit: int = 1000, after: float | None = None
+    ) -> list[SessionRecord]:
+        where, args = [], []
+        if group is not None:
+            where.append("grp = ?")
+            args.append(group)
+        if status is not None:
+            where.append("status = ?")
+            args.append(status)
+        order = "closed" if status == "closed" else "created"
+        if after is not None:
+            where.append(f"{order} > ?")
+            args.append(after)
+        clause = f"WHERE {' AND '.join(where)}" if where else ""
+        rows = self._reader().execute(
+            f"SELECT {_SESSION_COLUMNS} FROM sessions {clause} ORDER BY {order}, id LIMIT ?", (*args, limit)
+        )
+        return [_session(r) for r in rows]
+
+    def branches_sync(self, session: str) -> list[Branch]:
+        rows = self._reader().execute(
+            "SELECT session, branch, parent_branch, parent_turn, reason, created FROM branches "
+            "WHERE session = ? ORDER BY branch",
+            (session,),
+        )
+        return [_branch(r) for r in rows]
+
+    def turns_sync(self, session: str) -> list[TurnRecord]:
+        rows = self._reader().execute(
+            f"SELECT {_TURN_COLUMNS} FROM turns WHERE session = ? ORDER BY turn", (session,)
+        )
+        return [_turn(r) for r in rows]
+
+    async def get_session(self, session: str) -> SessionRecord | None:
+        return await asyncio.to_thread(self.get_session_sync, session)
+
+    async def list_sessions(
+        self, *, group: str | None = None, status: str | None = None, limit: int = 1000, after: float | None = None
+    ) -> list[SessionRecord]:
+        return await asyncio.to_thread(
+            lambda: self.list_sessions_sync(group=group, status=status, limit=limit, after=after)
+        )
+
+    async def branches(self, session: str) -> list[Branch]:
+        return await asyncio.to_thread(self.branches_sync, session)
+
+    async def turns(self, session: str) -> list[TurnRecord]:
+        return await asyncio.to_thread(self.turns_sync, session)
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    loop = future.get_loop()
+
+    def settle() -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+    loop.call_soon_threadsafe(settle)
