@@ -30,8 +30,10 @@ from backends_core.cli_common import (
     EXIT_USAGE,
     JsonArgumentParser,
     UsageError,
+    add_client_flags,
     add_json_flag,
     add_log_level_flag,
+    client_config,
     emit,
     int_list,
     nonnegative_int,
@@ -39,7 +41,6 @@ from backends_core.cli_common import (
     run_main,
 )
 from backends_core.client import Client
-from backends_core.config import ClientConfig
 from backends_core.driver import CAPABILITY_HOOKS
 from backends_core.errors import (
     FIRST_PARTY_EXTRAS,
@@ -56,15 +57,9 @@ from backends_core.types import LoraAdapter, SamplingParams
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
 
 
-def _config(args: argparse.Namespace) -> ClientConfig:
-    """The config file, then ``$BACKENDS_*``, then the flags (:meth:`ClientConfig.load`)."""
-    flags = {"backend": args.backend, "base_url": args.url, "model": args.model, "tokenizer": args.tokenizer}
-    return ClientConfig.load(args.config, section=args.section, flags=flags)
-
-
 def _run(args: argparse.Namespace, body: Callable[[Client], Awaitable[int]]) -> int:
     async def go() -> int:
-        async with Client(_config(args)) as client:
+        async with Client(client_config(args)) as client:
             return await body(client)
 
     return asyncio.run(go())
@@ -227,12 +222,12 @@ def _rollout(args: argparse.Namespace) -> int:
         n=args.n,
         routed_experts=args.routed_experts,
     )
-    return runs.execute(job, _run_options(args), lambda: _config(args))
+    return runs.execute(job, _run_options(args), lambda: client_config(args))
 
 
 def _teacher(args: argparse.Namespace) -> int:
     job = runs.TeacherJob(top_logprobs=args.top_logprobs)
-    return runs.execute(job, _run_options(args), lambda: _config(args))
+    return runs.execute(job, _run_options(args), lambda: client_config(args))
 
 
 def _messages_file(path: str) -> list[dict[str, Any]]:
@@ -435,16 +430,6 @@ def _print_versions(as_json: bool) -> int:
 # -- parser ----------------------------------------------------------------------------------------------
 
 
-def _client_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="TOML/JSON client config (default: $BACKENDS_CONFIG)")
-    p.add_argument("--section", default=None, help="table of the config file holding the client config")
-    p.add_argument("--backend", help="backend name (overrides the config)")
-    p.add_argument("--url", action="append", help="server base URL (repeat for a fleet; overrides the config)")
-    p.add_argument("--model", help="served model name")
-    p.add_argument("--tokenizer", help="local tokenizer directory (to render messages)")
-    add_json_flag(p)
-
-
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=positive_int, default=64, help="completion tokens at most (default: 64)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: 1.0; 0: greedy)")
@@ -503,11 +488,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, help_ in (("state", "aggregated state of every server"), ("health", "alias of state")):
         p = sub.add_parser(name, help=help_)
-        _client_flags(p)
+        add_client_flags(p)
         p.set_defaults(func=_state)
 
     p = sub.add_parser("pause", help="pause generation on every server")
-    _client_flags(p)
+    add_client_flags(p)
     p.add_argument(
         "--mode",
         choices=["abort", "wait", "keep"],
@@ -517,11 +502,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_admin_op("pause", lambda c, a: c.admin.pause(a.mode)))
 
     p = sub.add_parser("resume", help="resume generation on every server")
-    _client_flags(p)
+    add_client_flags(p)
     p.set_defaults(func=_admin_op("resume", lambda c, a: c.admin.resume()))
 
     p = sub.add_parser("update-weights", help="load weights from a directory on every server")
-    _client_flags(p)
+    add_client_flags(p)
     p.add_argument("path", help="checkpoint directory as the servers see it")
     p.add_argument("--version", required=True, help="the new weight version")
     p.add_argument("--sync", action="store_true", help="full weight sync: pause, update, flush, resume in finally")
@@ -529,7 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_admin_op("update-weights", _update_weights))
 
     p = sub.add_parser("load-lora", help="load (or with --replace hot-swap) a LoRA adapter on every server")
-    _client_flags(p)
+    add_client_flags(p)
     p.add_argument("name", help="the adapter's name (what requests ask for)")
     p.add_argument("path", help="the adapter's directory as the servers see it")
     p.add_argument("--replace", action="store_true", help="replace a loaded adapter of that name in place")
@@ -540,12 +525,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p = sub.add_parser("unload-lora", help="unload a LoRA adapter on every server")
-    _client_flags(p)
+    add_client_flags(p)
     p.add_argument("name", help="the adapter's name")
     p.set_defaults(func=_admin_op("unload-lora", lambda c, a: c.admin.unload_lora(a.name)))
 
     p = sub.add_parser("generate", help="one generation")
-    _client_flags(p)
+    add_client_flags(p)
     _sampling_flags(p)
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", help="a user message (rendered with the chat template)")
@@ -556,7 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
         "rollout",
         help="JSONL of conversations in, JSONL of results appended as each finishes (+ .npz routed experts)",
     )
-    _client_flags(p)
+    add_client_flags(p)
     _sampling_flags(p)
     p.add_argument(
         "input",
@@ -582,7 +567,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_rollout)
 
     p = sub.add_parser("teacher", help="score a JSONL of token sequences with teacher logprobs")
-    _client_flags(p)
+    add_client_flags(p)
     p.add_argument("input", help='JSONL: {"id"?, "token_ids": [...], "metadata"?} per line')
     p.add_argument(
         "output", help='JSONL appended as each finishes: {"id", "token_ids", "logprobs": [null, ...], "top_logprobs"?}'
@@ -597,7 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_teacher)
 
     p = sub.add_parser("check-tokenizer", help="compare local chat-template rendering with the server's /tokenize")
-    _client_flags(p)
+    add_client_flags(p)
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", help="a user message")
     group.add_argument("--messages", help="a JSON file with a list of messages")
@@ -629,7 +614,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the tiny models and the engine (default: 0)")
     add_json_flag(p)
     p.set_defaults(func=_serve)
+    _add_verbs(sub)
     return parser
+
+
+#: The entry-point group of verbs other distributions add: each entry point is ``register(subparsers)``, which adds
+#: its parser (``backends_gateway.cli:register`` adds ``gateway``).
+VERB_GROUP = "backends_core.cli"
+#: First-party verbs that come with an extra, and what to install when it is missing.
+OPTIONAL_VERBS = {"gateway": ("the OpenAI-compatible capture gateway over a client config", "gateway")}
+
+
+def _add_verbs(sub: Any) -> None:
+    """The installed distributions' verbs; a first-party verb not installed still parses and says what to install."""
+    added = set()
+    for ep in md.entry_points(group=VERB_GROUP):
+        ep.load()(sub)
+        added.add(ep.name)
+    for name, (help_, extra) in OPTIONAL_VERBS.items():
+        if name in added:
+            continue
+        p = sub.add_parser(name, help=f"{help_} (not installed)", add_help=True)
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+
+        def missing(args: argparse.Namespace, name: str = name, extra: str = extra) -> int:
+            raise MissingInstallError(f'backends {name} is not installed: pip install "backends[{extra}]"')
+
+        p.set_defaults(func=missing)
 
 
 def _dispatch(args: argparse.Namespace) -> int:

@@ -35,6 +35,7 @@ from typing import IO, Any, NoReturn
 import attrs
 import numpy as np
 
+from backends_core.config import ClientConfig
 from backends_core.errors import (
     AdminError,
     BackendConflictError,
@@ -55,6 +56,7 @@ __all__ = [
     "EXIT_USAGE",
     "JsonArgumentParser",
     "UsageError",
+    "add_client_flags",
     "add_json_flag",
     "emit",
     "error_object",
@@ -65,6 +67,7 @@ __all__ = [
     "nonnegative_int",
     "positive_int",
     "report_error",
+    "client_config",
     "run_main",
     "wants_json",
 ]
@@ -130,6 +133,24 @@ def add_json_flag(parser: argparse.ArgumentParser) -> None:
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def add_client_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags naming a client config (read by :func:`client_config`), and ``--json``."""
+    parser.add_argument("--config", help="TOML/JSON client config (default: $BACKENDS_CONFIG)")
+    parser.add_argument("--section", default=None, help="table of the config file holding the client config")
+    parser.add_argument("--backend", help="backend name (overrides the config)")
+    parser.add_argument("--url", action="append", help="server base URL (repeat for a fleet; overrides the config)")
+    parser.add_argument("--model", help="served model name")
+    parser.add_argument("--tokenizer", help="local tokenizer directory (to render messages)")
+    add_json_flag(parser)
+
+
+def client_config(args: argparse.Namespace) -> ClientConfig:
+    """The config file, then ``$BACKENDS_*``, then the flags of :func:`add_client_flags`
+    (:meth:`ClientConfig.load`)."""
+    flags = {"backend": args.backend, "base_url": args.url, "model": args.model, "tokenizer": args.tokenizer}
+    return ClientConfig.load(args.config, section=args.section, flags=flags)
 
 
 def add_log_level_flag(parser: argparse.ArgumentParser, *, verb: bool = True) -> None:

@@ -55,7 +55,14 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except GatewayError as exc:
         return _error(exc)
     except web.HTTPRequestEntityTooLarge as exc:
-        return _error(GatewayError(413, f"the body is larger than the gateway's max_body_bytes ({exc.text})", param="body", code="body_too_large"))
+        return _error(
+            GatewayError(
+                413,
+                f"the body is larger than the gateway's max_body_bytes ({exc.text})",
+                param="body",
+                code="body_too_large",
+            )
+        )
     except web.HTTPNotFound:
         return _error(
             GatewayError(404, f"no route {request.method} {request.path}", kind="not_found_error", code="unknown_route")
@@ -63,7 +70,8 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except web.HTTPMethodNotAllowed as exc:
         return _error(
             GatewayError(
-                405, f"{request.method} {request.path} is not allowed (allowed: {sorted(exc.allowed_methods)})",
+                405,
+                f"{request.method} {request.path} is not allowed (allowed: {sorted(exc.allowed_methods)})",
                 code="method_not_allowed",
             )
         )
@@ -153,7 +161,9 @@ async def _stream(
     events = gateway.stream_turn(call.turn, session=session, group=group)
     first = await anext(events)  # the session is placed (or the request refused) before anything is sent
     assert isinstance(first, Started)
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_headers(first)})
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_headers(first)}
+    )
     await response.prepare(request)
     created = int(time.time())
     ident = f"chatcmpl-{first.session}-{uuid_suffix()}"
@@ -228,14 +238,18 @@ def _after(request: web.Request) -> float | None:
     try:
         value = float(raw)
     except ValueError:
-        raise GatewayError(400, f"after must be a time in seconds, got {raw!r}", param="after", code="invalid_value") from None
+        raise GatewayError(
+            400, f"after must be a time in seconds, got {raw!r}", param="after", code="invalid_value"
+        ) from None
     return value
 
 
 def _limit(request: web.Request) -> int:
     raw = request.query.get("limit", "1000")
     if not raw.isdigit() or not 1 <= int(raw) <= 10_000:
-        raise GatewayError(400, f"limit must be an integer in [1, 10000], got {raw!r}", param="limit", code="invalid_value")
+        raise GatewayError(
+            400, f"limit must be an integer in [1, 10000], got {raw!r}", param="limit", code="invalid_value"
+        )
     return int(raw)
 
 
@@ -245,7 +259,10 @@ async def list_sessions(request: web.Request) -> web.Response:
     if unknown:
         raise GatewayError(400, f"unknown query parameter {unknown[0]!r}", param=unknown[0], code="unknown_parameter")
     data = await gateway.sessions(
-        group=request.query.get("group"), status=request.query.get("status"), limit=_limit(request), after=_after(request)
+        group=request.query.get("group"),
+        status=request.query.get("status"),
+        limit=_limit(request),
+        after=_after(request),
     )
     return _json({"object": "list", "data": data})
 
@@ -261,7 +278,9 @@ async def trajectory(request: web.Request) -> web.Response:
 async def reward(request: web.Request) -> web.Response:
     body = await _body(request)
     if not isinstance(body, dict) or set(body) - {"reward", "info"}:
-        raise GatewayError(400, 'the body must be {"reward": number, "info"?: {...}}', param="body", code="invalid_value")
+        raise GatewayError(
+            400, 'the body must be {"reward": number, "info"?: {...}}', param="body", code="invalid_value"
+        )
     value = body.get("reward")
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise GatewayError(400, f"reward must be a finite number, got {value!r}", param="reward", code="invalid_value")

@@ -284,9 +284,7 @@ class Gateway:
                 code="too_many_requests",
             )
 
-    async def _begin(
-        self, request: TurnRequest, session: str | None, group: str | None
-    ) -> tuple[SessionState, _Plan]:
+    async def _begin(self, request: TurnRequest, session: str | None, group: str | None) -> tuple[SessionState, _Plan]:
         if session is not None:
             check_session_id(session, "session")
         if group is not None:
@@ -323,9 +321,7 @@ class Gateway:
         parent = plan.branch if plan.branch is not None else plan.parent_branch
         plan.previous, plan.branch, plan.reason, plan.parent_branch = None, None, exc.reason, parent
 
-    async def _record(
-        self, state: SessionState, plan: _Plan, request: TurnRequest, result: GenerateResult
-    ) -> Served:
+    async def _record(self, state: SessionState, plan: _Plan, request: TurnRequest, result: GenerateResult) -> Served:
         record = state.record
         message = self.client.parse_completion(result)
         counts = dict(record.counts)
@@ -431,7 +427,9 @@ class Gateway:
         state = self._sessions.get(session)
         record = state.record if state is not None else await self.store.get_session(session)
         if record is None:
-            raise GatewayError(404, f"no session {session!r}", kind="not_found_error", param="session", code="not_found")
+            raise GatewayError(
+                404, f"no session {session!r}", kind="not_found_error", param="session", code="not_found"
+            )
         return record
 
     async def summary(self, session: str) -> dict[str, Any]:
@@ -460,7 +458,9 @@ class Gateway:
         self, *, group: str | None, status: str | None, limit: int, after: float | None
     ) -> list[dict[str, Any]]:
         if status is not None and status not in STATUSES:
-            raise GatewayError(400, f"status must be one of {list(STATUSES)}, got {status!r}", param="status", code="invalid_value")
+            raise GatewayError(
+                400, f"status must be one of {list(STATUSES)}, got {status!r}", param="status", code="invalid_value"
+            )
         records = await self.store.list_sessions(group=group, status=status, limit=limit, after=after)
         live = self._sessions
         return [(live[r.id].record if r.id in live else r).as_json() for r in records]

@@ -238,7 +238,11 @@ def parse_chat_request(body: Any, *, max_completion_tokens: int) -> ChatCall:
             "unsupported_parameter",
         )
     if body.get("parallel_tool_calls") not in (None, True):
-        raise _bad("parallel_tool_calls=false cannot be enforced by the gateway", "parallel_tool_calls", "unsupported_parameter")
+        raise _bad(
+            "parallel_tool_calls=false cannot be enforced by the gateway",
+            "parallel_tool_calls",
+            "unsupported_parameter",
+        )
     stream = body.get("stream")
     if stream not in (None, True, False):
         raise _bad("stream must be a boolean", "stream", "invalid_type")

@@ -311,7 +311,9 @@ class SQLiteStore(Store):
 
     async def create_session(self, session: SessionRecord) -> None:
         row = _session_row(session)
-        await self._write(lambda db: db.execute(f"INSERT INTO sessions ({_SESSION_COLUMNS}) VALUES (?,?,?,?,?,?,?,?)", row))
+        await self._write(
+            lambda db: db.execute(f"INSERT INTO sessions ({_SESSION_COLUMNS}) VALUES (?,?,?,?,?,?,?,?)", row)
+        )
 
     async def record_turn(self, turn: TurnRecord, session: SessionRecord, branch: Branch | None) -> None:
         row = _turn_row(turn)
@@ -371,9 +373,7 @@ class SQLiteStore(Store):
         return [_branch(r) for r in rows]
 
     def turns_sync(self, session: str) -> list[TurnRecord]:
-        rows = self._reader().execute(
-            f"SELECT {_TURN_COLUMNS} FROM turns WHERE session = ? ORDER BY turn", (session,)
-        )
+        rows = self._reader().execute(f"SELECT {_TURN_COLUMNS} FROM turns WHERE session = ? ORDER BY turn", (session,))
         return [_turn(r) for r in rows]
 
     async def get_session(self, session: str) -> SessionRecord | None:
