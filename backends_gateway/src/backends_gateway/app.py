@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -158,7 +158,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _stream(
     request: web.Request, gateway: Gateway, call: ChatCall, session: str | None, group: str | None
 ) -> web.StreamResponse:
-    events = gateway.stream_turn(call.turn, session=session, group=group)
+    events: AsyncGenerator[Started | TextDelta | Served, None] = gateway.stream_turn(
+        call.turn, session=session, group=group
+    )
     first = await anext(events)  # the session is placed (or the request refused) before anything is sent
     assert isinstance(first, Started)
     response = web.StreamResponse(

@@ -82,22 +82,23 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"argument --store: {exc}") from None
 
+    where = str(Path(args.store).resolve())
+
     async def run() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, stop.set)
         try:
-            async with Client(config) as client, Gateway(client, store, limits=limits) as gateway:
-                async with serve(gateway, host=args.host, port=args.port) as url:
-                    ready = {"url": url, "store": str(Path(args.store).resolve()), "model": config.model}
-                    emit(
-                        args,
-                        ready,
-                        f"gateway at {url} (OpenAI base_url {url}/v1), store {ready['store']} (Ctrl-C stops it)",
-                    )
-                    sys.stdout.flush()
-                    await stop.wait()
+            async with (
+                Client(config) as client,
+                Gateway(client, store, limits=limits) as gateway,
+                serve(gateway, host=args.host, port=args.port) as url,
+            ):
+                ready = {"url": url, "store": where, "model": config.model}
+                emit(args, ready, f"gateway at {url} (OpenAI base_url {url}/v1), store {where} (Ctrl-C stops it)")
+                sys.stdout.flush()
+                await stop.wait()
         finally:
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(signum)
@@ -137,7 +138,7 @@ def _export(args: argparse.Namespace) -> int:
     count = 0
     if args.format == "jsonl":
         out: IO[bytes]
-        with sys.stdout.buffer if args.output == "-" else open(args.output, "wb") as out:  # noqa: SIM115
+        with sys.stdout.buffer if args.output == "-" else open(args.output, "wb") as out:
             for row in rows:
                 out.write(orjson.dumps(row) + b"\n")
                 count += 1

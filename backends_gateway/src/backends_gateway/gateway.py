@@ -11,7 +11,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -388,9 +388,10 @@ class Gateway:
 
     async def stream_turn(
         self, request: TurnRequest, *, session: str | None = None, group: str | None = None
-    ) -> AsyncIterator[Started | TextDelta | Served]:
-        """Generate one turn as a stream: :class:`Started` (the session), :class:`TextDelta` s of the reply as it is sampled, then (once the turn
-        is durable) the rest of the text the whole parse gives, then the :class:`Served` turn.
+    ) -> AsyncGenerator[Started | TextDelta | Served, None]:
+        """Generate one turn as a stream: :class:`Started` (the session), :class:`TextDelta` s of the reply as it
+        is sampled, then (once the turn is durable) the rest of the text the whole parse gives, then the
+        :class:`Served` turn.
 
         Text is only sent once no later token can change how it parses: content once the reasoning block (if the
         template has one) is closed, and never past a ``<`` that may open tool-call markup. Leaving the iterator

@@ -208,7 +208,7 @@ class SQLiteStore(Store):
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self._writes: queue.Queue[tuple[Callable[[sqlite3.Connection], None], asyncio.Future[None]] | None] = (
+        self._writes: queue.Queue[tuple[Callable[[sqlite3.Connection], object], asyncio.Future[None]] | None] = (
             queue.Queue()
         )
         self._writer: threading.Thread | None = None
@@ -288,7 +288,7 @@ class SQLiteStore(Store):
             db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             db.close()
 
-    def _one(self, db: sqlite3.Connection, write: Callable[[sqlite3.Connection], None], future: Any) -> None:
+    def _one(self, db: sqlite3.Connection, write: Callable[[sqlite3.Connection], object], future: Any) -> None:
         try:
             db.execute("BEGIN IMMEDIATE")
             write(db)
@@ -300,7 +300,7 @@ class SQLiteStore(Store):
         else:
             _settle(future, None)
 
-    async def _write(self, write: Callable[[sqlite3.Connection], None]) -> None:
+    async def _write(self, write: Callable[[sqlite3.Connection], object]) -> None:
         if self._writer is None:
             self.open_sync()
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -347,7 +347,8 @@ class SQLiteStore(Store):
     def list_sessions_sync(
         self, *, group: str | None = None, status: str | None = None, limit: int = 1000, after: float | None = None
     ) -> list[SessionRecord]:
-        where, args = [], []
+        where: list[str] = []
+        args: list[Any] = []
         if group is not None:
             where.append("grp = ?")
             args.append(group)
