@@ -151,6 +151,8 @@ def benign_variants(parsed: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         for name, strip in (("no type", ("type",)), ("no id", ("id",)), ("no id, no type", ("id", "type"))):
             call_list = [{k: v for k, v in c.items() if k not in strip} for c in parsed["tool_calls"]]
             out.append((f"tool calls {name}", {**without, "tool_calls": call_list}))
+        indexed = [{"index": i, **c} for i, c in enumerate(parsed["tool_calls"])]
+        out.append(("tool calls with a streamed index", {**without, "tool_calls": indexed}))
         for seed in range(3):
             call_list = [
                 {**c, "function": {**c["function"], "arguments": reformatted(c["function"]["arguments"], seed + i)}}

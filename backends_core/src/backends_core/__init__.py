@@ -10,7 +10,16 @@ from __future__ import annotations
 import logging
 
 from backends_core.client import Client, GenerateStream
-from backends_core.config import AdminPolicy, ClientConfig, FleetPolicy, FrontConfig, Limits, RetryPolicy, Timeouts
+from backends_core.config import (
+    AdminPolicy,
+    ClientConfig,
+    FleetPolicy,
+    FrontConfig,
+    Limits,
+    RetryPolicy,
+    StatelessPolicy,
+    Timeouts,
+)
 from backends_core.errors import (
     AdminError,
     BackendConflictError,
@@ -134,6 +143,7 @@ __all__ = [
     "ServerState",
     "ServerStatusError",
     "StaleServerError",
+    "StatelessPolicy",
     "StatusHint",
     "StreamDelta",
     "Structured",

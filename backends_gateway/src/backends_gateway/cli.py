@@ -75,7 +75,9 @@ def _limits(args: argparse.Namespace) -> GatewayLimits:
 def _serve(args: argparse.Namespace) -> int:
     if args.port > 65535:
         raise UsageError(f"argument --port: must be in [0, 65535], got {args.port}")
-    config = client_config(args)
+    loaded = client_config(args)
+    # the gateway keeps each session's turns itself (the client's stateless cache would remember them twice)
+    config = attrs.evolve(loaded, stateless=attrs.evolve(loaded.stateless, enabled=False))
     limits = _limits(args)
     try:
         store = open_store(args.store)

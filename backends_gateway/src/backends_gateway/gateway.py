@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from backends_core import BackendError, BridgeError, Client, GenerateResult
+from backends_core import BackendError, BridgeError, Client, ConfigError, GenerateResult
 from backends_gateway.errors import GatewayError, Overloaded, from_backend_error
 from backends_gateway.sessions import (
     STATUSES,
@@ -111,14 +111,20 @@ def check_session_id(value: str, where: str) -> str:
 class Gateway:
     """Sessions over one client and one store.
 
-    :param client: an open :class:`~backends_core.Client` (any backend, fleet or router front). Its stateless
-        turn cache is not used: the gateway keeps the turns and extends them itself (``previous=``), and a turn
-        that cannot reuse the ids it should starts a new branch, never a re-render inside one.
+    :param client: an open :class:`~backends_core.Client` (any backend, fleet or router front) with the stateless
+        turn cache off (``stateless=StatelessPolicy(enabled=False)``): the gateway keeps the turns and extends them
+        itself (``previous=``), and a turn that cannot reuse the ids it should starts a new branch, never a
+        re-render inside one.
     :param store: where turns are kept (:class:`~backends_gateway.SQLiteStore` by default in the CLI).
     :param limits: see :class:`GatewayLimits`.
     """
 
     def __init__(self, client: Client, store: Store, *, limits: GatewayLimits | None = None) -> None:
+        if client.config.stateless.enabled:
+            raise ConfigError(
+                "the gateway keeps each session's turns itself: give it a client whose config has "
+                "stateless=StatelessPolicy(enabled=False) (backends gateway does this for you)"
+            )
         self.client = client
         self.store = store
         self.limits = limits or GatewayLimits()

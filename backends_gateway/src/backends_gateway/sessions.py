@@ -233,7 +233,7 @@ def _form(message: Mapping[str, Any]) -> dict[str, Any]:
             form.pop(key, None)
         calls = form.get("tool_calls")
         if calls:
-            form["tool_calls"] = [{k: v for k, v in c.items() if k not in ("id", "type")} for c in calls]
+            form["tool_calls"] = [{k: v for k, v in c.items() if k not in ("id", "type", "index")} for c in calls]
     return form
 
 

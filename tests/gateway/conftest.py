@@ -1,0 +1,77 @@
+"""Gateways for the tests: over the vLLM emulator (a real HTTP engine with the tiny model's random weights), or over
+a scripted backend (a chosen reply per turn: tool calls, reasoning) on the same template, parsers and bridging."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from backends_core import Client, ClientConfig
+from backends_core.config import StatelessPolicy
+from backends_core.multiturn.rendering import load_tokenizer
+from backends_gateway import Gateway, GatewayLimits, SQLiteStore, serve
+from backends_testkit.engine import ReferenceEngine
+from backends_vllm_testing.emulator import VllmEmulator
+from scripted_stream import StreamingScript
+
+#: the gateway keeps the turns itself
+OFF = StatelessPolicy(enabled=False)
+
+
+@attrs.frozen
+class Served:
+    url: str
+    gateway: Gateway
+    client: Client
+    model: str
+    store: Path
+    script: StreamingScript | None = None
+
+
+@pytest.fixture
+async def vllm_gateway(tiny_models: Any, tmp_path: Path) -> AsyncIterator[Served]:
+    """A gateway over the vLLM emulator serving the tiny dense model."""
+    engine = ReferenceEngine(tiny_models.dense, seed=0)
+    emulator = VllmEmulator(engine)
+    try:
+        async with emulator.serve() as engine_url:
+            config = ClientConfig(
+                backend="vllm",
+                base_url=engine_url,
+                model=emulator.served_model_name,
+                tokenizer=str(tiny_models.dense),
+                stateless=OFF,
+            )
+            store = tmp_path / "gateway.db"
+            async with Client(config) as client, Gateway(client, SQLiteStore(store)) as gateway, serve(gateway) as url:
+                yield Served(url, gateway, client, emulator.served_model_name, store)
+    finally:
+        await engine.aclose()
+
+
+@pytest.fixture
+def scripted_gateway(tiny_models: Any, tmp_path: Path) -> Any:
+    """``async with scripted_gateway(replies, limits=...) as served``: a gateway whose engine answers ``replies``
+    in order (``served.script`` records the requests)."""
+    tokenizer = load_tokenizer(str(tiny_models.dense))
+
+    @contextlib.asynccontextmanager
+    async def make(replies: list[str], *, limits: GatewayLimits | None = None, name: str = "g") -> AsyncIterator[Served]:
+        script = StreamingScript(tokenizer, replies)
+        config = ClientConfig(
+            backend="scripted", base_url="http://scripted", model="tiny", tokenizer=str(tiny_models.dense), stateless=OFF
+        )
+        store = tmp_path / f"{name}.db"
+        async with (
+            Client(config, plugin=script) as client,
+            Gateway(client, SQLiteStore(store), limits=limits) as gateway,
+            serve(gateway) as url,
+        ):
+            yield Served(url, gateway, client, "tiny", store, script)
+
+    return make
