@@ -23,16 +23,18 @@ Servers (``--servers``):
   (``loop="uvloop"``, ``http="httptools"`` when httptools is installed, else h11, ``log_level="warning"``,
   ``access_log=False``, ``lifespan="off"``, keep-alive timeout 75 s as aiohttp's).
 
-The load generator (this process, pinned to core 0, on uvloop) is a bare ``aiohttp.ClientSession`` (keep-alive,
-no connection limit) posting pre-built request bytes and reading each answer whole, ``--conc`` workers at once
-(1, 64, 256). A batch: a fresh session, an unmeasured warm-up of 2×concurrency requests, then ``--n`` requests
-(``--n-stream`` streamed ones): the server's CPU time (``psutil.Process(pid).cpu_times()`` user + system, all its
-threads) before and after, ÷ requests = server CPU µs per request; wall time → requests/s; each request's latency
-(post to the last byte read) → p50 / p99; the load generator's own CPU per request beside it (if it nears the
-wall time per request, the client is the bottleneck of that batch's latency). Each round starts every server
-afresh, then walks the cells (stream or not × concurrency) in a shuffled order and, in each cell, the servers in
-an order rotated per round, so a library and the floor are measured seconds apart; ratios to ``raw`` are taken
-per round and cell, then median [min-max].
+The load generator (this process, pinned to core 0, on uvloop) is a bare ``aiohttp.ClientSession`` (keep-alive, no
+connection limit) posting pre-built request bytes and reading each answer whole, ``--conc`` workers at once (1, 64,
+256). A batch: a fresh session, an unmeasured warm-up of 2×concurrency requests, then ``--n`` requests
+(``--n-stream`` streamed ones): the server process's CPU time (all its threads) before and after, ÷ requests =
+server CPU µs per request, read two ways: the process's CPU clock (``clock_gettime`` on the clock id of
+``clock_getcpuclockid(pid)``, exact to the ns; the figure reported) and ``psutil.Process(pid).cpu_times()`` user +
+system (``/proc/PID/stat``, 10 ms ticks: ±10 ms per batch; the ``(psutil)`` column, a cross-check); wall time →
+requests/s; each request's latency (post to the last byte read) → p50 / p99; the load generator's own CPU per
+request beside it (if it nears the wall time per request, the client is the bottleneck of that batch's latency).
+Each round starts every server afresh, then walks the cells (stream or not × concurrency) in a shuffled order and,
+in each cell, the servers in an order rotated per round, so a library and the floor are measured seconds apart;
+ratios to ``raw`` are taken per round and cell, then median [min-max].
 """
 
 from __future__ import annotations
