@@ -634,8 +634,9 @@ def _add_verbs(sub: Any) -> None:
     for name, (help_, extra) in OPTIONAL_VERBS.items():
         if name in added:
             continue
-        p = sub.add_parser(name, help=f"{help_} (not installed)", add_help=True)
-        p.add_argument("rest", nargs=argparse.REMAINDER)
+        # every argument taken as it is (no prefix character is ever typed): the answer is what to install
+        p = sub.add_parser(name, help=f"{help_} (not installed)", add_help=False, prefix_chars="\0")
+        p.add_argument("rest", nargs="*")
 
         def missing(args: argparse.Namespace, name: str = name, extra: str = extra) -> int:
             raise MissingInstallError(f'backends {name} is not installed: pip install "backends[{extra}]"')

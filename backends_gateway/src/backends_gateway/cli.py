@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import signal
 import sys
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import IO, Any
 
@@ -106,7 +107,17 @@ def _serve(args: argparse.Namespace) -> int:
                 loop.remove_signal_handler(signum)
         return EXIT_OK
 
-    return asyncio.run(run())
+    return _run(run)
+
+
+def _run(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
+    """``main()`` on uvloop where it is installed (less CPU per streamed turn; see bench/), else asyncio's loop."""
+    try:
+        import uvloop
+    except ModuleNotFoundError:
+        return asyncio.run(main())
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main())
 
 
 def export_rows(reader: Trajectories, *, group: str | None, status: str | None) -> Any:

@@ -345,8 +345,16 @@ class SQLiteStore(Store):
         return None if row is None else _session(row)
 
     def list_sessions_sync(
-        self, *, group: str | None = None, status: str | None = None, limit: int = 1000, after: float | None = None
+        self,
+        *,
+        group: str | None = None,
+        status: str | None = None,
+        limit: int = 1000,
+        after: float | None = None,
+        after_id: str | None = None,
     ) -> list[SessionRecord]:
+        """Sessions ordered by creation (closing, for ``status="closed"``) time then id, after ``(after,
+        after_id)`` (a page's last session: sessions of the same time are not skipped)."""
         where: list[str] = []
         args: list[Any] = []
         if group is not None:
@@ -356,7 +364,10 @@ class SQLiteStore(Store):
             where.append("status = ?")
             args.append(status)
         order = "closed" if status == "closed" else "created"
-        if after is not None:
+        if after is not None and after_id is not None:
+            where.append(f"({order} > ? OR ({order} = ? AND id > ?))")
+            args += [after, after, after_id]
+        elif after is not None:
             where.append(f"{order} > ?")
             args.append(after)
         clause = f"WHERE {' AND '.join(where)}" if where else ""

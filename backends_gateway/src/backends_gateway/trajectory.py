@@ -180,14 +180,17 @@ class Trajectories:
         self, *, group: str | None = None, status: str | None = None, after: float | None = None, page: int = 256
     ) -> Iterator[Trajectory]:
         """Sessions with that group and status, a page of records read at a time."""
+        after_id = None
         while True:
-            records = self.store.list_sessions_sync(group=group, status=status, limit=page, after=after)
+            records = self.store.list_sessions_sync(
+                group=group, status=status, limit=page, after=after, after_id=after_id
+            )
             for record in records:
                 yield self._trajectory(record)
             if len(records) < page:
                 return
             last = records[-1]
-            after = last.closed if status == "closed" else last.created
+            after, after_id = (last.closed if status == "closed" else last.created), last.id
 
     def __iter__(self) -> Iterator[Trajectory]:
         return self.closed()
