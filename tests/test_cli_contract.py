@@ -30,7 +30,7 @@ SERVER_VERBS = [
     "resume",
 ]
 FILE_VERBS = ["rollout", "teacher"]
-ALL_VERBS = ["list", *SERVER_VERBS, *FILE_VERBS, "demo", "serve"]
+ALL_VERBS = ["list", *SERVER_VERBS, *FILE_VERBS, "demo", "serve", "gateway", "gateway export"]
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,13 @@ def test_each_verb_exits_2_on_a_mistyped_backend(verb, tiny_models, verb_args, c
 
 @pytest.mark.parametrize("verb", ALL_VERBS)
 def test_each_verb_exits_2_on_an_unknown_option(verb, verb_args, capsys) -> None:
-    required = {"list": ["list"], "demo": ["demo"], "serve": ["serve", "--backend", "vllm"]}
+    required = {
+        "list": ["list"],
+        "demo": ["demo"],
+        "serve": ["serve", "--backend", "vllm"],
+        "gateway": ["gateway"],
+        "gateway export": ["gateway", "export", "-o", "x.jsonl"],
+    }
     argv = required.get(verb) or verb_args[verb]
     assert main([*argv, "--no-such-option", "--json"]) == 2
     error = json_error(capsys.readouterr().err)

@@ -111,12 +111,14 @@ class JsonArgumentParser(argparse.ArgumentParser):
     def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
         parsed, extras = self.parse_known_args(args, namespace)
         if extras:
-            usage = self.format_usage()
-            for action in self._actions:
-                if isinstance(action, argparse._SubParsersAction):
-                    chosen = action.choices.get(getattr(parsed, action.dest or "", None) or "")
-                    usage = chosen.format_usage() if chosen is not None else usage
-            raise UsageError(f"unrecognized arguments: {' '.join(extras)}", usage=usage)
+            parser: argparse.ArgumentParser = self
+            chosen: argparse.ArgumentParser | None = self
+            while chosen is not None:  # down to the innermost subcommand given (``gateway export``)
+                parser, chosen = chosen, None
+                for action in parser._actions:
+                    if isinstance(action, argparse._SubParsersAction):
+                        chosen = action.choices.get(getattr(parsed, action.dest or "", None) or "")
+            raise UsageError(f"unrecognized arguments: {' '.join(extras)}", usage=parser.format_usage())
         return parsed
 
 

@@ -327,7 +327,7 @@ def finish_reason(message: Mapping[str, Any], finish: str) -> str:
 def wire_message(message: Mapping[str, Any]) -> dict[str, Any]:
     """The assistant message as OpenAI's chat completion carries it (``reasoning_content`` as vLLM sends it)."""
     out: dict[str, Any] = {"role": "assistant", "content": message.get("content") or None}
-    if message.get("reasoning_content") is not None:
+    if message.get("reasoning_content"):  # an empty reasoning block is no reasoning (as a stream sends none)
         out["reasoning_content"] = message["reasoning_content"]
     if message.get("tool_calls"):
         out["tool_calls"] = list(message["tool_calls"])
