@@ -1,0 +1,26 @@
+"""The gateway (``backends_gateway``) in front of real SGLang 0.5.23 (CPU), driven by the official ``openai`` SDK as
+an unmodified harness drives it; the trajectory checked id by id and against SGLang's teacher scores (see
+``tests/live/gateway_checks.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gateway_checks import check_gateway_rollout
+
+from backends_core import Client, ClientConfig
+from backends_testkit.tinymodel import TinyModels
+
+pytestmark = pytest.mark.live
+
+
+async def test_a_harness_session_through_the_gateway_on_real_sglang_is_one_exact_branch(
+    sglang_dense_url: str, tiny_models: TinyModels, tmp_path: Path
+) -> None:
+    config = ClientConfig(
+        backend="sglang", base_url=sglang_dense_url, model="tiny-qwen3", tokenizer=str(tiny_models.dense)
+    )
+    async with Client(config) as client:
+        figures = await check_gateway_rollout(client, tmp_path / "gateway.db", name="sglang")
+    assert figures.turns == 3
