@@ -23,6 +23,7 @@ class StreamingScript(ScriptedBackend):
         self.gate = asyncio.Event()
         self.gate.set()
         self.started = 0
+        self.entered = asyncio.Event()  # set once a generation has reached the engine
         self.fail: BaseException | None = None
 
     def _result(self, raw: str, request: GenerateRequest, server_url: str) -> GenerateResult:
@@ -38,6 +39,7 @@ class StreamingScript(ScriptedBackend):
     async def _next(self, request: GenerateRequest) -> str:
         self.requests.append(request)
         self.started += 1
+        self.entered.set()
         await self.gate.wait()
         if self.fail is not None:
             exc, self.fail = self.fail, None
@@ -53,7 +55,9 @@ class StreamingScript(ScriptedBackend):
         return [self._result(raw, request, server_url)]
 
     @hookimpl
-    def post_generate_stream(self, server: Any, request: GenerateRequest) -> AsyncIterator[StreamDelta | GenerateResult]:
+    def post_generate_stream(
+        self, server: Any, request: GenerateRequest
+    ) -> AsyncIterator[StreamDelta | GenerateResult]:
         async def deltas() -> AsyncIterator[StreamDelta | GenerateResult]:
             result = self._result(await self._next(request), request, server.base_url)
             for i, token in enumerate(result.completion_ids):

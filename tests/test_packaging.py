@@ -42,6 +42,7 @@ def test_every_member_is_a_src_layout_typed_distribution() -> None:
         "backends_dynamo/testing",
         "backends_sglang",
         "backends_sglang/testing",
+        "backends_gateway",
     ]
     for name in MEMBERS:
         package = package_of(name)
@@ -76,7 +77,9 @@ def test_extras_pull_members_in_lockstep() -> None:
         assert extras[backend] == [f"backends-{backend}=={version}"]
         assert member(f"backends_{backend}")["project"]["version"] == version
         assert md.version(f"backends-{backend}") == version
-    assert extras["all"] == ["backends[vllm,dynamo,sglang]"]
+    assert extras["gateway"] == [f"backends-gateway=={version}"]
+    assert member("backends_gateway")["project"]["version"] == md.version("backends-gateway") == version
+    assert extras["all"] == ["backends[vllm,dynamo,sglang,gateway]"]
     assert ROOT_PYPROJECT["project"]["dependencies"] == [f"backends-core=={version}"]
 
 
@@ -226,6 +229,51 @@ def test_backends_vllm_installs_from_the_wheels_into_a_clean_venv_without_any_se
         "print(sorted(b.name for b in p.available_backends()))"
     )
     assert run(str(python), "-c", probe).strip() == "['vllm']"
+
+
+@pytest.mark.slow
+def test_backends_gateway_installs_from_the_wheels_and_adds_its_verb(
+    wheels: dict[str, Path], tmp_path: Path, fresh_uv_cache: Path
+) -> None:
+    """``pip install "backends[gateway]"`` on a new machine: the ``backends gateway`` verb is there (registered by
+    the gateway's wheel in the core CLI's verb group), and no server, test kit or torch comes with it."""
+    assert entry_points_of(wheels["backends-gateway"]) == {
+        "backends_core.cli": {"gateway": "backends_gateway.cli:register"}
+    }
+    venv = tmp_path / "venv"
+    python = venv / "bin" / "python"
+    env = fresh_uv_env(fresh_uv_cache)
+
+    def run(*args: str) -> str:
+        done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, f"{' '.join(args)}\n{done.stdout}\n{done.stderr}"
+        return done.stdout
+
+    run(uv(), "venv", "--quiet", str(venv), "--python", sys.executable)
+    install_locked_third_party(python, ROOT, "backends", extras=("gateway",), cwd=tmp_path, env=env)
+    links = str(next(iter(wheels.values())).parent)
+    run(
+        uv(),
+        "pip",
+        "install",
+        "--python",
+        str(python),
+        "--offline",
+        "--no-index",
+        "--find-links",
+        links,
+        "backends[gateway]",
+    )
+    run(uv(), "pip", "check", "--python", str(python))
+    installed = {
+        line.split("==")[0].lower()
+        for line in run(uv(), "pip", "freeze", "--python", str(python)).splitlines()
+        if "==" in line
+    }
+    assert {"backends", "backends-core", "backends-gateway", "pyarrow"} <= installed
+    assert installed & (SERVER_PACKAGES | {"backends-testkit", "backends-vllm", "starlette", "uvicorn"}) == set()
+    usage = run(str(python), "-m", "backends_core", "gateway", "--help")
+    assert "--store" in usage and "export" in usage
 
 
 @pytest.mark.slow

@@ -61,10 +61,16 @@ def scripted_gateway(tiny_models: Any, tmp_path: Path) -> Any:
     tokenizer = load_tokenizer(str(tiny_models.dense))
 
     @contextlib.asynccontextmanager
-    async def make(replies: list[str], *, limits: GatewayLimits | None = None, name: str = "g") -> AsyncIterator[Served]:
+    async def make(
+        replies: list[str], *, limits: GatewayLimits | None = None, name: str = "g"
+    ) -> AsyncIterator[Served]:
         script = StreamingScript(tokenizer, replies)
         config = ClientConfig(
-            backend="scripted", base_url="http://scripted", model="tiny", tokenizer=str(tiny_models.dense), stateless=OFF
+            backend="scripted",
+            base_url="http://scripted",
+            model="tiny",
+            tokenizer=str(tiny_models.dense),
+            stateless=OFF,
         )
         store = tmp_path / f"{name}.db"
         async with (

@@ -102,7 +102,9 @@ def test_export_writes_one_row_per_branch_of_closed_sessions_as_jsonl_and_parque
     store = tmp_path / "export.db"
     _fill(store, tiny_models)
     reader = Trajectories(store)
-    expected = [(t.session, s.branch, s.input_ids.tolist(), s.loss_mask.tolist()) for t in reader.closed() for s in t.samples]
+    expected = [
+        (t.session, s.branch, s.input_ids.tolist(), s.loss_mask.tolist()) for t in reader.closed() for s in t.samples
+    ]
     assert [e[:2] for e in expected] == [("done", 0), ("done", 1)]
     out = tmp_path / "rows.jsonl"
     assert cli.main(["gateway", "export", "--store", str(store), "--format", "jsonl", "-o", str(out)]) == 0
@@ -125,9 +127,8 @@ def _fill(store: Path, tiny_models: Any) -> None:
     """Two sessions through a gateway on the vLLM emulator: "done" (two branches, rewarded, closed), "open"."""
     import asyncio
 
-    from backends_core import Client, ClientConfig, StatelessPolicy
+    from backends_core import Client, ClientConfig, SamplingParams, StatelessPolicy
     from backends_gateway import Gateway, SQLiteStore, TurnRequest
-    from backends_core import SamplingParams
     from backends_testkit.engine import ReferenceEngine
     from backends_vllm_testing.emulator import VllmEmulator
 
@@ -140,12 +141,17 @@ def _fill(store: Path, tiny_models: Any) -> None:
         )  # fmt: skip
         sampling = SamplingParams(max_tokens=4, seed=1)
         try:
-            async with Client(config, transport=emulator.transport()) as client, Gateway(client, SQLiteStore(store)) as gw:
+            async with (
+                Client(config, transport=emulator.transport()) as client,
+                Gateway(client, SQLiteStore(store)) as gw,
+            ):
                 first = [{"role": "user", "content": "a"}]
                 one = await gw.turn(TurnRequest(messages=first, sampling=sampling), session="done")
                 more = [*first, dict(one.message), {"role": "user", "content": "b"}]
                 await gw.turn(TurnRequest(messages=more, sampling=sampling), session="done")
-                await gw.turn(TurnRequest(messages=[{"role": "user", "content": "c"}], sampling=sampling), session="done")
+                await gw.turn(
+                    TurnRequest(messages=[{"role": "user", "content": "c"}], sampling=sampling), session="done"
+                )
                 await gw.set_reward("done", 0.5, None)
                 await gw.close("done")
                 await gw.turn(TurnRequest(messages=first, sampling=sampling), session="open")
@@ -157,9 +163,7 @@ def _fill(store: Path, tiny_models: Any) -> None:
 
 def test_the_gateway_verb_without_the_gateway_installed_says_what_to_install(monkeypatch, capsys) -> None:
     real = cli.md.entry_points
-    monkeypatch.setattr(
-        cli.md, "entry_points", lambda **kw: [] if kw.get("group") == cli.VERB_GROUP else real(**kw)
-    )
+    monkeypatch.setattr(cli.md, "entry_points", lambda **kw: [] if kw.get("group") == cli.VERB_GROUP else real(**kw))
     assert cli.main(["gateway", "--port", "9"]) == 2
     assert 'pip install "backends[gateway]"' in capsys.readouterr().err
 

@@ -41,7 +41,12 @@ BAD = [
     ("stream_options without stream", body(stream_options={"include_usage": True}), "stream_options", "invalid_value"),
     ("top_logprobs without logprobs", body(top_logprobs=3), "top_logprobs", "invalid_value"),
     ("logit_bias key", body(logit_bias={"abc": 1}), "logit_bias", "invalid_value"),
-    ("a tool without a name", body(tools=[{"type": "function", "function": {}}]), "tools[0].function.name", "invalid_value"),
+    (
+        "a tool without a name",
+        body(tools=[{"type": "function", "function": {}}]),
+        "tools[0].function.name",
+        "invalid_value",
+    ),
     ("response_format", body(response_format={"type": "xml"}), "response_format", "invalid_value"),
     ("no model", {"messages": USER}, "model", "invalid_type"),
 ]
@@ -66,7 +71,9 @@ async def test_malformed_oversized_unrouted_and_wrong_model_requests_get_the_err
         async with httpx.AsyncClient(base_url=served.url, trust_env=False) as http:
             cases = {
                 "invalid_json": await http.post("/v1/chat/completions", content=b"{not json"),
-                "body_too_large": await http.post("/v1/chat/completions", json=body(messages=[{"role": "user", "content": "x" * 8000}])),
+                "body_too_large": await http.post(
+                    "/v1/chat/completions", json=body(messages=[{"role": "user", "content": "x" * 8000}])
+                ),
                 "unknown_route": await http.get("/v2/nothing"),
                 "model_not_found": await http.post("/v1/chat/completions", json={**body(), "model": "gpt-9"}),
                 "session_id": await http.post("/s/bad%20id/v1/chat/completions", json=body()),
@@ -80,7 +87,9 @@ async def test_malformed_oversized_unrouted_and_wrong_model_requests_get_the_err
 
 async def test_an_engine_failure_maps_to_502_and_the_generation_is_never_resent(scripted_gateway) -> None:
     async with scripted_gateway(["unused<|im_end|>"]) as served:
-        served.script.fail = ServerStatusError(method="POST", url="http://scripted/generate", status_code=500, body="boom")
+        served.script.fail = ServerStatusError(
+            method="POST", url="http://scripted/generate", status_code=500, body="boom"
+        )
         async with httpx.AsyncClient(base_url=served.url, trust_env=False) as http:
             response = await http.post("/s/f/v1/chat/completions", json=body())
         assert response.status_code == 502
@@ -97,9 +106,7 @@ async def test_turns_past_max_in_flight_get_429_with_retry_after(scripted_gatewa
         served.script.gate.clear()
         async with httpx.AsyncClient(base_url=served.url, trust_env=False, timeout=60) as http:
             held = asyncio.create_task(http.post("/s/a/v1/chat/completions", json=body()))
-            async with asyncio.timeout(30):
-                while served.script.started == 0:
-                    await asyncio.sleep(0.01)
+            await asyncio.wait_for(served.script.entered.wait(), 60)
             refused = await http.post("/s/b/v1/chat/completions", json=body())
             assert refused.status_code == 429 and refused.headers["Retry-After"] == "3"
             assert refused.json()["error"]["type"] == "rate_limit_error"
@@ -127,7 +134,9 @@ async def test_session_limits_are_named(scripted_gateway) -> None:
 
 
 async def test_a_turn_that_could_pass_the_sessions_token_bound_is_refused_before_sending(scripted_gateway) -> None:
-    async with scripted_gateway(["one<|im_end|>", "two<|im_end|>"], limits=GatewayLimits(max_tokens_per_session=64)) as served:
+    async with scripted_gateway(
+        ["one<|im_end|>", "two<|im_end|>"], limits=GatewayLimits(max_tokens_per_session=64)
+    ) as served:
         async with httpx.AsyncClient(base_url=served.url, trust_env=False) as http:
             first = await http.post("/s/t/v1/chat/completions", json=body(max_tokens=56))
             assert first.status_code == 200

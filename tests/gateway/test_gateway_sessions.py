@@ -57,7 +57,11 @@ async def test_a_harness_that_drops_reasoning_and_rewrites_call_ids_stays_on_one
                 {"id": "call_mine", "type": "function", "function": {"name": "ls", "arguments": '{"path":"."}'}}
             ],
         }
-        r2 = await chat(served.url, [*first, held, {"role": "tool", "tool_call_id": "call_mine", "content": "a.py"}], path="/s/s1/v1")
+        r2 = await chat(
+            served.url,
+            [*first, held, {"role": "tool", "tool_call_id": "call_mine", "content": "a.py"}],
+            path="/s/s1/v1",
+        )
         assert reply(r2)["content"] == "done"
         traj = await get(served.url, "/v1/sessions/s1/trajectory")
         assert [t["branch"] for t in traj["turns"]] == [0, 0] and traj["bridged"] == 1 and traj["branched"] == 0
@@ -71,7 +75,9 @@ async def test_an_edited_earlier_turn_starts_a_branch_on_that_turns_exact_ids(sc
         a2 = reply(await chat(served.url, second, **{"X-Session-ID": "e"}))
         await chat(served.url, [*second, a2, {"role": "user", "content": "thanks"}], **{"X-Session-ID": "e"})
         # the harness goes back and edits the second user message: it extends turn 0, not the branch's tip
-        edited = await chat(served.url, [*first, a1, {"role": "user", "content": "tell me less"}], **{"X-Session-ID": "e"})
+        edited = await chat(
+            served.url, [*first, a1, {"role": "user", "content": "tell me less"}], **{"X-Session-ID": "e"}
+        )
         assert edited.headers["X-Branch"] == "1"
         traj = await get(served.url, "/v1/sessions/e/trajectory")
         turns = traj["turns"]
@@ -125,7 +131,9 @@ async def test_a_reply_the_bridge_refuses_starts_a_branch_named_by_the_refusal(s
 async def test_sessions_are_listed_by_group_and_status_and_a_closed_one_takes_no_turn(scripted_gateway) -> None:
     async with scripted_gateway(list(REPLIES)) as served:
         for name in ("g1", "g2"):
-            r = await chat(served.url, [{"role": "user", "content": name}], path=f"/s/{name}/v1", **{"X-Session-Group": "step-3"})
+            r = await chat(
+                served.url, [{"role": "user", "content": name}], path=f"/s/{name}/v1", **{"X-Session-Group": "step-3"}
+            )
             assert r.status_code == 200
         await chat(served.url, [{"role": "user", "content": "x"}], path="/s/lone/v1")
         async with httpx.AsyncClient(base_url=served.url, trust_env=False) as http:
@@ -134,7 +142,9 @@ async def test_sessions_are_listed_by_group_and_status_and_a_closed_one_takes_no
             assert sorted(s["session"] for s in listed) == ["g1", "g2"]
             closed = (await http.get("/v1/sessions", params={"status": "closed"})).json()["data"]
             assert [s["session"] for s in closed] == ["g1"]
-            again = await http.post("/s/g1/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "more"}]})
+            again = await http.post(
+                "/s/g1/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "more"}]}
+            )
             assert again.status_code == 409 and again.json()["error"]["code"] == "session_closed"
             wrong_group = await http.post(
                 "/s/g2/v1/chat/completions",

@@ -36,14 +36,18 @@ def record(session: str, turn: int, *, experts: bool = False) -> TurnRecord:
         message_spans=(MessageSpan(message=0, role="user", start=0, end=40 + turn, sampled=False),),
         server="http://a",
         reused_ids=0,
-        routed_experts=RoutedExperts(experts=rng.integers(0, 8, (47, 2, 2)).astype(np.uint8), start=0) if experts else None,
+        routed_experts=RoutedExperts(experts=rng.integers(0, 8, (47, 2, 2)).astype(np.uint8), start=0)
+        if experts
+        else None,
         request={"model": "m", "sampling": {"max_tokens": 7}},
     )
 
 
 def same(a: TurnRecord, b: TurnRecord) -> bool:
-    fields = ("session", "turn", "branch", "parent", "created", "messages", "tools", "chat_template_kwargs", "reply",
-              "finish_reason", "weight_version", "weight_versions", "message_spans", "server", "reused_ids", "request")  # fmt: skip
+    fields = (
+        *("session", "turn", "branch", "parent", "created", "messages", "tools", "chat_template_kwargs", "reply"),
+        *("finish_reason", "weight_version", "weight_versions", "message_spans", "server", "reused_ids", "request"),
+    )
     arrays = ("prompt_ids", "completion_ids", "logprobs")
     experts_equal = (a.routed_experts is None) == (b.routed_experts is None) and (
         a.routed_experts is None or a.routed_experts == b.routed_experts
@@ -94,7 +98,9 @@ async def test_one_bad_write_in_a_batch_fails_alone(tmp_path) -> None:
         session = SessionRecord(id="s")
         await store.create_session(session)
         good = [record("s", i) for i in range(1, 5)]
-        writes = [store.record_turn(t, session, None) for t in good] + [store.record_turn(record("s", 1), session, None)]
+        writes = [store.record_turn(t, session, None) for t in good] + [
+            store.record_turn(record("s", 1), session, None)
+        ]
         outcomes = await asyncio.gather(*writes, return_exceptions=True)
         assert [type(o).__name__ for o in outcomes] == ["NoneType"] * 4 + ["IntegrityError"]
         assert [t.turn for t in await store.turns("s")] == [1, 2, 3, 4]

@@ -5,6 +5,7 @@ sampled ids, and the logprobs are the engine's."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from typing import Any
 
@@ -50,7 +51,7 @@ def assert_exact_chain(traj: dict[str, Any]) -> None:
     ids and carries their logprobs."""
     turns = traj["turns"]
     assert [t["branch"] for t in turns] == [0] * len(turns)
-    for before, after in zip(turns, turns[1:], strict=False):
+    for before, after in itertools.pairwise(turns):
         ids = before["prompt_ids"] + before["completion_ids"]
         assert after["prompt_ids"][: len(ids)] == ids
         assert after["reused_ids"] == len(ids) and after["parent"] == before["turn"]

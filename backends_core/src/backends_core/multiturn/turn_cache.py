@@ -201,7 +201,8 @@ _CALL_BOOKKEEPING = frozenset({"id", "type", "index"})
 def reply_form(message: Mapping[str, Any], *, keep_reasoning: bool) -> dict[str, Any]:
     """What of an assistant message (normal form) decides whether it is the same turn as a completion: its role,
     content, tool calls (name and arguments; a call's ``id``, ``type`` and streamed ``index`` are the harness's
-    bookkeeping, which the template does not render) and, with ``keep_reasoning``, its reasoning text under ``reasoning_content``."""
+    bookkeeping, which the template does not render) and, with ``keep_reasoning``, its reasoning text under
+    ``reasoning_content``."""
     form = {k: v for k, v in message.items() if k not in REASONING_KEYS}
     calls = form.get("tool_calls")
     if calls:
@@ -229,9 +230,10 @@ def check_reply(given: Mapping[str, Any], parsed: Mapping[str, Any]) -> None:
 
     It is when the two differ only in what OpenAI-style harnesses do not carry or normalise: reasoning that
     ``given`` does not carry (absent, ``None`` or ``''``: most harnesses never keep it), a tool call's ``id``,
-    ``type`` and ``index`` (an SDK's accumulated stream keeps it), the spacing and key order of a tool call's JSON arguments, and ``content`` ``None`` vs ``''``. A
-    difference in what was said is refused: content text, a tool call's name or arguments, their number or order,
-    or reasoning text that ``given`` carries and that differs from the parse.
+    ``type`` and ``index`` (an SDK's accumulated stream keeps it), the spacing and key order of a tool call's
+    JSON arguments, and ``content`` ``None`` vs ``''``. A difference in what was said is refused: content text, a
+    tool call's name or arguments, their number or order, or reasoning text that ``given`` carries and that
+    differs from the parse.
 
     :raises BridgeError: reason ``assistant_mismatch``, naming the fields that differ.
     """
