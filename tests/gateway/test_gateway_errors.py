@@ -146,3 +146,31 @@ async def test_a_turn_that_could_pass_the_sessions_token_bound_is_refused_before
             assert refused.status_code == 400 and refused.json()["error"]["code"] == "session_token_limit"
             assert refused.json()["error"]["param"] == "max_tokens"
         assert len(served.script.requests) == 1
+
+
+async def test_a_turn_the_store_could_not_keep_is_not_answered_and_not_extended(scripted_gateway, monkeypatch) -> None:
+    async with scripted_gateway(["lost<|im_end|>", "kept<|im_end|>", "next<|im_end|>"]) as served:
+        store = served.gateway.store
+        real = store.record_turn
+        failures = iter([OSError("disk full")])
+
+        async def flaky(*args: Any) -> None:
+            failure = next(failures, None)
+            if failure is not None:
+                raise failure
+            await real(*args)
+
+        monkeypatch.setattr(store, "record_turn", flaky)
+        async with httpx.AsyncClient(base_url=served.url, trust_env=False) as http:
+            failed = await http.post("/s/d/v1/chat/completions", json=body())
+            assert failed.status_code == 500 and failed.json()["error"]["code"] == "internal"
+            assert "disk full" in failed.json()["error"]["message"]
+            again = await http.post("/s/d/v1/chat/completions", json=body())  # the harness retries the turn
+            assert again.status_code == 200 and again.headers["X-Turn"] == "0"
+            message = again.json()["choices"][0]["message"]
+            assert message["content"] == "kept"
+            later = await http.post("/s/d/v1/chat/completions", json=body(messages=[*USER, message, *USER]))
+            assert later.status_code == 200 and later.headers["X-Turn"] == "1"
+        traj = await served.gateway.trajectory("d")
+        assert [(t["turn"], t["branch"], t["parent"]) for t in traj["turns"]] == [(0, 0, None), (1, 0, 0)]
+        assert traj["branches"][0]["turns"] == [0, 1]

@@ -20,6 +20,7 @@ puts a new session in a group (GRPO).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -34,6 +35,7 @@ from backends_gateway.openai_chat import ChatCall, chat_completion, chunk, error
 
 __all__ = ["create_app", "serve"]
 
+log = logging.getLogger("backends_gateway")
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -75,6 +77,11 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
                 code="method_not_allowed",
             )
         )
+    except web.HTTPException:
+        raise
+    except Exception as exc:  # a bug or a store failure: said in the API's shape, logged with its traceback
+        log.exception("%s %s failed", request.method, request.path)
+        return _error(GatewayError(500, f"{type(exc).__name__}: {exc}", kind="server_error", code="internal"))
 
 
 async def _body(request: web.Request) -> Any:
@@ -299,7 +306,7 @@ async def close(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     gateway = _gateway(request)
-    return _json({"status": "ok", "model": gateway.model, "open_sessions": len(gateway._sessions)})
+    return _json({"status": "ok", "model": gateway.model, "open_sessions": gateway.open_sessions})
 
 
 def create_app(gateway: Gateway) -> web.Application:

@@ -135,6 +135,11 @@ class Gateway:
         self.started = time.time()
 
     @property
+    def open_sessions(self) -> int:
+        """Sessions open in this process's memory."""
+        return len(self._sessions)
+
+    @property
     def model(self) -> str | None:
         """The served model name (``config.model``)."""
         return self.client.config.model
@@ -250,8 +255,9 @@ class Gateway:
         if tip.turn == anchor and branch not in state.claimed:
             state.claimed.add(branch)
             return _Plan(previous=tip, branch=branch, reason=None, parent_branch=None, digests=digests)
-        reason = "concurrent" if tip.turn == anchor else "edited"
-        return _Plan(previous=None, branch=None, reason=reason, parent_branch=branch, digests=digests)
+        if tip.turn == anchor:  # another turn in flight extends this tip: both keep its ids, this one branches
+            return _Plan(previous=tip, branch=None, reason="concurrent", parent_branch=branch, digests=digests)
+        return _Plan(previous=None, branch=None, reason="edited", parent_branch=branch, digests=digests)
 
     async def _previous(self, state: SessionState, plan: _Plan, anchor_turn: int | None) -> None:
         """Fill ``plan.previous`` for a new branch extending a turn that is no branch's tip (from the store)."""
@@ -300,7 +306,7 @@ class Gateway:
         state = await self._session_for(session, group, digests, request.messages)
         self._check_limits(state, request)
         plan = self._plan(state, request, digests)
-        if plan.previous is None and plan.reason in ("edited", "concurrent"):
+        if plan.previous is None and plan.reason == "edited":
             await self._previous(state, plan, state.anchor(digests, request.messages))
         return state, plan
 
@@ -363,10 +369,23 @@ class Gateway:
             model=self.model or "",
         )
         counts["turns"] += 1
-        record.counts = counts
         digest = chain_digests([*request.messages, message], request.tools, request.chat_template_kwargs)[-1]
+        before = (dict(record.counts), state.tips.get(branch), state.last_branch, state.longest)
+        record.counts = counts
         state.add(turn, digest)  # before the store answers, so a concurrent turn numbers after it
-        await self.store.record_turn(turn, record, new_branch)
+        try:
+            await self.store.record_turn(turn, record, new_branch)
+        except BaseException:  # not kept, so not answered: the session must not extend it
+            record.counts, tip, state.last_branch, state.longest = before
+            state.index.pop(digest, None)
+            state.branch_of.pop(turn.turn, None)
+            if tip is None:
+                state.tips.pop(branch, None)
+            else:
+                state.tips[branch] = tip
+            if new_branch is not None:
+                state.branches.pop(new_branch.branch, None)
+            raise
         self._joined[digest] = record.id
         return Served(session=record.id, record=turn, result=result, message=message)
 
