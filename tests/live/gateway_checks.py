@@ -21,9 +21,12 @@ from openai import AsyncOpenAI
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion
 
-from backends_core import Client
+from backends_core import Client, StatelessPolicy
 from backends_gateway import Gateway, GatewayLimits, SQLiteStore, serve
 from backends_testkit.live import async_probe_client
+
+#: A gateway's client leaves the turns to the gateway (its own stateless cache off).
+GATEWAY_TURNS = StatelessPolicy(enabled=False)
 
 #: One request's bound (a turn of a few ids; generous on a loaded two-core machine).
 TIMEOUT = httpx.Timeout(300.0, connect=10.0)

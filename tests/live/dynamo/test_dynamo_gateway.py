@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gateway_checks import check_gateway_rollout
+from gateway_checks import GATEWAY_TURNS, check_gateway_rollout
 
 from backends_core import Client, ClientConfig
 from backends_testkit.tinymodel import TinyModels
@@ -25,6 +25,7 @@ async def test_a_harness_session_through_the_gateway_on_real_dynamo_is_one_exact
         model="tiny-qwen3",
         tokenizer=str(tiny_models.dense),
         backend_options={"worker_urls": list(dynamo_vllm.worker_system_urls)},
+        stateless=GATEWAY_TURNS,
     )
     async with Client(config) as client:
         figures = await check_gateway_rollout(client, tmp_path / "gateway.db", name="dynamo")

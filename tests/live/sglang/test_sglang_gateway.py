@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from gateway_checks import check_gateway_rollout
+from gateway_checks import GATEWAY_TURNS, check_gateway_rollout
 
 from backends_core import Client, ClientConfig
 from backends_testkit.tinymodel import TinyModels
@@ -19,7 +19,11 @@ async def test_a_harness_session_through_the_gateway_on_real_sglang_is_one_exact
     sglang_dense_url: str, tiny_models: TinyModels, tmp_path: Path
 ) -> None:
     config = ClientConfig(
-        backend="sglang", base_url=sglang_dense_url, model="tiny-qwen3", tokenizer=str(tiny_models.dense)
+        backend="sglang",
+        base_url=sglang_dense_url,
+        model="tiny-qwen3",
+        tokenizer=str(tiny_models.dense),
+        stateless=GATEWAY_TURNS,
     )
     async with Client(config) as client:
         figures = await check_gateway_rollout(client, tmp_path / "gateway.db", name="sglang")
