@@ -47,6 +47,22 @@ def pin(core: int) -> None:
         os.sched_setaffinity(0, {core})
 
 
+def cpu_pressure() -> str | None:
+    """The ``some`` line of ``/proc/pressure/cpu`` (share of time some task waited for a CPU), if readable."""
+    try:
+        return Path("/proc/pressure/cpu").read_text().splitlines()[0]
+    except OSError:
+        return None
+
+
+def proc_status_kb(field: str, pid: int | str = "self") -> int:
+    """A ``/proc/<pid>/status`` size in KB (``VmRSS``, ``VmHWM``...); -1 if absent."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return -1
+
+
 def machine() -> dict[str, Any]:
     cpu = "?"
     try:
@@ -56,17 +72,12 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    pressure = None
-    try:
-        pressure = Path("/proc/pressure/cpu").read_text().splitlines()[0]
-    except OSError:
-        pass
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "cpu": cpu,
         "cores": os.cpu_count(),
         "python": sys.version.split()[0],
-        "cpu_pressure_at_start": pressure,
+        "cpu_pressure_at_start": cpu_pressure(),
     }
 
 

@@ -24,7 +24,6 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import _common as c
@@ -33,10 +32,7 @@ from backends_core import SamplingParams
 
 
 def status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return -1
+    return c.proc_status_kb(field)
 
 
 #: Request timeout of the floor and renderers here (seconds): long enough for 10,000 queued requests.

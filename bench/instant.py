@@ -16,6 +16,9 @@ request stays far below the client's. Ports:
   ``[DONE]``), each event one HTTP chunk (``transfer-encoding: chunked``, as uvicorn frames a streamed response)
   written on its own (one write per event, each in its own loop iteration; ``--stream-step-ms`` spaces them like
   an engine's steps);
+* ``multiturn``: ``plain`` with ``usage.prompt_tokens``/``total_tokens`` set to the number of prompt ids sent (a
+  multi-turn session's prompts grow turn after turn; the client checks the count): the ids are counted in the
+  request bytes (no JSON parse) and each length's answer is built once;
 * ``hold`` (``--hold``): answers ``plain`` but holds every generate request until ``POST /bench/release`` (on any
   port; later requests are answered at once until ``POST /bench/hold``): guaranteed in-flight requests;
 * ``admin0``… (``--admin N``): N emulated servers answering vLLM's admin routes after ``--admin-delay`` seconds
@@ -56,6 +59,23 @@ class State:
         self.requests = 0
         self.admin_calls = 0  # admin requests answered, all emulated servers together
         self.holding = True
+        self.grown: dict[int, bytes] = {}  # the multiturn port's answer per prompt length
+        self.grow_parts: tuple[bytes, bytes] = (b"", b"")
+
+    def grown_answer(self, body: bytes) -> bytes:
+        """``plain`` with the usage of the prompt ``body`` sends (its ``token_ids`` counted, not parsed)."""
+        at = body.find(b'{"token_ids":[')
+        if at < 0:
+            at = body.find(b',"token_ids":[')
+        start = at + 14
+        end = body.find(b"]", start)
+        n = body.count(b",", start, end) + 1 if end > start else 0
+        answer = self.grown.get(n)
+        if answer is None:
+            before, after = self.grow_parts
+            usage = b'"prompt_tokens":%d,"total_tokens":%d,' % (n, n + c.COMPLETION_TOKENS)
+            answer = self.grown[n] = response(before + usage + after)
+        return answer
 
 
 def admin_answer(state: State, port: int, method: str, path: str, body: bytes) -> bytes | None:
@@ -127,6 +147,9 @@ class Protocol(asyncio.Protocol):
                 head, pieces = state.stream
                 self.transport.write(head)
                 self._stream(pieces, 0)
+                return
+            if self.kind == "multiturn":
+                self.transport.write(state.grown_answer(body))
                 return
             if self.kind == "hold" and state.holding:
                 state.held.append((self.transport, self.generate))
@@ -203,6 +226,7 @@ async def main() -> None:
         "re": response(c.generate_body(completion, routed="npy")),
         "re_obj": response(c.generate_body(completion, routed="object")),
     }
+    bodies["multiturn"] = plain
     kinds = list(bodies)
     if args.hold:
         bodies["hold"] = plain
@@ -211,6 +235,11 @@ async def main() -> None:
         bodies[f"admin{i}"] = plain
         kinds.append(f"admin{i}")
     state = State(args.admin_delay, chunked(c.stream_events(completion)), args.stream_step_ms / 1000)
+    canned = c.generate_body(completion)
+    usage = b'"prompt_tokens":%d,"total_tokens":%d,' % (c.PROMPT_TOKENS, c.PROMPT_TOKENS + c.COMPLETION_TOKENS)
+    before, _, after = canned.partition(usage)
+    assert after, "the canned body's usage is not where the multiturn port expects it"
+    state.grow_parts = (before, after)
     models = response(c.models_body())
     loop = asyncio.get_running_loop()
     ports: dict[str, int] = {}

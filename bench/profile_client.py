@@ -35,8 +35,8 @@ def by_package(stats: pstats.Stats, total: float) -> list[tuple[str, float]]:
     for (filename, _line, name), value in stats.stats.items():  # type: ignore[attr-defined]
         if "site-packages/" in filename:
             package = filename.split("site-packages/", 1)[1].split("/", 1)[0]
-        elif "backends_core" in filename or "backends_vllm" in filename:
-            package = "backends_core" if "backends_core" in filename else "backends_vllm"
+        elif "/backends_" in filename:  # our packages: backends_core, backends_vllm, backends_gateway...
+            package = "backends_" + filename.rsplit("/backends_", 1)[1].split("/", 1)[0]
         elif filename == "~":
             if "socket" in name or "select" in name or "epoll" in name:
                 package = "(socket/epoll syscalls)"
