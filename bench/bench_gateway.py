@@ -1,7 +1,9 @@
 """The gateway (``backends_gateway``) over the instant server: CPU per turn beside the direct client call and two
 floors, added latency, memory per open session, 10,000 open sessions, and the store's throughput.
 
-    uv run python bench/bench_gateway.py [--parts cpu,latency,profile,memory,scale,store] [--rounds 4]
+    uv run python bench/bench_gateway.py [--parts cpu,latency,profile,breakdown,memory,scale,store] [--rounds 5]
+        [--turns 4] [--sessions 1:50,64:192,256:512] [--memory-sessions 2000] [--scale-sessions 10000
+        --scale-in-flight 1000 --scale-timeout 300] [--keep-profile FILE] [--memory-trace]
 
 Processes and cores (2-core machine): the **worker** (``--worker``: the gateway and its client in one process, or
 one of the comparisons below) is pinned to core 0 alone; the instant server (``instant.py``, its ``multiturn``
@@ -13,7 +15,8 @@ Workers (``--worker`` modes):
 
 * ``direct``: ``Client.generate(messages=…, previous=<the session's last result>, session=…)`` then
   ``client.parse_completion`` (the reply message, which the next turn's messages must hold), driven in the worker
-  itself: what a trainer pays calling the client directly, no HTTP in front;
+  itself: what a trainer pays calling the client directly, no HTTP in front (its bridge computes the message spans
+  too: a ``previous=`` result of this client carries them, so both sides pay for them);
 * ``hop``: a trivial ``aiohttp.web`` handler reading the OpenAI body (``orjson.loads``) and answering a canned
   ``chat.completion`` (the gateway's own answer for this completion), no engine call: an HTTP hop alone;
 * ``proxy``: the same handler calling the engine as ``direct`` does (the previous result kept in a dict per session)
@@ -30,7 +33,7 @@ completion ids (reasoning + answer). So turn 1 renders whole and turns 2… brid
 (the gateway's counts are checked: every later turn ``bridged``); with ``--turns 4`` prompts grow 1,024 → ~2,070
 ids. The harness posts ``{"model", "messages", "max_tokens": 256, "temperature": 1.0}`` to
 ``/s/<session>/v1/chat/completions``. A batch runs ``S`` sessions with ``c`` of them in flight at once (each
-session's turns one after another), after an unmeasured warm-up of ``c`` sessions; workers run in a shuffled
+session's turns one after another), after an unmeasured warm-up of ``max(c, 2)`` sessions; workers run in a shuffled
 order per round, one fresh worker per mode and round; ratios are paired per round, then median [min-max].
 
 Parts:
@@ -39,10 +42,14 @@ Parts:
 * ``latency``: turn latency p50/p99 at c = 1 and 256, ``gateway`` (round trip at the harness) and ``direct`` (the
   call in the worker); added latency = gateway − direct, per percentile and round;
 * ``profile``: cProfile (own CPU time of the loop thread, ``time.thread_time``) of the gateway worker over one
-  batch at c = 64, own time grouped by package as ``profile_client.py`` does, plus the CPU of each thread;
+  batch at c = 64, own time grouped by package as ``profile_client.py`` does, plus the CPU of each thread; then
+  (no profiler) the CPU of the message spans of a prompt rendered whole, for conversations of 1 to 40 turns;
+* ``breakdown``: no profiler, the gateway and the direct worker at c = 1 with the pieces of :data:`TIMED` wrapped
+  in CPU timers (the loop thread's ``time.thread_time``), and each thread's CPU: where the gateway's extra goes;
 * ``memory``: a fresh gateway worker, ``--memory-sessions`` sessions of ``--memory-turns`` turns left open; RSS
   growth (after ``gc.collect()``) ÷ open sessions; again with the client's stateless turn cache off
-  (``StatelessPolicy(enabled=False)``) to tell the client's share from the gateway's;
+  (``StatelessPolicy(enabled=False)``) to tell the client's share from the gateway's (``--memory-trace``: a third
+  run under ``tracemalloc``, growth by line);
 * ``scale``: a fresh gateway worker, ``--scale-sessions`` sessions of ``--scale-turns`` turns with
   ``--scale-in-flight`` in flight, all left open, bounded by ``--scale-timeout`` seconds (no new turn starts after
   it); errors by kind, turns/s, the gateway's peak RSS (``VmHWM``) and the most turns it held in flight at once.
@@ -50,7 +57,7 @@ Parts:
   (4,096 and 100,000) are below that; the JSON says whether they were;
 * ``store``: ``SQLiteStore.record_turn`` alone in a process of its own (core 0), 1 and 256 sessions recording at
   once (turns/s, CPU per turn), a fresh file per batch; the record is a real turn 3 of the workload (10 messages,
-  ~1,700 prompt ids, 256 completion ids, their logprobs and message spans: ~20 KB a row).
+  1,687 prompt ids, 256 completion ids, their logprobs and 15 message spans: ~15 KB a row).
 
 Raw numbers go to ``bench/results/gateway.json`` (``--out``).
 """
@@ -162,7 +169,6 @@ async def run_sessions(
         "errors": dict(errors),
         "max_in_flight": done["max_in_flight"],
         "latency": percentiles(latencies),
-        "_latencies": latencies,
     }
 
 
@@ -186,7 +192,7 @@ class HttpStatusError(Exception):
 
 
 def thread_cpu() -> dict[str, float]:
-    """CPU seconds of each thread of this process, by thread name (``Thread-N`` pools summed)."""
+    """CPU seconds of each thread of this process by thread name (the default executor's threads summed)."""
     import threading
 
     import psutil
@@ -199,6 +205,57 @@ def thread_cpu() -> dict[str, float]:
             name = "(thread pool)"
         out[name] = out.get(name, 0.0) + t.user_time + t.system_time
     return out
+
+
+#: What the ``breakdown`` part times (the loop thread's CPU, ``time.thread_time``): (module, owner, attribute, label).
+#: Coroutines are timed across their awaits, so only at concurrency 1 (no other turn runs meanwhile).
+TIMED = (
+    ("backends_gateway.app", None, "chat_completions", "app.chat_completions (the handler)"),
+    ("backends_gateway.app", None, "parse_chat_request", "  parse_chat_request"),
+    ("backends_gateway.gateway", "Gateway", "turn", "  Gateway.turn"),
+    ("backends_gateway.gateway", "Gateway", "_session_for", "    Gateway._session_for (a new session: read, insert)"),
+    ("backends_gateway.gateway", None, "chain_digests", "    chain_digests (both calls)"),
+    ("backends_core.client", "Client", "generate", "    Client.generate"),
+    ("backends_core.multiturn.turn_cache", None, "extend_with_spans", "      extend_with_spans (the bridge)"),
+    ("backends_core.client", None, "rendered_spans", "    rendered_spans (spans of a turn rendered whole)"),
+    ("backends_core.client", "Client", "parse_completion", "    Client.parse_completion (all calls)"),
+    ("backends_gateway.sessions", "TurnRecord", "result", "    TurnRecord.result (previous=)"),
+    ("backends_gateway.store", "SQLiteStore", "record_turn", "    SQLiteStore.record_turn (loop side)"),
+)
+
+
+def install_timers(times: dict[str, float]) -> None:
+    """Wrap :data:`TIMED` so that ``times[label]`` accumulates the loop thread's CPU in each (nested ones too)."""
+    import functools
+    import importlib
+    import inspect
+
+    for module_name, owner_name, attribute, label in TIMED:
+        module = importlib.import_module(module_name)
+        owner = getattr(module, owner_name) if owner_name else module
+        fn = inspect.getattr_static(owner, attribute)
+        if isinstance(fn, classmethod | staticmethod):
+            raise TypeError(f"{attribute}: time plain functions and methods only")
+        if inspect.iscoroutinefunction(fn):
+
+            async def timed_async(*a: Any, _fn: Any = fn, _label: str = label, **k: Any) -> Any:
+                t0 = time.thread_time()
+                try:
+                    return await _fn(*a, **k)
+                finally:
+                    times[_label] = times.get(_label, 0.0) + time.thread_time() - t0
+
+            setattr(owner, attribute, functools.wraps(fn)(timed_async))
+        else:
+
+            def timed(*a: Any, _fn: Any = fn, _label: str = label, **k: Any) -> Any:
+                t0 = time.thread_time()
+                try:
+                    return _fn(*a, **k)
+                finally:
+                    times[_label] = times.get(_label, 0.0) + time.thread_time() - t0
+
+            setattr(owner, attribute, functools.wraps(fn)(timed))
 
 
 async def worker_main(config: dict[str, Any]) -> None:
@@ -215,6 +272,9 @@ async def worker_main(config: dict[str, Any]) -> None:
     from backends_gateway.openai_chat import chat_completion
 
     mode = config["mode"]
+    times: dict[str, float] = {}
+    if config.get("timers"):
+        install_timers(times)  # before the app is built: its routes take the handler then
     fx = load_fixture(config["fixture"])
     client_config = ClientConfig(
         backend="vllm",
@@ -315,15 +375,15 @@ async def worker_main(config: dict[str, Any]) -> None:
 
         async def run(request: web.Request) -> web.Response:
             args = await request.json()
-            out = await run_sessions(direct_turn, fx, **args)
-            out.pop("_latencies")
-            return web.json_response(out)
+            return web.json_response(await run_sessions(direct_turn, fx, **args))
 
         async def stats(request: web.Request) -> web.Response:
             if request.query.get("gc"):
                 gc.collect()
             status = {k: c.proc_status_kb(k) for k in ("VmRSS", "VmHWM")}
             out: dict[str, Any] = {"rss_kb": status["VmRSS"], "hwm_kb": status["VmHWM"], "threads": thread_cpu()}
+            out["times"] = dict(times)
+            out["cpu"] = time.process_time()
             if request.query.get("trace"):  # tracemalloc's growth since the last snapshot, by line
                 import tracemalloc
 
@@ -461,11 +521,9 @@ class Harness:
             async with self.http.post(worker.control + "/run", json=args) as r:
                 return await r.json()
         assert worker.url is not None
-        out = await run_sessions(
+        return await run_sessions(
             self.http_turn(worker.url), self.fx, sessions=sessions, turns=turns, conc=conc, tag=tag, **kw
         )
-        out.pop("_latencies")
-        return out
 
     async def cpu(self, worker: Worker) -> float:
         """The worker's CPU seconds so far (``time.process_time`` in it: user + system of all its threads)."""
@@ -637,6 +695,39 @@ def _short(filename: str) -> str:
     return filename
 
 
+async def part_breakdown(args: argparse.Namespace, engine: str, fixture: Path, tmp: Path, data: dict[str, Any]) -> None:
+    """Where the gateway's extra CPU goes at c=1: :data:`TIMED` pieces, each thread, beside the direct call's."""
+    fx = load_fixture(str(fixture))
+    harness = Harness(fx)
+    sessions = parse_sizes(args.sessions).get(1, 50) * 2
+    out: dict[str, Any] = {}
+    try:
+        for r in range(args.breakdown_rounds):
+            for mode in c.shuffled(["direct", "gateway"], r):
+                worker = Worker(mode, engine, fixture, tmp, timers=True)
+                try:
+                    await harness.drive(worker, sessions=4, turns=args.turns, conc=1, tag="bw")
+                    before = await harness.stats(worker)
+                    run = await harness.drive(worker, sessions=sessions, turns=args.turns, conc=1, tag="b")
+                    after = await harness.stats(worker)
+                finally:
+                    worker.close()
+                turns = run["turns"]
+                pieces = {k: (v - before["times"].get(k, 0.0)) / turns * 1e6 for k, v in after["times"].items()}
+                threads = {k: (v - before["threads"].get(k, 0.0)) / turns * 1e6 for k, v in after["threads"].items()}
+                out.setdefault(mode, []).append(
+                    {
+                        "process_us_per_turn": (after["cpu"] - before["cpu"]) / turns * 1e6,
+                        "threads_us_per_turn": {k: v for k, v in threads.items() if v > 0.5},
+                        "pieces_us_per_turn": pieces,
+                    }
+                )
+                print(f"  breakdown {mode}: {out[mode][-1]}", file=sys.stderr, flush=True)
+    finally:
+        await harness.aclose()
+    data["breakdown"] = out
+
+
 async def part_memory(args: argparse.Namespace, engine: str, fixture: Path, tmp: Path, data: dict[str, Any]) -> None:
     fx = load_fixture(str(fixture))
     harness = Harness(fx)
@@ -718,7 +809,7 @@ async def part_scale(args: argparse.Namespace, engine: str, fixture: Path, tmp: 
         "rss_baseline_mb": before["rss_kb"] / 1024,
         "rss_end_mb": after["rss_kb"] / 1024,
         "peak_rss_mb": after["hwm_kb"] / 1024,
-        **{k: v for k, v in run.items() if k != "_latencies"},
+        **run,
     }
     print(f"  scale: {data['scale']}", file=sys.stderr, flush=True)
 
@@ -900,6 +991,23 @@ def report(data: dict[str, Any]) -> str:
         ]
         headers = ["turn", "messages", "prompt ids", "rendered_spans ms", "one render ms", "chain_digests ms"]
         lines += ["message spans of a prompt rendered whole (no profiler):", c.table(headers, rows)]
+    if "breakdown" in data:
+        b = data["breakdown"]
+        labels = [label for *_, label in TIMED]
+        rows = []
+        for mode in ("direct", "gateway"):
+            runs = b.get(mode, [])
+            if not runs:
+                continue
+            rows.append([mode, "process CPU", c.summary([x["process_us_per_turn"] for x in runs])])
+            for name in sorted({k for x in runs for k in x["threads_us_per_turn"]}):
+                rows.append([mode, f"thread {name}", c.summary([x["threads_us_per_turn"].get(name, 0) for x in runs])])
+            for label in labels:
+                if any(label in x["pieces_us_per_turn"] for x in runs):
+                    values = [x["pieces_us_per_turn"].get(label, 0.0) for x in runs]
+                    rows.append([mode, label.replace("  ", "· "), c.summary(values)])
+        lines += ["", "breakdown at c=1 (µs per turn, loop thread CPU unless a thread is named):"]
+        lines += [c.table(["worker", "piece", "µs/turn"], rows)]
     if "memory" in data:
         rows = [
             [
@@ -978,6 +1086,8 @@ async def main(args: argparse.Namespace) -> None:
                 await part_turns(args, engine, fixture, tmp, data)
             if "profile" in args.parts:
                 await part_profile(args, engine, fixture, tmp, data)
+            if "breakdown" in args.parts:
+                await part_breakdown(args, engine, fixture, tmp, data)
             if "memory" in args.parts:
                 await part_memory(args, engine, fixture, tmp, data)
             if "scale" in args.parts:
@@ -992,10 +1102,11 @@ async def main(args: argparse.Namespace) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="cpu,latency,profile,memory,scale,store")
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--parts", default="cpu,latency,profile,breakdown,memory,scale,store")
+    parser.add_argument("--breakdown-rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--turns", type=int, default=4, help="turns per session (cpu, latency, profile)")
-    parser.add_argument("--sessions", default="1:30,64:192,256:512", help="sessions per measured batch, by concurrency")
+    parser.add_argument("--sessions", default="1:50,64:192,256:512", help="sessions per measured batch, by concurrency")
     parser.add_argument("--cpu-conc", default="1,64")
     parser.add_argument("--latency-conc", default="1,256")
     parser.add_argument("--profile-conc", type=int, default=64)
@@ -1020,7 +1131,7 @@ def parse_args() -> argparse.Namespace:
     args.parts = args.parts.split(",")
     args.cpu_conc = [int(x) for x in args.cpu_conc.split(",")]
     args.latency_conc = [int(x) for x in args.latency_conc.split(",")]
-    unknown = set(args.parts) - {"cpu", "latency", "profile", "memory", "scale", "store"}
+    unknown = set(args.parts) - {"cpu", "latency", "profile", "breakdown", "memory", "scale", "store"}
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}")
     return args
