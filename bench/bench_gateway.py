@@ -24,7 +24,11 @@ Workers (``--worker`` modes):
   HTTP hop in front of the engine call, no checks, no sessions, no store. The honest floor: any OpenAI gateway over
   the client pays at least this;
 * ``gateway``: ``Gateway(Client, SQLiteStore(file), limits)`` behind ``backends_gateway.serve`` (aiohttp), the
-  client with the library defaults (the CLI's), the store on this machine's disk (ext4, ``synchronous=FULL``).
+  store on this machine's disk (ext4, ``synchronous=FULL``).
+
+Every worker runs as ``backends gateway`` does: on uvloop (where installed), its client with the library defaults
+but the stateless turn cache off (``StatelessPolicy(enabled=False)``: the gateway keeps the turns; ``direct`` and
+``proxy`` use the same client config, ``session=`` and ``previous=`` as the gateway's calls).
 
 Workload: multi-turn sessions. Turn 1 of session i is ``_common.chat_variants``' chat i mod 64 (six messages
 rendering to 1,024 ids with the tiny test tokenizer); turn k+1's messages are turn k's, the assistant message the
@@ -47,9 +51,8 @@ Parts:
 * ``breakdown``: no profiler, the gateway and the direct worker at c = 1 with the pieces of :data:`TIMED` wrapped
   in CPU timers (the loop thread's ``time.thread_time``), and each thread's CPU: where the gateway's extra goes;
 * ``memory``: a fresh gateway worker, ``--memory-sessions`` sessions of ``--memory-turns`` turns left open; RSS
-  growth (after ``gc.collect()``) ÷ open sessions; again with the client's stateless turn cache off
-  (``StatelessPolicy(enabled=False)``) to tell the client's share from the gateway's (``--memory-trace``: a third
-  run under ``tracemalloc``, growth by line);
+  growth (after ``gc.collect()``) ÷ open sessions (``--memory-trace``: a second run under ``tracemalloc``, growth
+  by line);
 * ``scale``: a fresh gateway worker, ``--scale-sessions`` sessions of ``--scale-turns`` turns with
   ``--scale-in-flight`` in flight, all left open, bounded by ``--scale-timeout`` seconds (no new turn starts after
   it); errors by kind, turns/s, the gateway's peak RSS (``VmHWM``) and the most turns it held in flight at once.
@@ -266,8 +269,7 @@ async def worker_main(config: dict[str, Any]) -> None:
     import numpy as np
     from aiohttp import web
 
-    from backends_core import Client, ClientConfig, GenerateResult, SamplingParams
-    from backends_core.config import StatelessPolicy
+    from backends_core import Client, ClientConfig, GenerateResult, SamplingParams, StatelessPolicy
     from backends_gateway import Gateway, GatewayLimits, SQLiteStore, serve
     from backends_gateway.openai_chat import chat_completion
 
@@ -281,7 +283,7 @@ async def worker_main(config: dict[str, Any]) -> None:
         base_url=config["engine"],
         model=c.MODEL,
         tokenizer=fx["tokenizer"],
-        stateless=StatelessPolicy(enabled=config.get("client_turn_cache", True)),
+        stateless=StatelessPolicy(enabled=False),  # as the CLI builds it (the gateway keeps the turns itself)
     )
     sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0)
     stop = asyncio.Event()
@@ -733,11 +735,11 @@ async def part_memory(args: argparse.Namespace, engine: str, fixture: Path, tmp:
     harness = Harness(fx)
     out: dict[str, Any] = {}
     try:
-        variants = [("client turn cache on (default)", True, False), ("client turn cache off", False, False)]
+        variants = [("gateway", False)]
         if args.memory_trace:
-            variants.append(("client turn cache on, tracemalloc", True, True))
-        for label, cache, trace in variants:
-            worker = Worker("gateway", engine, fixture, tmp, client_turn_cache=cache, trace=trace)
+            variants.append(("gateway under tracemalloc", True))
+        for label, trace in variants:
+            worker = Worker("gateway", engine, fixture, tmp, trace=trace)
             try:
                 await harness.drive(worker, sessions=16, turns=args.memory_turns, conc=16, tag="mw")
                 before = await harness.stats(worker, collect=True, trace=trace)
@@ -1100,6 +1102,16 @@ async def main(args: argparse.Namespace) -> None:
     print(report(data))
 
 
+def run_like_cli(main: Any) -> Any:
+    """``main`` on uvloop where it is installed, else asyncio's loop: as ``backends gateway`` runs."""
+    try:
+        import uvloop
+    except ModuleNotFoundError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="cpu,latency,profile,breakdown,memory,scale,store")
@@ -1140,16 +1152,10 @@ def parse_args() -> argparse.Namespace:
 if __name__ == "__main__":
     if "--worker" in sys.argv:
         c.pin(0)
-        asyncio.run(worker_main(json.loads(sys.argv[sys.argv.index("--worker") + 1])))
+        run_like_cli(worker_main(json.loads(sys.argv[sys.argv.index("--worker") + 1])))
     elif "--store-worker" in sys.argv:
         c.pin(0)
-        result = asyncio.run(store_main(json.loads(sys.argv[sys.argv.index("--store-worker") + 1])))
+        result = run_like_cli(store_main(json.loads(sys.argv[sys.argv.index("--store-worker") + 1])))
         print(json.dumps(result))
     else:
-        arguments = parse_args()
-        try:
-            import uvloop
-        except ImportError:
-            asyncio.run(main(arguments))
-        else:
-            uvloop.run(main(arguments))
+        run_like_cli(main(parse_args()))
