@@ -178,7 +178,11 @@ async def run_sessions(
 def _kind(exc: BaseException) -> str:
     if isinstance(exc, HttpStatusError):
         return f"HTTP {exc.status} {exc.code}"
-    return type(exc).__name__
+    if isinstance(exc, OSError):
+        cause = exc.__cause__ or exc.__context__
+        detail = f"{exc.strerror or exc}" if exc.errno else str(cause or exc)
+        return f"{type(exc).__name__}: {detail[:120]}"
+    return f"{type(exc).__name__}: {str(exc)[:120]}"
 
 
 class HttpStatusError(Exception):
