@@ -55,7 +55,8 @@ Parts:
   by line);
 * ``scale``: a fresh gateway worker, ``--scale-sessions`` sessions of ``--scale-turns`` turns with
   ``--scale-in-flight`` in flight, all left open, bounded by ``--scale-timeout`` seconds (no new turn starts after
-  it); errors by kind, turns/s, the gateway's peak RSS (``VmHWM``) and the most turns it held in flight at once.
+  it); errors by kind, turns/s, the gateway's peak RSS (``VmHWM``), the most turns it held in flight at once, and
+  turns slower than 10 s; once per ``--scale-loops`` (default: uvloop, as the CLI, then asyncio's loop).
   ``GatewayLimits``' ``max_in_flight`` and ``max_sessions`` are raised to twice the sizes asked when the defaults
   (4,096 and 100,000) are below that; the JSON says whether they were;
 * ``store``: ``SQLiteStore.record_turn`` alone in a process of its own (core 0), 1 and 256 sessions recording at
@@ -137,9 +138,11 @@ async def run_sessions(
     queue = iter(range(sessions))
     latencies: list[float] = []
     errors: Counter[str] = Counter()
+    slow = 0
     done = {"turns": 0, "sessions": 0, "in_flight": 0, "max_in_flight": 0}
 
     async def worker() -> None:
+        nonlocal slow
         for i in queue:
             session = f"{tag}-{i}"
             messages: list[Message] = list(variants[i % len(variants)])
@@ -157,6 +160,7 @@ async def run_sessions(
                 finally:
                     done["in_flight"] -= 1
                 latencies.append(time.perf_counter() - started)
+                slow += latencies[-1] > 10
                 done["turns"] += 1
                 messages = [*messages, reply, users[k]]
             done["sessions"] += 1
@@ -172,6 +176,7 @@ async def run_sessions(
         "errors": dict(errors),
         "max_in_flight": done["max_in_flight"],
         "latency": percentiles(latencies),
+        "slow_10s": slow,
     }
 
 
@@ -782,8 +787,17 @@ async def part_scale(args: argparse.Namespace, engine: str, fixture: Path, tmp: 
         "max_sessions": max(default.max_sessions, 2 * args.scale_sessions),
     }
     raised = {k: v for k, v in limits.items() if v != getattr(default, k)}
+    data["scale"] = {}
+    for loop in args.scale_loops:
+        data["scale"][loop] = await _scale(args, engine, fixture, tmp, fx, limits, loop)
+        data["scale"][loop]["raised"] = raised
+
+
+async def _scale(
+    args: argparse.Namespace, engine: str, fixture: Path, tmp: Path, fx: Any, limits: dict[str, int], loop: str
+) -> dict[str, Any]:
     harness = Harness(fx, timeout=args.scale_timeout + 120)
-    worker = Worker("gateway", engine, fixture, tmp, limits=limits)
+    worker = Worker("gateway", engine, fixture, tmp, limits=limits, loop=loop)
     try:
         await harness.drive(worker, sessions=8, turns=args.scale_turns, conc=8, tag="sw")
         before = await harness.stats(worker, collect=True)
@@ -803,9 +817,9 @@ async def part_scale(args: argparse.Namespace, engine: str, fixture: Path, tmp: 
     finally:
         worker.close()
         await harness.aclose()
-    data["scale"] = {
+    out = {
+        "loop": loop,
         "limits": limits,
-        "raised": raised,
         "sessions_asked": args.scale_sessions,
         "in_flight_asked": args.scale_in_flight,
         "turns_per_session": args.scale_turns,
@@ -817,7 +831,8 @@ async def part_scale(args: argparse.Namespace, engine: str, fixture: Path, tmp: 
         "peak_rss_mb": after["hwm_kb"] / 1024,
         **run,
     }
-    print(f"  scale: {data['scale']}", file=sys.stderr, flush=True)
+    print(f"  scale ({loop}): {out}", file=sys.stderr, flush=True)
+    return out
 
 
 # -- the store (its own process, core 0) --------------------------------------------------------------------
@@ -1031,15 +1046,15 @@ def report(data: dict[str, Any]) -> str:
             "memory per open session:",
             c.table(["gateway", "sessions", "turns", "RSS before MB", "after MB", "KB per session"], rows),
         ]
-    if "scale" in data:
-        s = data["scale"]
+    for loop, s in data.get("scale", {}).items():
         lines += [
             "",
-            f"scale: {s['sessions']} sessions ({s['open_sessions']} open), {s['turns']} turns, "
+            f"scale, gateway on {loop}: {s['sessions']} sessions ({s['open_sessions']} open), {s['turns']} turns, "
             f"{s['max_in_flight']} in flight (gateway {s['gateway_in_flight_max_sampled']}), errors {s['errors']}, "
             f"{s['turns_per_s']:.0f} turns/s over {s['wall_s']:.0f} s, peak RSS {s['peak_rss_mb']:.0f} MB "
             f"(baseline {s['rss_baseline_mb']:.0f}), p50 {s['latency'].get('p50_ms', 0):.0f} ms, "
-            f"p99 {s['latency'].get('p99_ms', 0):.0f} ms; limits raised: {s['raised'] or 'none'}",
+            f"p99 {s['latency'].get('p99_ms', 0):.0f} ms, max {s['latency'].get('max_ms', 0):.0f} ms, "
+            f"{s['slow_10s']} turns over 10 s; limits raised: {s['raised'] or 'none'}",
         ]
     if "store" in data:
         st = data["store"]
@@ -1106,8 +1121,11 @@ async def main(args: argparse.Namespace) -> None:
     print(report(data))
 
 
-def run_like_cli(main: Any) -> Any:
-    """``main`` on uvloop where it is installed, else asyncio's loop: as ``backends gateway`` runs."""
+def run_like_cli(main: Any, loop: str | None = None) -> Any:
+    """``main`` on uvloop where it is installed, else asyncio's loop, as ``backends gateway`` runs
+    (``loop="asyncio"``: asyncio's loop anyway)."""
+    if loop == "asyncio":
+        return asyncio.run(main)
     try:
         import uvloop
     except ModuleNotFoundError:
@@ -1135,6 +1153,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--scale-in-flight", type=int, default=1000)
     parser.add_argument("--scale-turns", type=int, default=2)
     parser.add_argument("--scale-timeout", type=float, default=300.0, help="no new scale turn starts after it (s)")
+    parser.add_argument("--scale-loops", default="uvloop,asyncio", help="the gateway's event loop(s) for scale")
     parser.add_argument("--store-rounds", type=int, default=3)
     parser.add_argument("--store-conc", type=int, default=256)
     parser.add_argument("--store-n1", type=int, default=300, help="turns recorded at concurrency 1")
@@ -1146,6 +1165,7 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     args.parts = args.parts.split(",")
     args.cpu_conc = [int(x) for x in args.cpu_conc.split(",")]
+    args.scale_loops = args.scale_loops.split(",")
     args.latency_conc = [int(x) for x in args.latency_conc.split(",")]
     unknown = set(args.parts) - {"cpu", "latency", "profile", "breakdown", "memory", "scale", "store"}
     if unknown:
@@ -1156,7 +1176,8 @@ def parse_args() -> argparse.Namespace:
 if __name__ == "__main__":
     if "--worker" in sys.argv:
         c.pin(0)
-        run_like_cli(worker_main(json.loads(sys.argv[sys.argv.index("--worker") + 1])))
+        worker_config = json.loads(sys.argv[sys.argv.index("--worker") + 1])
+        run_like_cli(worker_main(worker_config), worker_config.get("loop"))
     elif "--store-worker" in sys.argv:
         c.pin(0)
         result = run_like_cli(store_main(json.loads(sys.argv[sys.argv.index("--store-worker") + 1])))
