@@ -49,7 +49,8 @@ Parts:
   batch at c = 64, own time grouped by package as ``profile_client.py`` does, plus the CPU of each thread; then
   (no profiler) the CPU of the message spans of a prompt rendered whole, for conversations of 1 to 40 turns;
 * ``breakdown``: no profiler, the gateway and the direct worker at c = 1 with the pieces of :data:`TIMED` wrapped
-  in CPU timers (the loop thread's ``time.thread_time``), and each thread's CPU: where the gateway's extra goes;
+  in CPU timers (the loop thread's ``time.thread_time``), the garbage collector's time by generation
+  (``gc.callbacks``), and each thread's CPU: where the gateway's extra goes;
 * ``memory``: a fresh gateway worker, ``--memory-sessions`` sessions of ``--memory-turns`` turns left open; RSS
   growth (after ``gc.collect()``) ÷ open sessions (``--memory-trace``: a second run under ``tracemalloc``, growth
   by line);
@@ -286,6 +287,16 @@ async def worker_main(config: dict[str, Any]) -> None:
     times: dict[str, float] = {}
     if config.get("timers"):
         install_timers(times)  # before the app is built: its routes take the handler then
+        gc_started = [0.0]
+
+        def on_gc(phase: str, info: dict[str, int]) -> None:  # the collector's own time, by generation
+            if phase == "start":
+                gc_started[0] = time.thread_time()
+            else:
+                label = f"gc, generation {info['generation']}"
+                times[label] = times.get(label, 0.0) + time.thread_time() - gc_started[0]
+
+        gc.callbacks.append(on_gc)
     fx = load_fixture(config["fixture"])
     client_config = ClientConfig(
         backend="vllm",
@@ -1023,7 +1034,7 @@ def report(data: dict[str, Any]) -> str:
             rows.append([mode, "process CPU", c.summary([x["process_us_per_turn"] for x in runs])])
             for name in sorted({k for x in runs for k in x["threads_us_per_turn"]}):
                 rows.append([mode, f"thread {name}", c.summary([x["threads_us_per_turn"].get(name, 0) for x in runs])])
-            for label in labels:
+            for label in [*labels, *(f"gc, generation {g}" for g in range(3))]:
                 if any(label in x["pieces_us_per_turn"] for x in runs):
                     values = [x["pieces_us_per_turn"].get(label, 0.0) for x in runs]
                     rows.append([mode, label.replace("  ", "· "), c.summary(values)])
