@@ -214,7 +214,7 @@ def thread_cpu() -> dict[str, float]:
     out: dict[str, float] = {}
     for t in psutil.Process().threads():
         name = names.get(t.id, "(native)")
-        if name.startswith(("asyncio_", "ThreadPoolExecutor")):
+        if name.startswith(("asyncio_", "uvloop_", "ThreadPoolExecutor")):
             name = "(thread pool)"
         out[name] = out.get(name, 0.0) + t.user_time + t.system_time
     return out
