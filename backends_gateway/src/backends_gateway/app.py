@@ -330,9 +330,8 @@ async def serve(gateway: Gateway, *, host: str = "127.0.0.1", port: int = 0, bac
     """Serve ``gateway`` until the block exits; yields the base URL (``port=0``: a free port).
 
     :param backlog: connections the kernel queues before they are accepted (capped by ``net.core.somaxconn``).
-        aiohttp's default, 128, is too few for a rollout batch connecting at once: on uvloop the overflow ended in
-        connection resets and SYN retries (1,000 connections at once: 4-6 % of them reset, p99 latency over 30 s;
-        ``bench/bench_gateway.py --parts scale``).
+        aiohttp's default, 128, is too few for a rollout batch connecting at once: the overflow ends in connection
+        resets and SYN retries (``bench/bench_gateway.py --parts scale``).
     """
     runner = web.AppRunner(create_app(gateway), access_log=None, handle_signals=False)
     await runner.setup()

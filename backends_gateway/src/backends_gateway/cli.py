@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import signal
 import sys
 from collections.abc import Callable, Coroutine
@@ -98,6 +99,10 @@ def _serve(args: argparse.Namespace) -> int:
                 Gateway(client, store, limits=limits) as gateway,
                 serve(gateway, host=args.host, port=args.port) as url,
             ):
+                # what is loaded now (tokenizer, templates, parsers) lives as long as the process: kept out of the
+                # collector's full passes, which would otherwise walk it and stall every turn in flight
+                gc.collect()
+                gc.freeze()
                 ready = {"url": url, "store": where, "model": config.model}
                 emit(args, ready, f"gateway at {url} (OpenAI base_url {url}/v1), store {where} (Ctrl-C stops it)")
                 sys.stdout.flush()
@@ -111,13 +116,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _run(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
-    """``main()`` on uvloop where it is installed (less CPU per streamed turn; see bench/), else asyncio's loop."""
-    try:
-        import uvloop
-    except ModuleNotFoundError:
-        return asyncio.run(main())
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(main())
+    """``main()`` on asyncio's own event loop: uvloop costs less CPU per turn but, measured, served a burst of
+    connections unevenly (some harnesses waiting until the burst ended; bench/README.md)."""
+    return asyncio.run(main())
 
 
 def export_rows(reader: Trajectories, *, group: str | None, status: str | None) -> Any:

@@ -27,6 +27,7 @@ from backends_gateway.sessions import (
     TurnRecord,
     TurnRequest,
     chain_digests,
+    next_digest,
 )
 from backends_gateway.store import Store
 from backends_gateway.trajectory import trajectory_json
@@ -369,7 +370,7 @@ class Gateway:
             model=self.model or "",
         )
         counts["turns"] += 1
-        digest = chain_digests([*request.messages, message], request.tools, request.chat_template_kwargs)[-1]
+        digest = next_digest(plan.digests[-1], message)  # the request's messages, then the reply
         before = (dict(record.counts), state.tips.get(branch), state.last_branch, state.longest)
         record.counts = counts
         state.add(turn, digest)  # before the store answers, so a concurrent turn numbers after it

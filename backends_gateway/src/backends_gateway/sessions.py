@@ -29,7 +29,7 @@ import orjson
 from backends_core import GenerateResult, MessageSpan, RoutedExperts, SamplingParams, WeightVersionSpan
 from backends_core.multiturn import normalize_message
 
-__all__ = ["Branch", "SessionRecord", "SessionState", "TurnRecord", "TurnRequest", "chain_digests"]
+__all__ = ["Branch", "SessionRecord", "SessionState", "TurnRecord", "TurnRequest", "chain_digests", "next_digest"]
 
 _REASONING = ("reasoning_content", "reasoning")
 STATUSES = ("open", "closed")
@@ -237,6 +237,13 @@ def _form(message: Mapping[str, Any]) -> dict[str, Any]:
     return form
 
 
+def next_digest(previous: bytes, message: Mapping[str, Any]) -> bytes:
+    """The digest of a message list one message longer than the list ``previous`` identifies."""
+    return hashlib.blake2b(
+        previous + orjson.dumps(_form(message), option=orjson.OPT_SORT_KEYS), digest_size=16
+    ).digest()
+
+
 def chain_digests(
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None,
@@ -247,7 +254,7 @@ def chain_digests(
     h = hashlib.blake2b(seed, digest_size=16).digest()
     out = []
     for message in messages:
-        h = hashlib.blake2b(h + orjson.dumps(_form(message), option=orjson.OPT_SORT_KEYS), digest_size=16).digest()
+        h = next_digest(h, message)
         out.append(h)
     return out
 
