@@ -38,7 +38,8 @@ def first_line(proc: subprocess.Popen[str], deadline_s: float) -> str:
     try:
         return lines.get(timeout=deadline_s)
     except queue.Empty:
-        raise AssertionError(f"backends serve printed nothing within {deadline_s:.0f} s") from None
+        command = " ".join(map(str, proc.args))
+        raise AssertionError(f"{command[:200]!r} printed nothing within {deadline_s:.0f} s") from None
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,10 @@ import subprocess
 import sys
 import tomllib
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 import pytest
 
 from clean_install import fresh_uv_env, install_locked_third_party, uv
@@ -184,62 +186,20 @@ def test_the_test_kit_wheel_registers_its_pytest_plugin_and_the_core_wheel_the_c
         }
 
 
-@pytest.mark.slow
-def test_backends_vllm_installs_from_the_wheels_into_a_clean_venv_without_any_server(
-    wheels: dict[str, Path], tmp_path: Path, fresh_uv_cache: Path
-) -> None:
-    """``pip install "backends[vllm]"`` as a user on a new machine runs it: third-party packages at the lock's
+@attrs.frozen
+class Installed:
+    """A clean venv holding ``backends[extra]``: its distributions, and a runner of commands from a directory
+    outside the checkout (the checkout's own tests/ must not be on a probe's path)."""
+
+    python: Path
+    distributions: set[str]
+    run: Callable[..., str]
+
+
+def install_extra(extra: str, wheels: dict[str, Path], tmp_path: Path, fresh_uv_cache: Path) -> Installed:
+    """``pip install "backends[extra]"`` as a user on a new machine runs it: third-party packages at the lock's
     versions from the package index through a uv cache this session made empty, ours only from the wheels just
-    built (``--no-index``), resolved by uv."""
-    venv = tmp_path / "venv"
-    python = venv / "bin" / "python"
-    env = fresh_uv_env(fresh_uv_cache)
-
-    def run(*args: str) -> str:  # from tmp_path: the checkout's own tests/ must not be on the probe's path
-        done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, f"{' '.join(args)}\n{done.stdout}\n{done.stderr}"
-        return done.stdout
-
-    run(uv(), "venv", "--quiet", str(venv), "--python", sys.executable)
-    install_locked_third_party(python, ROOT, "backends", extras=("vllm",), cwd=tmp_path, env=env)
-    run(
-        uv(),
-        "pip",
-        "install",
-        "--python",
-        str(python),
-        "--offline",
-        "--no-index",
-        "--find-links",
-        str(next(iter(wheels.values())).parent),
-        "backends[vllm]",
-    )
-    run(uv(), "pip", "check", "--python", str(python))
-    installed = {
-        line.split("==")[0].lower()
-        for line in run(uv(), "pip", "freeze", "--python", str(python)).splitlines()
-        if "==" in line
-    }
-    assert {"backends", "backends-core", "backends-vllm"} <= installed
-    assert installed & SERVER_PACKAGES == set()
-    assert installed & {"backends-testkit", "backends-vllm-testing", "backends-sglang", "backends-dynamo"} == set()
-    probe = (
-        "import importlib.util, backends_vllm, backends_core.plugins as p;"
-        "assert importlib.util.find_spec('tests') is None;"
-        "print(sorted(b.name for b in p.available_backends()))"
-    )
-    assert run(str(python), "-c", probe).strip() == "['vllm']"
-
-
-@pytest.mark.slow
-def test_backends_gateway_installs_from_the_wheels_and_adds_its_verb(
-    wheels: dict[str, Path], tmp_path: Path, fresh_uv_cache: Path
-) -> None:
-    """``pip install "backends[gateway]"`` on a new machine: the ``backends gateway`` verb is there (registered by
-    the gateway's wheel in the core CLI's verb group), and no server, test kit or torch comes with it."""
-    assert entry_points_of(wheels["backends-gateway"]) == {
-        "backends_core.cli": {"gateway": "backends_gateway.cli:register"}
-    }
+    built (``--no-index``), resolved by uv; then ``pip check``."""
     venv = tmp_path / "venv"
     python = venv / "bin" / "python"
     env = fresh_uv_env(fresh_uv_cache)
@@ -250,7 +210,7 @@ def test_backends_gateway_installs_from_the_wheels_and_adds_its_verb(
         return done.stdout
 
     run(uv(), "venv", "--quiet", str(venv), "--python", sys.executable)
-    install_locked_third_party(python, ROOT, "backends", extras=("gateway",), cwd=tmp_path, env=env)
+    install_locked_third_party(python, ROOT, "backends", extras=(extra,), cwd=tmp_path, env=env)
     links = str(next(iter(wheels.values())).parent)
     run(
         uv(),
@@ -262,17 +222,46 @@ def test_backends_gateway_installs_from_the_wheels_and_adds_its_verb(
         "--no-index",
         "--find-links",
         links,
-        "backends[gateway]",
+        f"backends[{extra}]",
     )
     run(uv(), "pip", "check", "--python", str(python))
-    installed = {
-        line.split("==")[0].lower()
-        for line in run(uv(), "pip", "freeze", "--python", str(python)).splitlines()
-        if "==" in line
+    freeze = run(uv(), "pip", "freeze", "--python", str(python)).splitlines()
+    return Installed(python, {line.split("==")[0].lower() for line in freeze if "==" in line}, run)
+
+
+@pytest.mark.slow
+def test_backends_vllm_installs_from_the_wheels_into_a_clean_venv_without_any_server(
+    wheels: dict[str, Path], tmp_path: Path, fresh_uv_cache: Path
+) -> None:
+    venv = install_extra("vllm", wheels, tmp_path, fresh_uv_cache)
+    assert {"backends", "backends-core", "backends-vllm"} <= venv.distributions
+    assert venv.distributions & SERVER_PACKAGES == set()
+    assert (
+        venv.distributions & {"backends-testkit", "backends-vllm-testing", "backends-sglang", "backends-dynamo"}
+        == set()
+    )
+    probe = (
+        "import importlib.util, backends_vllm, backends_core.plugins as p;"
+        "assert importlib.util.find_spec('tests') is None;"
+        "print(sorted(b.name for b in p.available_backends()))"
+    )
+    assert venv.run(str(venv.python), "-c", probe).strip() == "['vllm']"
+
+
+@pytest.mark.slow
+def test_backends_gateway_installs_from_the_wheels_and_adds_its_verb(
+    wheels: dict[str, Path], tmp_path: Path, fresh_uv_cache: Path
+) -> None:
+    """The ``backends gateway`` verb is there (registered by the gateway's wheel in the core CLI's verb group), and
+    no server, test kit or torch comes with it."""
+    assert entry_points_of(wheels["backends-gateway"]) == {
+        "backends_core.cli": {"gateway": "backends_gateway.cli:register"}
     }
-    assert {"backends", "backends-core", "backends-gateway", "pyarrow"} <= installed
-    assert installed & (SERVER_PACKAGES | {"backends-testkit", "backends-vllm", "starlette", "uvicorn"}) == set()
-    usage = run(str(python), "-m", "backends_core", "gateway", "--help")
+    venv = install_extra("gateway", wheels, tmp_path, fresh_uv_cache)
+    assert {"backends", "backends-core", "backends-gateway", "pyarrow"} <= venv.distributions
+    unwanted = SERVER_PACKAGES | {"backends-testkit", "backends-vllm", "starlette", "uvicorn"}
+    assert venv.distributions & unwanted == set()
+    usage = venv.run(str(venv.python), "-m", "backends_core", "gateway", "--help")
     assert "--store" in usage and "export" in usage
 
 

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -25,6 +23,7 @@ from router_probe_checks import SETTLE_S, http, vllm_finished
 
 from backends_core import Client, ClientConfig, FrontConfig
 from backends_testkit.tinymodel import TinyModels
+from test_cli_serve import first_line
 
 pytestmark = pytest.mark.live
 
@@ -82,18 +81,6 @@ async def test_a_harness_session_through_the_gateway_behind_vllm_router_stays_on
 
 
 # -- the command, killed and restarted ---------------------------------------------------------------------------
-
-
-def first_line(proc: subprocess.Popen[str], deadline_s: float) -> str:
-    """The first line ``proc`` writes on stdout, waiting at most ``deadline_s`` (a reader thread feeds a queue)."""
-    lines: queue.Queue[str] = queue.Queue()
-    assert proc.stdout is not None
-    stdout = proc.stdout
-    threading.Thread(target=lambda: lines.put(stdout.readline()), daemon=True).start()
-    try:
-        return lines.get(timeout=deadline_s)
-    except queue.Empty:
-        raise AssertionError(f"backends gateway printed nothing within {deadline_s:.0f} s") from None
 
 
 @attrs.define
