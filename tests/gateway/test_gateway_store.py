@@ -11,6 +11,7 @@ import pytest
 
 from backends_core import MessageSpan, RoutedExperts, WeightVersionSpan
 from backends_gateway import Branch, SessionRecord, SQLiteStore, TurnRecord
+from backends_gateway.migrations import migrations
 
 
 def record(session: str, turn: int, *, experts: bool = False) -> TurnRecord:
@@ -120,3 +121,38 @@ async def test_the_reader_pages_through_sessions_closed_at_the_same_instant(tmp_
     await store.aclose()
     read = [t.session for t in Trajectories(tmp_path / "p.db").sessions(status="closed", page=2)]
     assert read == [f"s{i}" for i in range(7)]
+
+
+_FIRST_SCHEMA = """
+CREATE TABLE sessions (id TEXT PRIMARY KEY, grp TEXT, status TEXT NOT NULL, reward REAL, reward_info BLOB,
+    created REAL NOT NULL, closed REAL, counts BLOB NOT NULL);
+CREATE TABLE branches (session TEXT NOT NULL, branch INTEGER NOT NULL, parent_branch INTEGER, parent_turn INTEGER,
+    reason TEXT NOT NULL, created REAL NOT NULL, PRIMARY KEY (session, branch));
+CREATE TABLE turns (session TEXT NOT NULL, turn INTEGER NOT NULL, branch INTEGER NOT NULL, parent INTEGER,
+    created REAL NOT NULL, messages BLOB NOT NULL, tools BLOB, template_kwargs BLOB, reply BLOB NOT NULL,
+    prompt_ids BLOB NOT NULL, completion_ids BLOB NOT NULL, logprobs BLOB NOT NULL, finish_reason TEXT NOT NULL,
+    weight_version TEXT, weight_versions BLOB NOT NULL, message_spans BLOB NOT NULL, server TEXT,
+    reused_ids INTEGER NOT NULL, routed_experts BLOB, routed_start INTEGER, request BLOB NOT NULL,
+    PRIMARY KEY (session, turn));
+INSERT INTO sessions VALUES ('old', 'g', 'closed', 1.0, NULL, 5.0, 6.0, '{"turns": 0}');
+"""
+
+
+async def test_a_store_written_before_numbered_migrations_is_brought_forward(tmp_path) -> None:
+    path = tmp_path / "old.db"
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        db.executescript(_FIRST_SCHEMA)
+    store = SQLiteStore(path)
+    await store.open()
+    try:
+        old = await store.get_session("old")
+        assert old is not None and (old.group, old.reward, old.owner) == ("g", 1.0, None)
+        await store.create_session(SessionRecord(id="new", owner="team-a"))
+        assert [s.id for s in await store.list_sessions(owner="team-a")] == ["new"]
+    finally:
+        await store.aclose()
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == len(migrations("sqlite"))
+    again = SQLiteStore(path)  # applying nothing twice
+    await again.open()
+    await again.aclose()

@@ -211,6 +211,8 @@ class SessionRecord:
     created: float = attrs.field(factory=time.time)
     closed: float | None = None
     counts: dict[str, int] = attrs.field(factory=lambda: {"turns": 0, "bridged": 0, "branched": 0, "rerendered": 0})
+    #: the name of the harness key the session belongs to (None on a gateway without keys)
+    owner: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -221,6 +223,7 @@ class SessionRecord:
             "reward_info": self.reward_info,
             "created": self.created,
             "closed": self.closed,
+            "owner": self.owner,
             **self.counts,
         }
 

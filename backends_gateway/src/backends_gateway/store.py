@@ -23,6 +23,7 @@ import numpy as np
 import orjson
 
 from backends_core import MessageSpan, RoutedExperts, WeightVersionSpan
+from backends_gateway.migrations import migrations
 from backends_gateway.sessions import Branch, SessionRecord, TurnRecord
 
 __all__ = ["SQLiteStore", "Store", "open_store"]
@@ -55,9 +56,16 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def list_sessions(
-        self, *, group: str | None = None, status: str | None = None, limit: int = 1000, after: float | None = None
+        self,
+        *,
+        group: str | None = None,
+        status: str | None = None,
+        owner: str | None = None,
+        limit: int = 1000,
+        after: float | None = None,
     ) -> list[SessionRecord]:
-        """Sessions by creation time (closed ones by closing time when ``status="closed"``), after ``after``."""
+        """Sessions by creation time (closed ones by closing time when ``status="closed"``), after ``after``;
+        ``owner``: only the sessions of that harness key."""
 
     @abc.abstractmethod
     async def branches(self, session: str) -> list[Branch]: ...
@@ -76,28 +84,7 @@ def open_store(spec: str | os.PathLike[str]) -> Store:
     return SQLiteStore(text)
 
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS sessions (
-    id TEXT PRIMARY KEY, grp TEXT, status TEXT NOT NULL, reward REAL, reward_info BLOB,
-    created REAL NOT NULL, closed REAL, counts BLOB NOT NULL
-);
-CREATE INDEX IF NOT EXISTS sessions_by_group ON sessions (grp, status);
-CREATE INDEX IF NOT EXISTS sessions_by_close ON sessions (status, closed);
-CREATE TABLE IF NOT EXISTS branches (
-    session TEXT NOT NULL, branch INTEGER NOT NULL, parent_branch INTEGER, parent_turn INTEGER,
-    reason TEXT NOT NULL, created REAL NOT NULL, PRIMARY KEY (session, branch)
-);
-CREATE TABLE IF NOT EXISTS turns (
-    session TEXT NOT NULL, turn INTEGER NOT NULL, branch INTEGER NOT NULL, parent INTEGER, created REAL NOT NULL,
-    messages BLOB NOT NULL, tools BLOB, template_kwargs BLOB, reply BLOB NOT NULL,
-    prompt_ids BLOB NOT NULL, completion_ids BLOB NOT NULL, logprobs BLOB NOT NULL, finish_reason TEXT NOT NULL,
-    weight_version TEXT, weight_versions BLOB NOT NULL, message_spans BLOB NOT NULL, server TEXT,
-    reused_ids INTEGER NOT NULL, routed_experts BLOB, routed_start INTEGER, request BLOB NOT NULL,
-    PRIMARY KEY (session, turn)
-);
-"""
-
-_SESSION_COLUMNS = "id, grp, status, reward, reward_info, created, closed, counts"
+_SESSION_COLUMNS = "id, grp, status, reward, reward_info, created, closed, counts, owner"
 _TURN_COLUMNS = (
     "session, turn, branch, parent, created, messages, tools, template_kwargs, reply, prompt_ids, completion_ids, "
     "logprobs, finish_reason, weight_version, weight_versions, message_spans, server, reused_ids, routed_experts, "
@@ -114,7 +101,17 @@ def _loads(value: bytes | None) -> Any:
 
 
 def _session_row(s: SessionRecord) -> tuple[Any, ...]:
-    return (s.id, s.group, s.status, s.reward, _json(s.reward_info), s.created, s.closed, orjson.dumps(s.counts))
+    return (
+        s.id,
+        s.group,
+        s.status,
+        s.reward,
+        _json(s.reward_info),
+        s.created,
+        s.closed,
+        orjson.dumps(s.counts),
+        s.owner,
+    )
 
 
 def _session(row: Sequence[Any]) -> SessionRecord:
@@ -127,6 +124,7 @@ def _session(row: Sequence[Any]) -> SessionRecord:
         created=row[5],
         closed=row[6],
         counts=orjson.loads(row[7]),
+        owner=row[8],
     )
 
 
@@ -241,7 +239,7 @@ class SQLiteStore(Store):
                 return
             self.path.parent.mkdir(parents=True, exist_ok=True)
             db = self._connect()
-            db.executescript(_SCHEMA)
+            _migrate(db)
             self._writer = threading.Thread(target=self._write_loop, args=(db,), name="gateway-store", daemon=True)
             self._writer.start()
 
@@ -312,7 +310,7 @@ class SQLiteStore(Store):
     async def create_session(self, session: SessionRecord) -> None:
         row = _session_row(session)
         await self._write(
-            lambda db: db.execute(f"INSERT INTO sessions ({_SESSION_COLUMNS}) VALUES (?,?,?,?,?,?,?,?)", row)
+            lambda db: db.execute(f"INSERT INTO sessions ({_SESSION_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?)", row)
         )
 
     async def record_turn(self, turn: TurnRecord, session: SessionRecord, branch: Branch | None) -> None:
@@ -332,8 +330,8 @@ class SQLiteStore(Store):
         row = _session_row(session)
         await self._write(
             lambda db: db.execute(
-                "UPDATE sessions SET grp=?, status=?, reward=?, reward_info=?, created=?, closed=?, counts=? "
-                "WHERE id=?",
+                "UPDATE sessions SET grp=?, status=?, reward=?, reward_info=?, created=?, closed=?, counts=?, "
+                "owner=? WHERE id=?",
                 (*row[1:], row[0]),
             )
         )
@@ -349,6 +347,7 @@ class SQLiteStore(Store):
         *,
         group: str | None = None,
         status: str | None = None,
+        owner: str | None = None,
         limit: int = 1000,
         after: float | None = None,
         after_id: str | None = None,
@@ -363,6 +362,9 @@ class SQLiteStore(Store):
         if status is not None:
             where.append("status = ?")
             args.append(status)
+        if owner is not None:
+            where.append("owner = ?")
+            args.append(owner)
         order = "closed" if status == "closed" else "created"
         if after is not None and after_id is not None:
             where.append(f"({order} > ? OR ({order} = ? AND id > ?))")
@@ -392,10 +394,16 @@ class SQLiteStore(Store):
         return await asyncio.to_thread(self.get_session_sync, session)
 
     async def list_sessions(
-        self, *, group: str | None = None, status: str | None = None, limit: int = 1000, after: float | None = None
+        self,
+        *,
+        group: str | None = None,
+        status: str | None = None,
+        owner: str | None = None,
+        limit: int = 1000,
+        after: float | None = None,
     ) -> list[SessionRecord]:
         return await asyncio.to_thread(
-            lambda: self.list_sessions_sync(group=group, status=status, limit=limit, after=after)
+            lambda: self.list_sessions_sync(group=group, status=status, owner=owner, limit=limit, after=after)
         )
 
     async def branches(self, session: str) -> list[Branch]:
@@ -403,6 +411,29 @@ class SQLiteStore(Store):
 
     async def turns(self, session: str) -> list[TurnRecord]:
         return await asyncio.to_thread(self.turns_sync, session)
+
+
+def _migrate(db: sqlite3.Connection) -> None:
+    """Apply the numbered migrations past the file's ``user_version``, each with its version in one transaction."""
+    current = db.execute("PRAGMA user_version").fetchone()[0]
+    for migration in migrations("sqlite"):
+        if migration.version > current:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                for statement in _statements(migration.sql):
+                    db.execute(statement)
+                db.execute(f"PRAGMA user_version = {migration.version}")
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+
+def _statements(sql: str) -> list[str]:
+    """A migration file's statements (``executescript`` would commit on its own; these run in the caller's
+    transaction)."""
+    text = "\n".join(line for line in sql.splitlines() if not line.lstrip().startswith("--"))
+    return [s.strip() for s in text.split(";") if s.strip()]
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
