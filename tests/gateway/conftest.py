@@ -14,7 +14,7 @@ import pytest
 from backends_core import Client, ClientConfig
 from backends_core.config import StatelessPolicy
 from backends_core.multiturn.rendering import load_tokenizer
-from backends_gateway import Gateway, GatewayLimits, SQLiteStore, serve
+from backends_gateway import Gateway, GatewayLimits, Keys, SQLiteStore, serve
 from backends_testkit.engine import ReferenceEngine
 from backends_vllm_testing.emulator import VllmEmulator
 from scripted_stream import StreamingScript
@@ -62,7 +62,7 @@ def scripted_gateway(tiny_models: Any, tmp_path: Path) -> Any:
 
     @contextlib.asynccontextmanager
     async def make(
-        replies: list[str], *, limits: GatewayLimits | None = None, name: str = "g"
+        replies: list[str], *, limits: GatewayLimits | None = None, name: str = "g", keys: Keys | None = None
     ) -> AsyncIterator[Served]:
         script = StreamingScript(tokenizer, replies)
         config = ClientConfig(
@@ -76,7 +76,7 @@ def scripted_gateway(tiny_models: Any, tmp_path: Path) -> Any:
         async with (
             Client(config, plugin=script) as client,
             Gateway(client, SQLiteStore(store), limits=limits) as gateway,
-            serve(gateway) as url,
+            serve(gateway, keys=keys) as url,
         ):
             yield Served(url, gateway, client, "tiny", store, script)
 

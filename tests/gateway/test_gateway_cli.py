@@ -172,3 +172,44 @@ def test_the_gateway_verb_without_the_gateway_installed_says_what_to_install(mon
 def test_bad_gateway_flags_exit_2_naming_the_flag(argv, capsys) -> None:
     assert cli.main([*argv, "--backend", "vllm", "--url", "http://127.0.0.1:9"]) == 2
     assert ("--port" if "--port" in argv else "--store") in capsys.readouterr().err
+
+
+def test_a_gateway_with_keys_answers_only_its_keys_and_prints_none_of_them(tiny_models, tmp_path) -> None:
+    trainer, harness = "tk-cli-0123456789abcdef", "hk-cli-0123456789abcdef"
+    keys = tmp_path / "keys.toml"
+    keys.write_text(f'[trainer]\ntrainer = "{trainer}"\n[harness]\nrunner = "{harness}"\n')
+    engine, ready = start(["serve", "--backend", "vllm", "--port", "0", "--models-dir", str(tiny_models.root)])
+    try:
+        gateway, up = start([
+            "gateway", "--backend", "vllm", "--url", ready["url"], "--model", ready["model"],
+            "--tokenizer", ready["tokenizer"], "--port", "0", "--store", str(tmp_path / "k.db"), "--keys", str(keys),
+        ])  # fmt: skip
+        try:
+            with httpx.Client(base_url=up["url"], trust_env=False, timeout=120) as http:
+                messages = [{"role": "user", "content": "hello"}]
+                assert turn(http, messages).status_code == 401
+                ok = http.post(
+                    "/s/run/v1/chat/completions",
+                    json={"model": ready["model"], "messages": messages, "max_tokens": 4},
+                    headers={"Authorization": f"Bearer {harness}"},
+                )
+                assert ok.status_code == 200, ok.text
+                assert http.get("/v1/sessions/run/trajectory", headers={"x-api-key": harness}).status_code == 403
+                seen = http.get("/v1/sessions/run/trajectory", headers={"Authorization": f"Bearer {trainer}"})
+                assert seen.status_code == 200 and len(seen.json()["turns"]) == 1
+        finally:
+            gateway.send_signal(signal.SIGTERM)
+            out, err = gateway.communicate(timeout=STOP_DEADLINE_S)
+        assert gateway.returncode == 0, err
+        assert trainer not in out + err and harness not in out + err
+    finally:
+        stop(engine)
+
+
+def test_a_keys_file_that_cannot_be_used_exits_2_without_printing_a_key(tmp_path, capsys) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[harness]\nrunner = "hk-cli-0123456789abcdef"\n')
+    argv = ["gateway", "--backend", "vllm", "--url", "http://127.0.0.1:9", "--keys", str(keys)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--keys" in err and "at least one trainer key" in err and "0123456789abcdef" not in err

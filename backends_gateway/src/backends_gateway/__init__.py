@@ -6,7 +6,7 @@ OpenAI-compatible server; every turn is rendered with the chat template, sent to
 kept durably, and read back by the trainer as exact token trajectories.
 
 * :class:`Gateway` (the core, independent of any wire), :func:`create_app` / :func:`serve` (its HTTP routes),
-  :class:`GatewayLimits`.
+  :class:`GatewayLimits`, :class:`Keys` (who may call it).
 * :class:`Store` and :class:`SQLiteStore` (the embedded default, write-ahead log).
 * :class:`Trajectories`: a trainer's reader of a store, closed sessions as numpy arrays.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 from backends_gateway.app import create_app, serve
 from backends_gateway.errors import GatewayError, Overloaded
 from backends_gateway.gateway import Gateway, GatewayLimits, Served, Started, TextDelta
+from backends_gateway.keys import Keys, KeysError, Principal
 from backends_gateway.sessions import Branch, SessionRecord, TurnRecord, TurnRequest
 from backends_gateway.store import SQLiteStore, Store, open_store
 from backends_gateway.trajectory import Sample, Trajectories, Trajectory, TrajectoryError, build
@@ -27,7 +28,10 @@ __all__ = [
     "Gateway",
     "GatewayError",
     "GatewayLimits",
+    "Keys",
+    "KeysError",
     "Overloaded",
+    "Principal",
     "SQLiteStore",
     "Sample",
     "Served",

@@ -15,6 +15,10 @@ without a session in the path, and the trajectory routes for the trainer.
 A session comes from the path, else the ``X-Session-ID`` header, else the request joins the open session whose
 turn its messages extend, else starts one; the answer's ``X-Session-ID`` header names it. ``X-Session-Group``
 puts a new session in a group (GRPO).
+
+With :class:`~backends_gateway.keys.Keys`, every route but ``/health`` and the page's shell needs a key: a harness
+key sends turns and lists or reads its own sessions (another key's session: 404); trajectories, rewards and
+closing need the trainer key (403 otherwise); no key or an unknown one: 401.
 """
 
 from __future__ import annotations
@@ -31,12 +35,17 @@ from aiohttp import web
 
 from backends_gateway.errors import GatewayError, Overloaded
 from backends_gateway.gateway import Gateway, Served, Started, TextDelta, check_session_id
+from backends_gateway.keys import Keys, Principal
 from backends_gateway.openai_chat import ChatCall, chat_completion, chunk, error_body, finish_reason, parse_chat_request
 
 __all__ = ["create_app", "serve"]
 
 log = logging.getLogger("backends_gateway")
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+KEYS_KEY: web.AppKey[Keys | None] = web.AppKey("keys")
+PRINCIPAL_KEY: web.RequestKey[Principal | None] = web.RequestKey("principal")
+#: routes anyone may call on a gateway with keys: nothing in them is a session's
+PUBLIC_PATHS = frozenset({"/health", "/ui"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -46,6 +55,8 @@ def _json(body: Any, *, status: int = 200, headers: dict[str, str] | None = None
 
 def _error(exc: GatewayError) -> web.Response:
     headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, Overloaded) else None
+    if exc.status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
     return _json(error_body(exc), status=exc.status, headers=headers)
 
 
@@ -82,6 +93,55 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     except Exception as exc:  # a bug or a store failure: said in the API's shape, logged with its traceback
         log.exception("%s %s failed", request.method, request.path)
         return _error(GatewayError(500, f"{type(exc).__name__}: {exc}", kind="server_error", code="internal"))
+
+
+@web.middleware
+async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Who sent the request (:data:`PRINCIPAL_KEY`), from ``Authorization: Bearer`` or ``x-api-key``."""
+    keys = request.app[KEYS_KEY]
+    if keys is None or request.path in PUBLIC_PATHS:
+        request[PRINCIPAL_KEY] = None
+        return await handler(request)
+    presented = request.headers.get("x-api-key")
+    if presented is None:
+        scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            presented = ""
+    if not presented:
+        raise _unauthorized("no key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')")
+    principal = keys.identify(presented.strip())
+    if principal is None:
+        raise _unauthorized("the key is not one of this gateway's")
+    request[PRINCIPAL_KEY] = principal
+    return await handler(request)
+
+
+def _unauthorized(message: str) -> GatewayError:
+    return GatewayError(401, message, kind="authentication_error", code="invalid_api_key")
+
+
+def _owner(request: web.Request) -> str | None:
+    """The key a turn's session belongs to (``None`` on a gateway without keys)."""
+    principal = request[PRINCIPAL_KEY]
+    return None if principal is None else principal.name
+
+
+def _reader(request: web.Request) -> str | None:
+    """Whose sessions the request may read: ``None`` for all (the trainer, or a gateway without keys)."""
+    principal = request[PRINCIPAL_KEY]
+    return None if principal is None or principal.trainer else principal.name
+
+
+def require_trainer(request: web.Request) -> None:
+    """Refuse (403) a request not sent with the trainer key on a gateway with keys."""
+    principal = request[PRINCIPAL_KEY]
+    if principal is not None and not principal.trainer:
+        raise GatewayError(
+            403,
+            f"{request.method} {request.path} needs the trainer key",
+            kind="permission_error",
+            code="trainer_key_required",
+        )
 
 
 async def _body(request: web.Request) -> Any:
@@ -147,7 +207,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     group = request.headers.get("X-Session-Group") or None
     if call.stream:
         return await _stream(request, gateway, call, session, group)
-    served = await gateway.turn(call.turn, session=session, group=group)
+    served = await gateway.turn(call.turn, session=session, group=group, owner=_owner(request))
     result = served.result
     body = chat_completion(
         id=f"chatcmpl-{served.session}-{served.record.turn}",
@@ -166,7 +226,7 @@ async def _stream(
     request: web.Request, gateway: Gateway, call: ChatCall, session: str | None, group: str | None
 ) -> web.StreamResponse:
     events: AsyncGenerator[Started | TextDelta | Served, None] = gateway.stream_turn(
-        call.turn, session=session, group=group
+        call.turn, session=session, group=group, owner=_owner(request)
     )
     first = await anext(events)  # the session is placed (or the request refused) before anything is sent
     assert isinstance(first, Started)
@@ -272,19 +332,22 @@ async def list_sessions(request: web.Request) -> web.Response:
         status=request.query.get("status"),
         limit=_limit(request),
         after=_after(request),
+        owner=_reader(request),
     )
     return _json({"object": "list", "data": data})
 
 
 async def get_session(request: web.Request) -> web.Response:
-    return _json(await _gateway(request).summary(request.match_info["id"]))
+    return _json(await _gateway(request).summary(request.match_info["id"], owner=_reader(request)))
 
 
 async def trajectory(request: web.Request) -> web.Response:
+    require_trainer(request)
     return _json(await _gateway(request).trajectory(request.match_info["id"]))
 
 
 async def reward(request: web.Request) -> web.Response:
+    require_trainer(request)
     body = await _body(request)
     if not isinstance(body, dict) or set(body) - {"reward", "info"}:
         raise GatewayError(
@@ -300,6 +363,7 @@ async def reward(request: web.Request) -> web.Response:
 
 
 async def close(request: web.Request) -> web.Response:
+    require_trainer(request)
     check_session_id(request.match_info["id"], "session")
     return _json(await _gateway(request).close(request.match_info["id"]))
 
@@ -309,10 +373,12 @@ async def health(request: web.Request) -> web.Response:
     return _json({"status": "ok", "model": gateway.model, "open_sessions": gateway.open_sessions})
 
 
-def create_app(gateway: Gateway) -> web.Application:
-    """The aiohttp application serving ``gateway`` (its client and store opened by the caller)."""
-    app = web.Application(middlewares=[_errors], client_max_size=gateway.limits.max_body_bytes)
+def create_app(gateway: Gateway, *, keys: Keys | None = None) -> web.Application:
+    """The aiohttp application serving ``gateway`` (its client and store opened by the caller); ``keys``: who may
+    call it (``None``: anyone who can reach it)."""
+    app = web.Application(middlewares=[_errors, _auth], client_max_size=gateway.limits.max_body_bytes)
     app[GATEWAY_KEY] = gateway
+    app[KEYS_KEY] = keys
     for prefix in ("", "/s/{session}"):
         app.router.add_post(prefix + "/v1/chat/completions", chat_completions)
         app.router.add_get(prefix + "/v1/models", models)
@@ -326,14 +392,17 @@ def create_app(gateway: Gateway) -> web.Application:
 
 
 @contextlib.asynccontextmanager
-async def serve(gateway: Gateway, *, host: str = "127.0.0.1", port: int = 0, backlog: int = 4096) -> AsyncIterator[str]:
-    """Serve ``gateway`` until the block exits; yields the base URL (``port=0``: a free port).
+async def serve(
+    gateway: Gateway, *, host: str = "127.0.0.1", port: int = 0, backlog: int = 4096, keys: Keys | None = None
+) -> AsyncIterator[str]:
+    """Serve ``gateway`` until the block exits; yields the base URL (``port=0``: a free port). ``keys``: who may
+    call it (:mod:`backends_gateway.keys`; ``None``: anyone who can reach it).
 
     :param backlog: connections the kernel queues before they are accepted (capped by ``net.core.somaxconn``).
         aiohttp's default, 128, is too few for a rollout batch connecting at once: the overflow ends in connection
         resets and SYN retries (``bench/bench_gateway.py --parts scale``).
     """
-    runner = web.AppRunner(create_app(gateway), access_log=None, handle_signals=False)
+    runner = web.AppRunner(create_app(gateway, keys=keys), access_log=None, handle_signals=False)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port, backlog=backlog)

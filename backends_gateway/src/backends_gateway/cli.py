@@ -31,12 +31,14 @@ from backends_core.cli_common import (
 )
 from backends_gateway.app import serve
 from backends_gateway.gateway import Gateway, GatewayLimits
+from backends_gateway.keys import Keys, KeysError
 from backends_gateway.store import SQLiteStore, open_store
 from backends_gateway.trajectory import Trajectories
 
 __all__ = ["export_rows", "register"]
 
 DEFAULT_STORE = "backends-gateway.db"
+_LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
 _LIMIT_FLAGS = {f.name: f.default for f in attrs.fields(GatewayLimits)}
 
 
@@ -52,6 +54,13 @@ def register(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=nonnegative_int, default=8080, help="port (default: 8080; 0: a free one)")
     p.add_argument("--store", default=DEFAULT_STORE, help=f"the SQLite store file (default: ./{DEFAULT_STORE})")
+    p.add_argument(
+        "--keys",
+        default=None,
+        metavar="FILE",
+        help="a TOML file of bearer keys ([trainer] and [harness] tables, name = key): harness keys see only their "
+        "own sessions, the trainer key everything (default: no keys; anyone who reaches the port may call it)",
+    )
     for name, default in _LIMIT_FLAGS.items():
         p.add_argument(
             f"--{name.replace('_', '-')}", type=positive_int, default=default, help=f"limit (default: {default})"
@@ -87,6 +96,16 @@ def _serve(args: argparse.Namespace) -> int:
         raise UsageError(f"argument --store: {exc}") from None
 
     where = str(Path(args.store).resolve())
+    try:
+        keys = None if args.keys is None else Keys.from_file(args.keys)
+    except KeysError as exc:
+        raise UsageError(f"argument --keys: {exc}") from None
+    if keys is None and args.host not in _LOOPBACK:
+        print(
+            f"warning: listening on {args.host} without --keys: anyone who reaches the port can send turns and read "
+            "every session",
+            file=sys.stderr,
+        )
 
     async def run() -> int:
         stop = asyncio.Event()
@@ -97,7 +116,7 @@ def _serve(args: argparse.Namespace) -> int:
             async with (
                 Client(config) as client,
                 Gateway(client, store, limits=limits) as gateway,
-                serve(gateway, host=args.host, port=args.port) as url,
+                serve(gateway, host=args.host, port=args.port, keys=keys) as url,
             ):
                 # what is loaded now (tokenizer, templates, parsers) lives as long as the process: kept out of the
                 # collector's full passes, which would otherwise walk it and stall every turn in flight

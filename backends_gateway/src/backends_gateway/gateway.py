@@ -109,6 +109,10 @@ def check_session_id(value: str, where: str) -> str:
     return value
 
 
+def _no_session(session: str) -> GatewayError:
+    return GatewayError(404, f"no session {session!r}", kind="not_found_error", param="session", code="not_found")
+
+
 class Gateway:
     """Sessions over one client and one store.
 
@@ -198,7 +202,7 @@ class Gateway:
         finally:
             del self._loading[session]
 
-    async def _create(self, session: str, group: str | None) -> SessionState:
+    async def _create(self, session: str, group: str | None, owner: str | None) -> SessionState:
         if len(self._sessions) >= self.limits.max_sessions:
             raise Overloaded(
                 f"{len(self._sessions)} sessions are open (the gateway's max_sessions): close finished sessions "
@@ -206,7 +210,7 @@ class Gateway:
                 retry_after=self.limits.retry_after_s,
                 code="too_many_sessions",
             )
-        state = SessionState(record=SessionRecord(id=session, group=group))
+        state = SessionState(record=SessionRecord(id=session, group=group, owner=owner))
         self._sessions[session] = state
         try:
             await self.store.create_session(state.record)
@@ -216,21 +220,29 @@ class Gateway:
         return state
 
     async def _session_for(
-        self, session: str | None, group: str | None, digests: Sequence[bytes], messages: Sequence[Mapping[str, Any]]
+        self,
+        session: str | None,
+        group: str | None,
+        owner: str | None,
+        digests: Sequence[bytes],
+        messages: Sequence[Mapping[str, Any]],
     ) -> SessionState:
         if session is not None:
             state = await self.state(session)
             if state is None:
-                state = self._sessions.get(session) or await self._create(session, group)
+                state = self._sessions.get(session) or await self._create(session, group, owner)
+            if state.record.owner != owner:
+                raise _no_session(session)
         else:
             state = None
             for i in range(len(digests) - 1, -1, -1):
                 if messages[i].get("role") == "assistant" and digests[i] in self._joined:
                     state = self._sessions.get(self._joined[digests[i]])
-                    if state is not None:
+                    if state is not None and state.record.owner == owner:
                         break
+                    state = None
             if state is None:
-                state = await self._create(new_session_id(), group)
+                state = await self._create(new_session_id(), group, owner)
         record = state.record
         if record.status != "open":
             raise GatewayError(409, f"session {record.id} is closed", param="session", code="session_closed")
@@ -297,14 +309,16 @@ class Gateway:
                 code="too_many_requests",
             )
 
-    async def _begin(self, request: TurnRequest, session: str | None, group: str | None) -> tuple[SessionState, _Plan]:
+    async def _begin(
+        self, request: TurnRequest, session: str | None, group: str | None, owner: str | None
+    ) -> tuple[SessionState, _Plan]:
         if session is not None:
             check_session_id(session, "session")
         if group is not None:
             check_session_id(group, "X-Session-Group")
         self._admit()
         digests = chain_digests(request.messages, request.tools, request.chat_template_kwargs)
-        state = await self._session_for(session, group, digests, request.messages)
+        state = await self._session_for(session, group, owner, digests, request.messages)
         self._check_limits(state, request)
         plan = self._plan(state, request, digests)
         if plan.previous is None and plan.reason == "edited":
@@ -392,12 +406,15 @@ class Gateway:
 
     # -- turns ---------------------------------------------------------------------------------------------
 
-    async def turn(self, request: TurnRequest, *, session: str | None = None, group: str | None = None) -> Served:
-        """Generate and keep one turn; returns once it is durable.
+    async def turn(
+        self, request: TurnRequest, *, session: str | None = None, group: str | None = None, owner: str | None = None
+    ) -> Served:
+        """Generate and keep one turn; returns once it is durable. ``owner``: the key sending it (a session belongs
+        to the key that started it; another key's session is not found).
 
         :raises GatewayError: bad input (400), a closed session (409), a limit (429), an engine failure (5xx).
         """
-        state, plan = await self._begin(request, session, group)
+        state, plan = await self._begin(request, session, group, owner)
         self._in_flight += 1
         try:
             try:
@@ -413,7 +430,7 @@ class Gateway:
             self._end(state, plan)
 
     async def stream_turn(
-        self, request: TurnRequest, *, session: str | None = None, group: str | None = None
+        self, request: TurnRequest, *, session: str | None = None, group: str | None = None, owner: str | None = None
     ) -> AsyncGenerator[Started | TextDelta | Served, None]:
         """Generate one turn as a stream: :class:`Started` (the session), :class:`TextDelta` s of the reply as it
         is sampled, then (once the turn is durable) the rest of the text the whole parse gives, then the
@@ -423,7 +440,7 @@ class Gateway:
         template has one) is closed, and never past a ``<`` that may open tool-call markup. Leaving the iterator
         early aborts the generation on the engine.
         """
-        state, plan = await self._begin(request, session, group)
+        state, plan = await self._begin(request, session, group, owner)
         self._in_flight += 1
         try:
             yield Started(session=state.record.id)
@@ -449,18 +466,17 @@ class Gateway:
 
     # -- the trainer's side ----------------------------------------------------------------------------------
 
-    async def _known(self, session: str) -> SessionRecord:
+    async def _known(self, session: str, owner: str | None = None) -> SessionRecord:
+        """The session; ``owner``: only if it is that key's (``None``: any)."""
         check_session_id(session, "session")
         state = self._sessions.get(session)
         record = state.record if state is not None else await self.store.get_session(session)
-        if record is None:
-            raise GatewayError(
-                404, f"no session {session!r}", kind="not_found_error", param="session", code="not_found"
-            )
+        if record is None or (owner is not None and record.owner != owner):
+            raise _no_session(session)
         return record
 
-    async def summary(self, session: str) -> dict[str, Any]:
-        return (await self._known(session)).as_json()
+    async def summary(self, session: str, *, owner: str | None = None) -> dict[str, Any]:
+        return (await self._known(session, owner)).as_json()
 
     async def set_reward(self, session: str, reward: float, info: Mapping[str, Any] | None) -> dict[str, Any]:
         record = await self._known(session)
@@ -482,13 +498,14 @@ class Gateway:
         return record.as_json()
 
     async def sessions(
-        self, *, group: str | None, status: str | None, limit: int, after: float | None
+        self, *, group: str | None, status: str | None, limit: int, after: float | None, owner: str | None = None
     ) -> list[dict[str, Any]]:
+        """Session summaries (``owner``: only that key's)."""
         if status is not None and status not in STATUSES:
             raise GatewayError(
                 400, f"status must be one of {list(STATUSES)}, got {status!r}", param="status", code="invalid_value"
             )
-        records = await self.store.list_sessions(group=group, status=status, limit=limit, after=after)
+        records = await self.store.list_sessions(group=group, status=status, owner=owner, limit=limit, after=after)
         live = self._sessions
         return [(live[r.id].record if r.id in live else r).as_json() for r in records]
 

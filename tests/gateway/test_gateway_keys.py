@@ -1,0 +1,147 @@
+"""Keys: a harness key sees only its own sessions (another's is answered as absent, never with its data), the
+trainer key sees everything and alone reads trajectories, rewards and closes; no key or an unknown one is 401; a
+key is never written anywhere."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from backends_gateway import Keys, KeysError
+
+TRAINER = "tk-0123456789abcdef-trainer"
+TEAM_A = "hk-0123456789abcdef-team-a"
+TEAM_B = "hk-0123456789abcdef-team-b"
+KEYS = Keys(trainer={"trainer": TRAINER}, harness={"team-a": TEAM_A, "team-b": TEAM_B})
+REPLIES = [f"answer {i}<|im_end|>" for i in range(8)]
+
+
+def http(url: str, key: str | None, *, header: str = "Authorization") -> httpx.AsyncClient:
+    headers = {} if not key else {header: f"Bearer {key}" if header == "Authorization" else key}
+    return httpx.AsyncClient(base_url=url, trust_env=False, timeout=60, headers=headers)
+
+
+async def chat(client: httpx.AsyncClient, messages: list[Any], path: str = "/v1") -> httpx.Response:
+    return await client.post(f"{path}/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 8})
+
+
+def message(response: httpx.Response) -> dict[str, Any]:
+    assert response.status_code == 200, response.text
+    return {k: v for k, v in response.json()["choices"][0]["message"].items() if v is not None}
+
+
+def assert_error(response: httpx.Response, status: int, code: str) -> None:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["error"]["code"] == code, body
+    assert "turns" not in response.text and "prompt_ids" not in response.text
+
+
+async def test_two_harness_keys_never_see_each_others_sessions(scripted_gateway) -> None:
+    async with (
+        scripted_gateway(list(REPLIES), keys=KEYS) as served,
+        http(served.url, TEAM_A) as a,
+        http(served.url, TEAM_B) as b,
+        http(served.url, TRAINER) as trainer,
+    ):
+        first = [{"role": "user", "content": "the secret task"}]
+        r1 = await chat(a, first, "/s/a-run/v1")
+        history = [*first, message(r1), {"role": "user", "content": "go on"}]
+        r2 = await chat(a, history)  # joins a-run by its history
+        assert r2.headers["X-Session-ID"] == "a-run" and r2.headers["X-Turn"] == "1"
+        sent = len(served.script.requests)
+
+        # B: a's session by id is absent, for turns and for reads; nothing reaches the engine
+        assert_error(await chat(b, [*history, message(r2)], "/s/a-run/v1"), 404, "not_found")
+        assert_error(await b.get("/v1/sessions/a-run"), 404, "not_found")
+        listed = await b.get("/v1/sessions")
+        assert listed.status_code == 200 and listed.json()["data"] == []
+        assert len(served.script.requests) == sent
+        # the same history without an id starts B's own session: it never joins A's
+        r3 = await chat(b, history)
+        assert r3.status_code == 200 and r3.headers["X-Session-ID"] != "a-run" and r3.headers["X-Turn"] == "0"
+
+        # A reads its own summary but not trajectories; rewards and closing are the trainer's
+        own = await a.get("/v1/sessions/a-run")
+        assert own.status_code == 200 and own.json()["owner"] == "team-a" and own.json()["turns"] == 2
+        assert [s["session"] for s in (await a.get("/v1/sessions")).json()["data"]] == ["a-run"]
+        assert_error(await a.get("/v1/sessions/a-run/trajectory"), 403, "trainer_key_required")
+        assert_error(await a.post("/v1/sessions/a-run/reward", json={"reward": 1.0}), 403, "trainer_key_required")
+        assert_error(await a.post("/v1/sessions/a-run/close"), 403, "trainer_key_required")
+
+        # the trainer sees both keys' sessions and A's turns unchanged by B
+        everything = (await trainer.get("/v1/sessions")).json()["data"]
+        assert sorted(s["owner"] for s in everything) == ["team-a", "team-b"]
+        trajectory = (await trainer.get("/v1/sessions/a-run/trajectory")).json()
+        assert [t["turn"] for t in trajectory["turns"]] == [0, 1]
+        assert (await trainer.post("/v1/sessions/a-run/reward", json={"reward": 1.0})).status_code == 200
+
+
+async def test_no_key_or_an_unknown_one_is_401_and_health_needs_none(scripted_gateway) -> None:
+    async with scripted_gateway(list(REPLIES), keys=KEYS) as served:
+        for key in (None, "hk-not-a-key-of-this-gateway"):
+            async with http(served.url, key) as client:
+                for response in (
+                    await chat(client, [{"role": "user", "content": "hi"}]),
+                    await client.get("/v1/sessions"),
+                    await client.get("/v1/models"),
+                    await client.get("/v1/sessions/x/trajectory"),
+                ):
+                    assert_error(response, 401, "invalid_api_key")
+                    assert response.headers["WWW-Authenticate"] == "Bearer"
+                assert (await client.get("/health")).status_code == 200
+        async with httpx.AsyncClient(base_url=served.url, trust_env=False) as client:
+            for header in (f"Basic {TEAM_A}", "Bearer", TEAM_A):  # a key only counts as a bearer token
+                response = await client.get("/v1/models", headers={"Authorization": header})
+                assert_error(response, 401, "invalid_api_key")
+        assert served.script.requests == []
+        # Anthropic's SDKs send the key as x-api-key
+        async with http(served.url, TEAM_A, header="x-api-key") as client:
+            assert (await client.get("/v1/models")).status_code == 200
+
+
+async def test_no_key_is_written_to_the_logs_or_any_answer(scripted_gateway, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    async with scripted_gateway(list(REPLIES), keys=KEYS) as served:
+        wrong = TEAM_A + "x"
+        answers: list[str] = []
+        for key in (TEAM_A, wrong, TRAINER):
+            async with http(served.url, key) as client:
+                for response in (
+                    await chat(client, [{"role": "user", "content": "hi"}]),
+                    await client.get("/v1/sessions/nope"),
+                    await client.post("/v1/chat/completions", content=b"{not json"),
+                ):
+                    answers.append(response.text + str(response.headers))
+    for secret in (TRAINER, TEAM_A, TEAM_B, wrong):
+        assert secret not in caplog.text
+        assert not any(secret in answer for answer in answers)
+
+
+@pytest.mark.parametrize(
+    ("text", "names"),
+    [
+        ('[trainer]\nt = "short"\n', "at least 16 characters"),
+        ("[harness]\na = 'hk-0123456789abcdef'\n", "at least one trainer key"),
+        (
+            "[trainer]\nt = 'tk-0123456789abcdef'\n[harness]\nt = 'hk-0123456789abcdef'\n",
+            "'t': the name is given twice",
+        ),
+        ("[trainer]\nt = 'tk-0123456789abcdef'\n[harness]\na = 'tk-0123456789abcdef'\n", "the same key as 't'"),
+        ("[trainer]\nt = 'tk-0123456789abcdef'\n[admins]\nx = 'y'\n", "found ['admins']"),
+        ("[trainer]\n'bad name' = 'tk-0123456789abcdef'\n", "'bad name': a name is"),
+        ("[trainer\nt = 'tk-0123456789abcdef-secret'\n", "is not valid TOML"),
+    ],
+)
+def test_a_keys_file_that_cannot_be_used_is_refused_naming_the_entry_never_the_key(
+    tmp_path: Path, text: str, names: str
+) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(text)
+    with pytest.raises(KeysError, match=names.replace("[", r"\[").replace("]", r"\]")) as caught:
+        Keys.from_file(path)
+    assert "0123456789abcdef" not in str(caught.value)
