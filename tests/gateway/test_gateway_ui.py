@@ -54,7 +54,8 @@ TOOLS = [
 REPLIES = [
     '<think>\nadd 2 and 3 first\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n'
     "</tool_call><|im_end|>",
-    '<think>\nthen add 5\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 5, "b": 5}}\n</tool_call><|im_end|>',
+    '<think>\nthen add 5\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 5, "b": 5}}\n'
+    "</tool_call><|im_end|>",
     "<think>\nall added\n</think>\n\nThe sum is 10 (2 + 3 + 5).<|im_end|>",
     "<think>\nthe tool said 6\n</think>\n\nThe tool says 2 + 3 = 6, which is wrong.<|im_end|>",
     "Bonjour ! Ça va très bien 🙂<|im_end|>",
@@ -107,7 +108,7 @@ async def site(tiny_models: Any, store: Path, replies: list[str]) -> AsyncIterat
         seen.append((request.path_qs, auth))
         if request.path.startswith("/v1/sessions") and auth != f"Bearer {KEY}":
             return web.json_response({"error": {"message": "a trainer key is required", "type": "auth"}}, status=401)
-        return await handler(request)  # type: ignore[no-any-return]
+        return await handler(request)
 
     async with (
         Client(config, plugin=VersionedScript(tokenizer, replies)) as client,
@@ -120,7 +121,7 @@ async def site(tiny_models: Any, store: Path, replies: list[str]) -> AsyncIterat
         try:
             tcp = web.TCPSite(runner, "127.0.0.1", 0)
             await tcp.start()
-            port = tcp._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            port = tcp._server.sockets[0].getsockname()[1]
             yield Site(f"http://127.0.0.1:{port}", gateway, tokenizer, seen)
         finally:
             await runner.cleanup()
@@ -134,7 +135,9 @@ async def call(http: httpx.AsyncClient, method: str, path: str, **kwargs: Any) -
 
 async def chat(http: httpx.AsyncClient, session: str, group: str, messages: list[Any]) -> dict[str, Any]:
     body = {"model": "tiny", "messages": messages, "tools": TOOLS, "max_tokens": 64}
-    answer = await call(http, "POST", f"/s/{session}/v1/chat/completions", json=body, headers={"X-Session-Group": group})
+    answer = await call(
+        http, "POST", f"/s/{session}/v1/chat/completions", json=body, headers={"X-Session-Group": group}
+    )
     message = answer["choices"][0]["message"]
     return {k: v for k, v in message.items() if v is not None}
 
@@ -226,7 +229,9 @@ return [...document.querySelectorAll(`#detail details.branch[data-branch="${argu
 """
 
 
-def check_page(driver: Any, url: str, listed: list[Any], trajectory: dict[str, Any], step8: list[Any], shots: Path) -> None:
+def check_page(
+    driver: Any, url: str, listed: list[Any], trajectory: dict[str, Any], step8: list[Any], shots: Path
+) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
@@ -265,7 +270,7 @@ def check_page(driver: Any, url: str, listed: list[Any], trajectory: dict[str, A
         tokens = driver.execute_script(TOKENS_JS, number)
         assert [t[1] for t in tokens] == branch["input_ids"]
         assert [t[2] for t in tokens] == branch["loss_mask"]
-        for (classes, _, mask, _), expected in zip(tokens, branch["loss_mask"], strict=True):
+        for (classes, *_), expected in zip(tokens, branch["loss_mask"], strict=True):
             names = classes.split()
             assert "tok" in names and ("sampled" in names) == (expected == 1) and ("masked" in names) == (expected == 0)
         sampled = [t for t in tokens if "sampled" in t[0].split()]
@@ -296,7 +301,8 @@ def check_page(driver: Any, url: str, listed: list[Any], trajectory: dict[str, A
     assert driver.save_screenshot(str(shot))
     png = shot.read_bytes()
     assert png_size(png) == (WIDTH, HEIGHT) and png_byte_variety(png) > 64
-    if target := os.environ.get("BACKENDS_UI_SCREENSHOT"):
+    if target := os.environ.get("BACKENDS_UI_SCREENSHOT"):  # the README's (docs/gateway-ui.png)
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
         Path(target).write_bytes(png)
 
     # the group filter asks the gateway for that group's sessions only

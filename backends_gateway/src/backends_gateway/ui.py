@@ -38,7 +38,11 @@ def add_routes(app: web.Application) -> None:
             body=page,
             content_type="text/html",
             charset="utf-8",
-            headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff"},
+            headers={
+                "Cache-Control": "no-store",
+                "Referrer-Policy": "no-referrer",
+                "X-Content-Type-Options": "nosniff",
+            },
         )
 
     app.router.add_get("/ui", ui)
