@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
+import re
 import struct
 import zlib
 from collections.abc import AsyncIterator, Iterator
@@ -23,6 +25,11 @@ import httpx
 import numpy as np
 import pytest
 from aiohttp import web
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support import expected_conditions as ec
+from selenium.webdriver.support.ui import WebDriverWait
 
 from backends_core import Client, ClientConfig, GenerateRequest, GenerateResult, WeightVersionSpan
 from backends_core.config import StatelessPolicy
@@ -187,9 +194,6 @@ def browser(tmp_path: Path) -> Iterator[Any]:
     """Headless Chromium through Debian's chromedriver, never a downloaded one (``./dev test`` installs both)."""
     if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
         pytest.skip(f"{CHROMIUM} and {CHROMEDRIVER} are not installed (./dev test installs them)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)
     for arg in (
@@ -232,10 +236,6 @@ return [...document.querySelectorAll(`#detail details.branch[data-branch="${argu
 def check_page(
     driver: Any, url: str, listed: list[Any], trajectory: dict[str, Any], step8: list[Any], shots: Path
 ) -> None:
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions as ec
-    from selenium.webdriver.support.ui import WebDriverWait
-
     wait = WebDriverWait(driver, DEADLINE)
 
     def ready(selector: str) -> Any:
@@ -363,6 +363,10 @@ async def test_the_trajectory_route_gives_each_ids_text_piece_on_request(tiny_mo
             chat = (await call(http, "GET", "/v1/sessions/chat-1/trajectory", params={"tokens": "1"}))["branches"][0]
             assert "" in chat["tokens"] and "\ufffd" not in "".join(chat["tokens"])
             assert any(piece.endswith("🙂") for piece in chat["tokens"])
+            page = await http.get("/ui", headers={"Authorization": ""})  # the shell holds no data: no key
+            assert page.status_code == 200 and page.headers["Content-Type"].startswith("text/html")
+            assert "default-src 'none'" in page.headers["Content-Security-Policy"]
+            assert re.search(r"\bsrc=|\bhref=|url\(|@import", page.text) is None  # nothing loaded from elsewhere
             bad = await http.get("/v1/sessions/agent-1/trajectory", params={"tokens": "yes"})
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
             missing = await http.get("/v1/sessions/nope/trajectory", params={"tokens": "1"})
@@ -382,3 +386,21 @@ def test_pieces_are_decoded_beside_the_piece_before_them() -> None:
     assert token_pieces(decode, ids) == ["Hello", " world", "!", " again"]
     assert "".join(token_pieces(decode, ids)) == decode(ids)
     assert token_pieces(decode, []) == []
+
+
+def test_a_byte_level_character_split_over_ids_is_the_piece_of_the_id_that_ends_it() -> None:
+    """Byte-level ids: the ids inside a UTF-8 character get ``""``; bytes that never form one come out as the
+    full decode has them, without being held back for the rest of the sequence."""
+
+    def decode(ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    text = "a é 🙂!"
+    ids = list(text.encode())
+    pieces = token_pieces(decode, ids)
+    assert "".join(pieces) == text and len(pieces) == len(ids)
+    assert pieces[2:5] == ["", "é", " "] and pieces[5:10] == ["", "", "", "🙂", "!"]
+    garbage = [0x80] * 20 + list(b"ok")  # continuation bytes with no start: never a character
+    pieces = token_pieces(decode, garbage)
+    assert "".join(pieces) == decode(garbage) and pieces[-2][-1] == "o" and pieces[-1] == "k"
+    assert max(len(list(run)) for blank, run in itertools.groupby(pieces, key=lambda p: p == "") if blank) < 8

@@ -22,6 +22,13 @@ __all__ = ["add_routes", "add_token_pieces", "token_pieces", "tokens_requested"]
 
 #: ids decoded between two yields to the event loop, so a long trajectory does not hold up the harnesses' turns
 _YIELD_EVERY = 2048
+#: ids held back for an unfinished character at most: a UTF-8 character is 4 bytes at most, so past that the
+#: bytes are not UTF-8 (a model can sample any byte) and waiting longer would only grow each decode's window
+_MAX_PENDING = 8
+_CSP = (
+    "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
 
 
 def _page() -> bytes:
@@ -40,6 +47,8 @@ def add_routes(app: web.Application) -> None:
             charset="utf-8",
             headers={
                 "Cache-Control": "no-store",
+                # the page loads nothing from anywhere and talks only to this gateway
+                "Content-Security-Policy": _CSP,
                 "Referrer-Policy": "no-referrer",
                 "X-Content-Type-Options": "nosniff",
             },
@@ -53,7 +62,8 @@ def token_pieces(decode: Callable[[list[int]], str], ids: Sequence[int]) -> list
 
     Ids are decoded one at a time, each beside the ids of the piece before it (a SentencePiece tokenizer drops a
     word's leading space at the start of a decode). A byte-level id that ends inside a UTF-8 character gets ``""``
-    and the id that completes the character gets all of it.
+    and the id that completes the character gets all of it; bytes that are not UTF-8 at all come out as ``"\ufffd"``
+    as in the full decode.
     """
     return _Pieces(decode, ids).run(0, len(ids))
 
@@ -93,7 +103,8 @@ class _Pieces:
         for i in range(start, end):
             before = self.decode(ids[self.prefix : self.read]) if self.read > self.prefix else ""
             text = self.decode(ids[self.prefix : i + 1])
-            if text.endswith("\ufffd") and i < last:  # part of a character: the rest is in the ids after it
+            pending = text.endswith("\ufffd") and i < last and i + 1 - self.read < _MAX_PENDING
+            if pending:  # part of a character: the rest is in the ids after it
                 out.append("")
                 continue
             # the context decodes differently once followed by the new ids: the new ids alone
