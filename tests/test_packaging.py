@@ -257,6 +257,7 @@ def test_backends_gateway_installs_from_the_wheels_and_adds_its_verb(
     assert entry_points_of(wheels["backends-gateway"]) == {
         "backends_core.cli": {"gateway": "backends_gateway.cli:register"}
     }
+    assert "backends_gateway/ui/index.html" in names_in(wheels["backends-gateway"])  # GET /ui's page
     venv = install_extra("gateway", wheels, tmp_path, fresh_uv_cache)
     assert {"backends", "backends-core", "backends-gateway", "pyarrow"} <= venv.distributions
     unwanted = SERVER_PACKAGES | {"backends-testkit", "backends-vllm", "starlette", "uvicorn"}

@@ -8,9 +8,11 @@ without a session in the path, and the trajectory routes for the trainer.
 | ``GET /v1/sessions?group=&status=&limit=&after=`` | session summaries |
 | ``GET /v1/sessions/{id}`` | one summary |
 | ``GET /v1/sessions/{id}/trajectory`` | every turn and branch, with each branch's training view |
+| ``GET /v1/sessions/{id}/trajectory?tokens=1`` | the same, each branch with the text piece of each id (the page's) |
 | ``POST /v1/sessions/{id}/reward`` | ``{"reward": float, "info"?: {...}}`` |
 | ``POST /v1/sessions/{id}/close`` | no more turns; the trajectory is final |
 | ``GET /health`` | ``{"status": "ok", ...}`` |
+| ``GET /ui`` | the page: sessions and trajectories token by token (``ui.py``; it reads the routes above) |
 
 A session comes from the path, else the ``X-Session-ID`` header, else the request joins the open session whose
 turn its messages extend, else starts one; the answer's ``X-Session-ID`` header names it. ``X-Session-Group``
@@ -33,6 +35,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from backends_gateway import ui
 from backends_gateway.errors import GatewayError, Overloaded
 from backends_gateway.gateway import Gateway, Served, Started, TextDelta, check_session_id
 from backends_gateway.keys import Keys, Principal
@@ -343,7 +346,11 @@ async def get_session(request: web.Request) -> web.Response:
 
 async def trajectory(request: web.Request) -> web.Response:
     require_trainer(request)
-    return _json(await _gateway(request).trajectory(request.match_info["id"]))
+    gateway = _gateway(request)
+    body = await gateway.trajectory(request.match_info["id"])
+    if ui.tokens_requested(request):
+        await ui.add_token_pieces(gateway.client.tokenizer, body)
+    return _json(body)
 
 
 async def reward(request: web.Request) -> web.Response:
@@ -388,6 +395,7 @@ def create_app(gateway: Gateway, *, keys: Keys | None = None) -> web.Application
     app.router.add_post("/v1/sessions/{id}/reward", reward)
     app.router.add_post("/v1/sessions/{id}/close", close)
     app.router.add_get("/health", health)
+    ui.add_routes(app)
     return app
 
 
