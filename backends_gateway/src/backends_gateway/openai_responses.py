@@ -34,7 +34,7 @@ from backends_gateway.gateway import Gateway, Served, Started, TextDelta
 from backends_gateway.openai_chat import _bad, _integer, _number, error_body
 from backends_gateway.sessions import TurnRecord, TurnRequest
 
-__all__ = ["ResponsesCall", "create_response", "parse_responses_request", "response_object"]
+__all__ = ["ResponsesCall", "create_response", "input_messages", "parse_responses_request", "response_object"]
 
 _MESSAGE_ROLES = frozenset({"user", "system", "developer", "assistant"})
 # what the gateway cannot do faithfully, refused rather than ignored (a value equal to the default is accepted)
