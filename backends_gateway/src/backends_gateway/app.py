@@ -4,6 +4,7 @@ without a session in the path, and the trajectory routes for the trainer.
 | route | what |
 |---|---|
 | ``POST /v1/chat/completions``, ``/s/{session}/v1/chat/completions`` | a turn (``stream`` or not) |
+| ``POST /v1/responses``, ``/s/{session}/v1/responses`` | a turn on OpenAI's Responses wire |
 | ``GET /v1/models``, ``/s/{session}/v1/models`` | the served model |
 | ``GET /v1/sessions?group=&status=&limit=&after=`` | session summaries |
 | ``GET /v1/sessions/{id}`` | one summary |
@@ -386,8 +387,11 @@ def create_app(gateway: Gateway, *, keys: Keys | None = None) -> web.Application
     app = web.Application(middlewares=[_errors, _auth], client_max_size=gateway.limits.max_body_bytes)
     app[GATEWAY_KEY] = gateway
     app[KEYS_KEY] = keys
+    from backends_gateway.openai_responses import create_response  # it builds on this module's helpers
+
     for prefix in ("", "/s/{session}"):
         app.router.add_post(prefix + "/v1/chat/completions", chat_completions)
+        app.router.add_post(prefix + "/v1/responses", create_response)
         app.router.add_get(prefix + "/v1/models", models)
     app.router.add_get("/v1/sessions", list_sessions)
     app.router.add_get("/v1/sessions/{id}", get_session)

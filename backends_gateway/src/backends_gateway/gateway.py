@@ -11,7 +11,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -474,6 +474,25 @@ class Gateway:
         if record is None or (owner is not None and record.owner != owner):
             raise _no_session(session)
         return record
+
+    async def find_turn(
+        self, session: str, where: Callable[[TurnRecord], bool], *, owner: str | None = None
+    ) -> TurnRecord | None:
+        """The latest turn of ``session`` for which ``where`` holds (``None``: none): the branch tips first (the
+        turn a harness continues is most often one), then the store. ``owner``: only that key's session.
+
+        :raises GatewayError: 404 for an unknown session (or another key's).
+        """
+        await self._known(session, owner)
+        state = self._sessions.get(session)
+        if state is not None:
+            for tip in state.tips.values():
+                if where(tip):
+                    return tip
+        for turn in reversed(await self.store.turns(session)):
+            if where(turn):
+                return turn
+        return None
 
     async def summary(self, session: str, *, owner: str | None = None) -> dict[str, Any]:
         return (await self._known(session, owner)).as_json()
