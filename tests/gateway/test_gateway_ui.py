@@ -254,6 +254,7 @@ def check_page(
     for row, s in zip(rows, listed, strict=True):
         cell = {c.get_attribute("data-col"): c for c in row.find_elements(By.CSS_SELECTOR, "td")}
         assert cell["group"].text == s["group"] and cell["status"].text == s["status"]
+        assert cell["owner"].text == s["owner"] == "runner"  # the harness key that recorded it
         assert cell["reward"].text == ("\u2014" if s["reward"] is None else f"{s['reward']:g}")
         for col in ("turns", "bridged", "branched", "rerendered"):
             assert int(cell[col].text) == s[col], col
