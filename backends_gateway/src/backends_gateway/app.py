@@ -39,29 +39,35 @@ from aiohttp import web
 from backends_gateway import ui
 from backends_gateway.errors import GatewayError, Overloaded
 from backends_gateway.gateway import Gateway, Served, Started, TextDelta, check_session_id
-from backends_gateway.keys import Keys, Principal
+from backends_gateway.keys import Keys
 from backends_gateway.openai_chat import ChatCall, chat_completion, chunk, error_body, finish_reason, parse_chat_request
+from backends_gateway.openai_responses import create_response
+from backends_gateway.routing import (
+    GATEWAY_KEY,
+    KEYS_KEY,
+    Handler,
+    auth,
+    check_model,
+    gateway_of,
+    json_response,
+    owner_of,
+    read_json,
+    reader_of,
+    require_trainer,
+    session_of,
+    turn_headers,
+)
 
 __all__ = ["create_app", "serve"]
 
 log = logging.getLogger("backends_gateway")
-GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
-KEYS_KEY: web.AppKey[Keys | None] = web.AppKey("keys")
-PRINCIPAL_KEY: web.RequestKey[Principal | None] = web.RequestKey("principal")
-#: routes anyone may call on a gateway with keys: nothing in them is a session's
-PUBLIC_PATHS = frozenset({"/health", "/ui"})
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def _json(body: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
 
 
 def _error(exc: GatewayError) -> web.Response:
     headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, Overloaded) else None
     if exc.status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
-    return _json(error_body(exc), status=exc.status, headers=headers)
+    return json_response(error_body(exc), status=exc.status, headers=headers)
 
 
 @web.middleware
@@ -99,85 +105,6 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return _error(GatewayError(500, f"{type(exc).__name__}: {exc}", kind="server_error", code="internal"))
 
 
-@web.middleware
-async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Who sent the request (:data:`PRINCIPAL_KEY`), from ``Authorization: Bearer`` or ``x-api-key``."""
-    keys = request.app[KEYS_KEY]
-    if keys is None or request.path in PUBLIC_PATHS:
-        request[PRINCIPAL_KEY] = None
-        return await handler(request)
-    presented = request.headers.get("x-api-key")
-    if presented is None:
-        scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer":
-            presented = ""
-    if not presented:
-        raise _unauthorized("no key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')")
-    principal = keys.identify(presented.strip())
-    if principal is None:
-        raise _unauthorized("the key is not one of this gateway's")
-    request[PRINCIPAL_KEY] = principal
-    return await handler(request)
-
-
-def _unauthorized(message: str) -> GatewayError:
-    return GatewayError(401, message, kind="authentication_error", code="invalid_api_key")
-
-
-def _owner(request: web.Request) -> str | None:
-    """The key a turn's session belongs to (``None`` on a gateway without keys)."""
-    principal = request[PRINCIPAL_KEY]
-    return None if principal is None else principal.name
-
-
-def _reader(request: web.Request) -> str | None:
-    """Whose sessions the request may read: ``None`` for all (the trainer, or a gateway without keys)."""
-    principal = request[PRINCIPAL_KEY]
-    return None if principal is None or principal.trainer else principal.name
-
-
-def require_trainer(request: web.Request) -> None:
-    """Refuse (403) a request not sent with the trainer key on a gateway with keys."""
-    principal = request[PRINCIPAL_KEY]
-    if principal is not None and not principal.trainer:
-        raise GatewayError(
-            403,
-            f"{request.method} {request.path} needs the trainer key",
-            kind="permission_error",
-            code="trainer_key_required",
-        )
-
-
-async def _body(request: web.Request) -> Any:
-    raw = await request.read()
-    if not raw:
-        raise GatewayError(400, "the request has no body: send a JSON object", param="body", code="invalid_json")
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise GatewayError(400, f"the body is not valid JSON: {exc}", param="body", code="invalid_json") from None
-
-
-def _session_of(request: web.Request) -> str | None:
-    return request.match_info.get("session") or request.headers.get("X-Session-ID") or None
-
-
-def _gateway(request: web.Request) -> Gateway:
-    return request.app[GATEWAY_KEY]
-
-
-def _check_model(gateway: Gateway, call: ChatCall) -> None:
-    served = gateway.model
-    if served is not None and call.model != served:
-        raise GatewayError(
-            404,
-            f"the model {call.model!r} is not served here: this gateway serves {served!r}",
-            kind="not_found_error",
-            param="model",
-            code="model_not_found",
-        )
-
-
 def _logprobs(gateway: Gateway, served: Served) -> list[dict[str, Any]]:
     tokenizer = gateway.client.tokenizer
     result = served.result
@@ -195,23 +122,15 @@ def _logprobs(gateway: Gateway, served: Served) -> list[dict[str, Any]]:
     return out
 
 
-def _headers(served: Served | Started) -> dict[str, str]:
-    headers = {"X-Session-ID": served.session}
-    if isinstance(served, Served):
-        headers["X-Turn"] = str(served.record.turn)
-        headers["X-Branch"] = str(served.record.branch)
-    return headers
-
-
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    gateway = _gateway(request)
-    call = parse_chat_request(await _body(request), max_completion_tokens=gateway.limits.max_completion_tokens)
-    _check_model(gateway, call)
-    session = _session_of(request)
+    gateway = gateway_of(request)
+    call = parse_chat_request(await read_json(request), max_completion_tokens=gateway.limits.max_completion_tokens)
+    check_model(gateway, call.model)
+    session = session_of(request)
     group = request.headers.get("X-Session-Group") or None
     if call.stream:
         return await _stream(request, gateway, call, session, group)
-    served = await gateway.turn(call.turn, session=session, group=group, owner=_owner(request))
+    served = await gateway.turn(call.turn, session=session, group=group, owner=owner_of(request))
     result = served.result
     body = chat_completion(
         id=f"chatcmpl-{served.session}-{served.record.turn}",
@@ -223,19 +142,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         logprobs=_logprobs(gateway, served) if call.logprobs else None,
         fingerprint=result.weight_version,
     )
-    return _json(body, headers=_headers(served))
+    return json_response(body, headers=turn_headers(served))
 
 
 async def _stream(
     request: web.Request, gateway: Gateway, call: ChatCall, session: str | None, group: str | None
 ) -> web.StreamResponse:
     events: AsyncGenerator[Started | TextDelta | Served, None] = gateway.stream_turn(
-        call.turn, session=session, group=group, owner=_owner(request)
+        call.turn, session=session, group=group, owner=owner_of(request)
     )
     first = await anext(events)  # the session is placed (or the request refused) before anything is sent
     assert isinstance(first, Started)
     response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_headers(first)}
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **turn_headers(first)}
     )
     await response.prepare(request)
     created = int(time.time())
@@ -298,10 +217,10 @@ def uuid_suffix() -> str:
 
 
 async def models(request: web.Request) -> web.Response:
-    gateway = _gateway(request)
+    gateway = gateway_of(request)
     name = gateway.model or "default"
     model = {"id": name, "object": "model", "created": int(gateway.started), "owned_by": "backends"}
-    return _json({"object": "list", "data": [model]})
+    return json_response({"object": "list", "data": [model]})
 
 
 def _after(request: web.Request) -> float | None:
@@ -327,7 +246,7 @@ def _limit(request: web.Request) -> int:
 
 
 async def list_sessions(request: web.Request) -> web.Response:
-    gateway = _gateway(request)
+    gateway = gateway_of(request)
     unknown = sorted(set(request.query) - {"group", "status", "limit", "after"})
     if unknown:
         raise GatewayError(400, f"unknown query parameter {unknown[0]!r}", param=unknown[0], code="unknown_parameter")
@@ -336,27 +255,27 @@ async def list_sessions(request: web.Request) -> web.Response:
         status=request.query.get("status"),
         limit=_limit(request),
         after=_after(request),
-        owner=_reader(request),
+        owner=reader_of(request),
     )
-    return _json({"object": "list", "data": data})
+    return json_response({"object": "list", "data": data})
 
 
 async def get_session(request: web.Request) -> web.Response:
-    return _json(await _gateway(request).summary(request.match_info["id"], owner=_reader(request)))
+    return json_response(await gateway_of(request).summary(request.match_info["id"], owner=reader_of(request)))
 
 
 async def trajectory(request: web.Request) -> web.Response:
     require_trainer(request)
-    gateway = _gateway(request)
+    gateway = gateway_of(request)
     body = await gateway.trajectory(request.match_info["id"])
     if ui.tokens_requested(request):
         await ui.add_token_pieces(gateway.client.tokenizer, body)
-    return _json(body)
+    return json_response(body)
 
 
 async def reward(request: web.Request) -> web.Response:
     require_trainer(request)
-    body = await _body(request)
+    body = await read_json(request)
     if not isinstance(body, dict) or set(body) - {"reward", "info"}:
         raise GatewayError(
             400, 'the body must be {"reward": number, "info"?: {...}}', param="body", code="invalid_value"
@@ -367,27 +286,26 @@ async def reward(request: web.Request) -> web.Response:
     info = body.get("info")
     if info is not None and not isinstance(info, dict):
         raise GatewayError(400, "info must be an object", param="info", code="invalid_type")
-    return _json(await _gateway(request).set_reward(request.match_info["id"], float(value), info))
+    return json_response(await gateway_of(request).set_reward(request.match_info["id"], float(value), info))
 
 
 async def close(request: web.Request) -> web.Response:
     require_trainer(request)
     check_session_id(request.match_info["id"], "session")
-    return _json(await _gateway(request).close(request.match_info["id"]))
+    return json_response(await gateway_of(request).close(request.match_info["id"]))
 
 
 async def health(request: web.Request) -> web.Response:
-    gateway = _gateway(request)
-    return _json({"status": "ok", "model": gateway.model, "open_sessions": gateway.open_sessions})
+    gateway = gateway_of(request)
+    return json_response({"status": "ok", "model": gateway.model, "open_sessions": gateway.open_sessions})
 
 
 def create_app(gateway: Gateway, *, keys: Keys | None = None) -> web.Application:
     """The aiohttp application serving ``gateway`` (its client and store opened by the caller); ``keys``: who may
     call it (``None``: anyone who can reach it)."""
-    app = web.Application(middlewares=[_errors, _auth], client_max_size=gateway.limits.max_body_bytes)
+    app = web.Application(middlewares=[_errors, auth], client_max_size=gateway.limits.max_body_bytes)
     app[GATEWAY_KEY] = gateway
     app[KEYS_KEY] = keys
-    from backends_gateway.openai_responses import create_response  # it builds on this module's helpers
 
     for prefix in ("", "/s/{session}"):
         app.router.add_post(prefix + "/v1/chat/completions", chat_completions)

@@ -28,10 +28,18 @@ import orjson
 from aiohttp import web
 
 from backends_core import JsonSchema, SamplingParams
-from backends_gateway.app import _body, _gateway, _headers, _json, _owner, _session_of
 from backends_gateway.errors import GatewayError
 from backends_gateway.gateway import Gateway, Served, Started, TextDelta
 from backends_gateway.openai_chat import _bad, _integer, _number, error_body
+from backends_gateway.routing import (
+    check_model,
+    gateway_of,
+    json_response,
+    owner_of,
+    read_json,
+    session_of,
+    turn_headers,
+)
 from backends_gateway.sessions import TurnRecord, TurnRequest
 
 __all__ = ["ResponsesCall", "create_response", "input_messages", "parse_responses_request", "response_object"]
@@ -630,25 +638,13 @@ async def _previous(gateway: Gateway, call: ResponsesCall, session: str | None, 
     return turn
 
 
-def _check_model(gateway: Gateway, model: str) -> None:
-    served = gateway.model
-    if served is not None and model != served:
-        raise GatewayError(
-            404,
-            f"the model {model!r} is not served here: this gateway serves {served!r}",
-            kind="not_found_error",
-            param="model",
-            code="model_not_found",
-        )
-
-
 async def create_response(request: web.Request) -> web.StreamResponse:
     """``POST /v1/responses``: a turn, answered as a ``response`` object or its event stream."""
-    gateway = _gateway(request)
-    call = parse_responses_request(await _body(request), max_completion_tokens=gateway.limits.max_completion_tokens)
-    _check_model(gateway, call.model)
-    session = _session_of(request)
-    owner = _owner(request)
+    gateway = gateway_of(request)
+    call = parse_responses_request(await read_json(request), max_completion_tokens=gateway.limits.max_completion_tokens)
+    check_model(gateway, call.model)
+    session = session_of(request)
+    owner = owner_of(request)
     previous = None
     if call.previous_response_id is not None:
         previous = await _previous(gateway, call, session, owner)
@@ -661,7 +657,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         return await _stream(request, gateway, call, turn, suffix, created, session=session, group=group)
     served = await gateway.turn(turn, session=session, group=group, owner=owner)
     ids = _Ids(response=f"resp_{served.session}_{suffix}", suffix=suffix)
-    return _json(response_object(call, ids, created, served=served, gateway=gateway), headers=_headers(served))
+    return json_response(
+        response_object(call, ids, created, served=served, gateway=gateway), headers=turn_headers(served)
+    )
 
 
 class _Events:
@@ -822,12 +820,12 @@ async def _stream(
     group: str | None,
 ) -> web.StreamResponse:
     events: AsyncGenerator[Started | TextDelta | Served, None] = gateway.stream_turn(
-        turn, session=session, group=group, owner=_owner(request)
+        turn, session=session, group=group, owner=owner_of(request)
     )
     first = await anext(events)  # the session is placed (or the request refused) before anything is sent
     assert isinstance(first, Started)
     response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_headers(first)}
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **turn_headers(first)}
     )
     await response.prepare(request)
 

@@ -1,0 +1,130 @@
+"""What every route of the gateway shares: the application's and request's keys, JSON in and out, who sent a
+request (the keys middleware) and what it may read, the session a request names, a turn's headers."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from backends_gateway.errors import GatewayError
+from backends_gateway.gateway import Gateway, Served, Started
+from backends_gateway.keys import Keys, Principal
+
+__all__ = [
+    "GATEWAY_KEY",
+    "KEYS_KEY",
+    "PRINCIPAL_KEY",
+    "PUBLIC_PATHS",
+    "Handler",
+    "auth",
+    "check_model",
+    "gateway_of",
+    "json_response",
+    "owner_of",
+    "read_json",
+    "reader_of",
+    "require_trainer",
+    "session_of",
+    "turn_headers",
+]
+
+GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
+KEYS_KEY: web.AppKey[Keys | None] = web.AppKey("keys")
+PRINCIPAL_KEY: web.RequestKey[Principal | None] = web.RequestKey("principal")
+#: routes anyone may call on a gateway with keys: nothing in them is a session's
+PUBLIC_PATHS = frozenset({"/health", "/ui"})
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def json_response(body: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
+
+
+@web.middleware
+async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Who sent the request (:data:`PRINCIPAL_KEY`), from ``Authorization: Bearer`` or ``x-api-key``."""
+    keys = request.app[KEYS_KEY]
+    if keys is None or request.path in PUBLIC_PATHS:
+        request[PRINCIPAL_KEY] = None
+        return await handler(request)
+    presented = request.headers.get("x-api-key")
+    if presented is None:
+        scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            presented = ""
+    if not presented:
+        raise _unauthorized("no key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')")
+    principal = keys.identify(presented.strip())
+    if principal is None:
+        raise _unauthorized("the key is not one of this gateway's")
+    request[PRINCIPAL_KEY] = principal
+    return await handler(request)
+
+
+def _unauthorized(message: str) -> GatewayError:
+    return GatewayError(401, message, kind="authentication_error", code="invalid_api_key")
+
+
+def owner_of(request: web.Request) -> str | None:
+    """The key a turn's session belongs to (``None`` on a gateway without keys)."""
+    principal = request[PRINCIPAL_KEY]
+    return None if principal is None else principal.name
+
+
+def reader_of(request: web.Request) -> str | None:
+    """Whose sessions the request may read: ``None`` for all (the trainer, or a gateway without keys)."""
+    principal = request[PRINCIPAL_KEY]
+    return None if principal is None or principal.trainer else principal.name
+
+
+def require_trainer(request: web.Request) -> None:
+    """Refuse (403) a request not sent with the trainer key on a gateway with keys."""
+    principal = request[PRINCIPAL_KEY]
+    if principal is not None and not principal.trainer:
+        raise GatewayError(
+            403,
+            f"{request.method} {request.path} needs the trainer key",
+            kind="permission_error",
+            code="trainer_key_required",
+        )
+
+
+async def read_json(request: web.Request) -> Any:
+    raw = await request.read()
+    if not raw:
+        raise GatewayError(400, "the request has no body: send a JSON object", param="body", code="invalid_json")
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise GatewayError(400, f"the body is not valid JSON: {exc}", param="body", code="invalid_json") from None
+
+
+def session_of(request: web.Request) -> str | None:
+    return request.match_info.get("session") or request.headers.get("X-Session-ID") or None
+
+
+def gateway_of(request: web.Request) -> Gateway:
+    return request.app[GATEWAY_KEY]
+
+
+def check_model(gateway: Gateway, model: str) -> None:
+    served = gateway.model
+    if served is not None and model != served:
+        raise GatewayError(
+            404,
+            f"the model {model!r} is not served here: this gateway serves {served!r}",
+            kind="not_found_error",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def turn_headers(served: Served | Started) -> dict[str, str]:
+    headers = {"X-Session-ID": served.session}
+    if isinstance(served, Served):
+        headers["X-Turn"] = str(served.record.turn)
+        headers["X-Branch"] = str(served.record.branch)
+    return headers
