@@ -5,6 +5,8 @@ without a session in the path, and the trajectory routes for the trainer.
 |---|---|
 | ``POST /v1/chat/completions``, ``/s/{session}/v1/chat/completions`` | a turn (``stream`` or not) |
 | ``GET /v1/models``, ``/s/{session}/v1/models`` | the served model |
+| ``POST /v1/messages``, ``/s/{session}/v1/messages`` | a turn over Anthropic's Messages API (errors in its shape) |
+| ``POST /v1/messages/count_tokens`` | the prompt's length as the template renders it |
 | ``GET /v1/sessions?group=&status=&limit=&after=`` | session summaries |
 | ``GET /v1/sessions/{id}`` | one summary |
 | ``GET /v1/sessions/{id}/trajectory`` | every turn and branch, with each branch's training view |
@@ -29,6 +31,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from backends_gateway import anthropic_messages as anthropic
 from backends_gateway.errors import GatewayError, Overloaded
 from backends_gateway.gateway import Gateway, Served, Started, TextDelta, check_session_id
 from backends_gateway.openai_chat import ChatCall, chat_completion, chunk, error_body, finish_reason, parse_chat_request
@@ -44,44 +47,51 @@ def _json(body: Any, *, status: int = 200, headers: dict[str, str] | None = None
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
 
 
-def _error(exc: GatewayError) -> web.Response:
+def _error(request: web.Request, exc: GatewayError) -> web.Response:
+    """``exc`` in the shape of the API the request's path is under (Anthropic's for the Messages routes)."""
     headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, Overloaded) else None
-    return _json(error_body(exc), status=exc.status, headers=headers)
+    shape = anthropic.error_body if anthropic.is_messages_path(request.path) else error_body
+    return _json(shape(exc), status=exc.status, headers=headers)
 
 
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure in OpenAI's error shape, naming what was wrong."""
+    """Every failure in its API's error shape, naming what was wrong."""
     try:
         return await handler(request)
     except GatewayError as exc:
-        return _error(exc)
+        return _error(request, exc)
     except web.HTTPRequestEntityTooLarge as exc:
         return _error(
+            request,
             GatewayError(
                 413,
                 f"the body is larger than the gateway's max_body_bytes ({exc.text})",
                 param="body",
                 code="body_too_large",
-            )
+            ),
         )
     except web.HTTPNotFound:
         return _error(
-            GatewayError(404, f"no route {request.method} {request.path}", kind="not_found_error", code="unknown_route")
+            request,
+            GatewayError(
+                404, f"no route {request.method} {request.path}", kind="not_found_error", code="unknown_route"
+            ),
         )
     except web.HTTPMethodNotAllowed as exc:
         return _error(
+            request,
             GatewayError(
                 405,
                 f"{request.method} {request.path} is not allowed (allowed: {sorted(exc.allowed_methods)})",
                 code="method_not_allowed",
-            )
+            ),
         )
     except web.HTTPException:
         raise
     except Exception as exc:  # a bug or a store failure: said in the API's shape, logged with its traceback
         log.exception("%s %s failed", request.method, request.path)
-        return _error(GatewayError(500, f"{type(exc).__name__}: {exc}", kind="server_error", code="internal"))
+        return _error(request, GatewayError(500, f"{type(exc).__name__}: {exc}", kind="server_error", code="internal"))
 
 
 async def _body(request: web.Request) -> Any:
@@ -102,12 +112,12 @@ def _gateway(request: web.Request) -> Gateway:
     return request.app[GATEWAY_KEY]
 
 
-def _check_model(gateway: Gateway, call: ChatCall) -> None:
+def _check_model(gateway: Gateway, model: str) -> None:
     served = gateway.model
-    if served is not None and call.model != served:
+    if served is not None and model != served:
         raise GatewayError(
             404,
-            f"the model {call.model!r} is not served here: this gateway serves {served!r}",
+            f"the model {model!r} is not served here: this gateway serves {served!r}",
             kind="not_found_error",
             param="model",
             code="model_not_found",
@@ -142,7 +152,7 @@ def _headers(served: Served | Started) -> dict[str, str]:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     gateway = _gateway(request)
     call = parse_chat_request(await _body(request), max_completion_tokens=gateway.limits.max_completion_tokens)
-    _check_model(gateway, call)
+    _check_model(gateway, call.model)
     session = _session_of(request)
     group = request.headers.get("X-Session-Group") or None
     if call.stream:
@@ -225,6 +235,54 @@ async def _finish_stream(
         prompt, completion = len(result.prompt_ids), len(result.completion_ids)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         await send(chunk(id=ident, model=call.model, created=created, delta=None, usage_=usage))
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    """A turn over Anthropic's Messages API (:mod:`backends_gateway.anthropic_messages`)."""
+    gateway = _gateway(request)
+    body = await _body(request)
+    call = anthropic.parse_messages_request(body, max_completion_tokens=gateway.limits.max_completion_tokens)
+    _check_model(gateway, call.model)
+    session, group = _session_of(request), request.headers.get("X-Session-Group") or None
+    stop = call.turn.sampling.stop
+    if not call.stream:
+        served = await gateway.turn(call.turn, session=session, group=group)
+        message = anthropic.message_body(
+            id=anthropic.new_message_id(), model=call.model, message=served.message, result=served.result, stop=stop
+        )
+        return _json(message, headers=_headers(served))
+    events = gateway.stream_turn(call.turn, session=session, group=group)
+    first = await anext(events)  # the session is placed (or the request refused) before anything is sent
+    assert isinstance(first, Started)
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_headers(first)}
+    )
+    await response.prepare(request)
+    stream = anthropic.MessageStream(id=anthropic.new_message_id(), model=call.model, stop=stop)
+    await response.write(stream.start())
+    try:
+        async for event in events:
+            if isinstance(event, TextDelta):
+                await response.write(stream.text(event.kind, event.text))
+            elif isinstance(event, Served):  # durable: the rest ends with message_stop
+                await response.write(stream.finish(event.message, event.result))
+    except GatewayError as exc:
+        await response.write(anthropic.error_event(exc))
+    finally:
+        with contextlib.suppress(Exception):
+            await events.aclose()
+    await response.write_eof()
+    return response
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    gateway = _gateway(request)
+    body = await _body(request)
+    call = anthropic.parse_messages_request(
+        body, max_completion_tokens=gateway.limits.max_completion_tokens, counting=True
+    )
+    _check_model(gateway, call.model)
+    return _json({"input_tokens": len(gateway.prompt_ids(call.turn))})
 
 
 def uuid_suffix() -> str:
@@ -316,6 +374,8 @@ def create_app(gateway: Gateway) -> web.Application:
     for prefix in ("", "/s/{session}"):
         app.router.add_post(prefix + "/v1/chat/completions", chat_completions)
         app.router.add_get(prefix + "/v1/models", models)
+        app.router.add_post(prefix + "/v1/messages", messages)
+        app.router.add_post(prefix + "/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/sessions", list_sessions)
     app.router.add_get("/v1/sessions/{id}", get_session)
     app.router.add_get("/v1/sessions/{id}/trajectory", trajectory)
