@@ -246,12 +246,9 @@ async def anthropic_harness(url: str, session: str, model: str, *, turns: int) -
     streamed, accumulated by the SDK's own stream), each appending the content blocks the SDK answered."""
     messages: list[dict[str, Any]] = []
     answers: list[anthropic.types.Message] = []
+    # the SDK's own HTTP client (it brings its own httpx fork, not the probe client's httpx), no retries
     async with anthropic.AsyncAnthropic(
-        base_url=f"{url}/s/{session}",
-        api_key="x",
-        max_retries=0,
-        timeout=TIMEOUT,
-        http_client=async_probe_client(TIMEOUT),
+        base_url=f"{url}/s/{session}", api_key="x", max_retries=0, timeout=300.0
     ) as sdk:
         for index in range(turns):
             if answers:
@@ -262,7 +259,6 @@ async def anthropic_harness(url: str, session: str, model: str, *, turns: int) -
                 "max_tokens": MAX_TOKENS,
                 "system": "Be brief.",
                 "messages": list(messages),
-                "temperature": 1.0,
             }
             if index % 2 == 0:
                 async with sdk.messages.stream(**fields) as events:
