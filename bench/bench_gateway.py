@@ -1,7 +1,8 @@
 """The gateway (``backends_gateway``) over the instant server: CPU per turn beside the direct client call and two
 floors, added latency, memory per open session, 10,000 open sessions, and the store's throughput.
 
-    uv run python bench/bench_gateway.py [--parts cpu,latency,profile,breakdown,memory,scale,store] [--rounds 5]
+    uv run python bench/bench_gateway.py [--parts cpu,latency,profile,breakdown,memory,scale,store,anthropic]
+        [--rounds 5]
         [--turns 4] [--sessions 1:50,64:192,256:512] [--memory-sessions 2000] [--scale-sessions 10000
         --scale-in-flight 1000 --scale-timeout 300] [--keep-profile FILE] [--memory-trace]
 
@@ -60,6 +61,10 @@ Parts:
   turns slower than 10 s; once per ``--scale-loops`` (default: uvloop, as the CLI, then asyncio's loop).
   ``GatewayLimits``' ``max_in_flight`` and ``max_sessions`` are raised to twice the sizes asked when the defaults
   (4,096 and 100,000) are below that; the JSON says whether they were;
+* ``anthropic``: the gateway worker's CPU per turn on Anthropic's Messages route (``/s/<session>/v1/messages``)
+  beside the chat-completions route, at the ``--cpu-conc`` concurrencies: the same sessions and prompts (the chat's
+  system message as ``system``, each answer's content blocks, thinking and text, sent back as the assistant
+  message), one fresh gateway worker per route and round, ratios paired per round;
 * ``store``: ``SQLiteStore.record_turn`` alone in a process of its own (core 0), 1 and 256 sessions recording at
   once (turns/s, CPU per turn), a fresh file per batch; the record is a real turn 3 of the workload (10 messages,
   1,687 prompt ids, 256 completion ids, their logprobs and 15 message spans: ~15 KB a row).
@@ -513,9 +518,11 @@ class Harness:
     async def aclose(self) -> None:
         await self.http.close()
 
-    def http_turn(self, url: str) -> TurnFn:
+    def http_turn(self, url: str, api: str = "openai") -> TurnFn:
         headers = {"content-type": "application/json"}
         last_headers = {**headers, "X-Bench-Last": "1"}
+        if api == "anthropic":
+            return self.messages_turn(url, headers, last_headers)
 
         async def turn(session: str, messages: list[Message], last: bool) -> Message:
             body = orjson.dumps({"model": c.MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 1.0})
@@ -528,23 +535,44 @@ class Harness:
 
         return turn
 
-    async def batch(self, worker: Worker, *, sessions: int, turns: int, conc: int, tag: str) -> dict[str, Any]:
+    def messages_turn(self, url: str, headers: dict[str, str], last_headers: dict[str, str]) -> TurnFn:
+        """A turn on the Messages route: the chat's system message as ``system``, the answer's blocks as the reply."""
+
+        async def turn(session: str, messages: list[Message], last: bool) -> Message:
+            fields: dict[str, Any] = {"model": c.MODEL, "max_tokens": MAX_TOKENS, "temperature": 1.0}
+            if messages[0]["role"] == "system":
+                fields["system"], messages = messages[0]["content"], messages[1:]
+            body = orjson.dumps({**fields, "messages": messages})
+            target = f"{url}/s/{session}/v1/messages"
+            async with self.http.post(target, data=body, headers=last_headers if last else headers) as response:
+                raw = await response.read()
+                if response.status != 200:
+                    raise HttpStatusError(response.status, raw)
+            return {"role": "assistant", "content": orjson.loads(raw)["content"]}
+
+        return turn
+
+    async def batch(
+        self, worker: Worker, *, sessions: int, turns: int, conc: int, tag: str, api: str = "openai"
+    ) -> dict[str, Any]:
         """One measured batch after a warm-up of ``conc`` sessions: worker CPU per turn, turns/s, latencies."""
-        args = {"turns": turns, "conc": conc}
+        args = {"turns": turns, "conc": conc, "api": api}
         await self.drive(worker, sessions=max(conc, 2), tag=f"{tag}w", **args)
         cpu0 = await self.cpu(worker)
         out = await self.drive(worker, sessions=sessions, tag=tag, **args)
         out["cpu_us_per_turn"] = (await self.cpu(worker) - cpu0) / max(out["turns"], 1) * 1e6
         return out
 
-    async def drive(self, worker: Worker, *, sessions: int, turns: int, conc: int, tag: str, **kw: Any) -> Any:
+    async def drive(
+        self, worker: Worker, *, sessions: int, turns: int, conc: int, tag: str, api: str = "openai", **kw: Any
+    ) -> Any:
         if worker.mode == "direct":
             args = {"sessions": sessions, "turns": turns, "conc": conc, "tag": tag}
             async with self.http.post(worker.control + "/run", json=args) as r:
                 return await r.json()
         assert worker.url is not None
         return await run_sessions(
-            self.http_turn(worker.url), self.fx, sessions=sessions, turns=turns, conc=conc, tag=tag, **kw
+            self.http_turn(worker.url, api), self.fx, sessions=sessions, turns=turns, conc=conc, tag=tag, **kw
         )
 
     async def cpu(self, worker: Worker) -> float:
@@ -614,6 +642,37 @@ async def part_turns(args: argparse.Namespace, engine: str, fixture: Path, tmp: 
             results["pressure"] = c.cpu_pressure()
             rounds.append(results)
             print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    finally:
+        await harness.aclose()
+
+
+async def part_anthropic(args: argparse.Namespace, engine: str, fixture: Path, tmp: Path, data: dict[str, Any]) -> None:
+    """The gateway worker's CPU per turn over each API, one fresh worker per API and round."""
+    fx = load_fixture(str(fixture))
+    sizes = parse_sizes(args.sessions)
+    harness = Harness(fx)
+    rounds: list[dict[str, Any]] = data.setdefault("anthropic", [])
+    try:
+        for r in range(args.rounds):
+            results: dict[str, Any] = {}
+            for api in c.shuffled(["openai", "anthropic"], r):
+                worker = Worker("gateway", engine, fixture, tmp)
+                try:
+                    for conc in c.shuffled(sorted(args.cpu_conc), r + 7):
+                        tag = f"r{r}-{api}-c{conc}"
+                        out = await harness.batch(
+                            worker, sessions=sizes[conc], turns=args.turns, conc=conc, tag=tag, api=api
+                        )
+                        summary = await harness.summary(worker, f"{tag}-0")
+                        assert summary["bridged"] == args.turns - 1 and summary["branched"] == 0, summary
+                        assert not out["errors"], (tag, out["errors"])
+                        results[f"{api}|{conc}"] = out
+                        print(f"  {tag}: {out['cpu_us_per_turn']:.0f} µs/turn", file=sys.stderr, flush=True)
+                finally:
+                    worker.close()
+            results["pressure"] = c.cpu_pressure()
+            rounds.append(results)
+            print(f"anthropic round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     finally:
         await harness.aclose()
 
@@ -996,6 +1055,17 @@ def report(data: dict[str, Any]) -> str:
                     cells.append(c.summary(added, "{:.2f}"))
                 rows.append(cells)
         lines += ["", "added latency (gateway − direct), ms:", c.table(["conc", "p50", "p99"], rows)]
+    if data.get("anthropic"):
+        rounds = data["anthropic"]
+        rows = []
+        for conc in sorted({int(k.split("|")[1]) for k in rounds[0] if "|" in k}):
+            openai, messages = [
+                [rd[f"{api}|{conc}"]["cpu_us_per_turn"] for rd in rounds] for api in ("openai", "anthropic")
+            ]
+            ratios = [m / o for m, o in zip(messages, openai, strict=True)]
+            rows.append([conc, c.summary(openai), c.summary(messages), c.ratio_summary(ratios)])
+        headers = ["conc", "chat completions µs/turn", "messages µs/turn", "messages ÷ chat completions"]
+        lines += ["", "gateway CPU per turn by API:", c.table(headers, rows)]
     if "profile" in data:
         p = data["profile"]
         lines += [
@@ -1126,6 +1196,8 @@ async def main(args: argparse.Namespace) -> None:
                 await part_scale(args, engine, fixture, tmp, data)
             if "store" in args.parts:
                 part_store(args, engine, fixture, tmp, data)
+            if "anthropic" in args.parts:
+                await part_anthropic(args, engine, fixture, tmp, data)
     data["wall_s"] = time.monotonic() - started
     data["cpu_pressure_at_end"] = c.cpu_pressure()
     c.save(args.out, data)
@@ -1178,7 +1250,7 @@ def parse_args() -> argparse.Namespace:
     args.cpu_conc = [int(x) for x in args.cpu_conc.split(",")]
     args.scale_loops = args.scale_loops.split(",")
     args.latency_conc = [int(x) for x in args.latency_conc.split(",")]
-    unknown = set(args.parts) - {"cpu", "latency", "profile", "breakdown", "memory", "scale", "store"}
+    unknown = set(args.parts) - {"cpu", "latency", "profile", "breakdown", "memory", "scale", "store", "anthropic"}
     if unknown:
         parser.error(f"unknown parts {sorted(unknown)}")
     return args

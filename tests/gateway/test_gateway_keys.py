@@ -145,3 +145,21 @@ def test_a_keys_file_that_cannot_be_used_is_refused_naming_the_entry_never_the_k
     with pytest.raises(KeysError, match=names.replace("[", r"\[").replace("]", r"\]")) as caught:
         Keys.from_file(path)
     assert "0123456789abcdef" not in str(caught.value)
+
+
+async def test_anthropic_harnesses_send_their_key_as_x_api_key_and_meet_the_same_walls(scripted_gateway) -> None:
+    import anthropic
+
+    async with scripted_gateway(list(REPLIES), keys=KEYS) as served:
+        ask = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+        async with anthropic.AsyncAnthropic(base_url=f"{served.url}/s/a-run", api_key=TEAM_A) as a:
+            answer = await a.messages.create(**ask)
+            assert answer.content and answer.role == "assistant"
+        async with anthropic.AsyncAnthropic(base_url=f"{served.url}/s/a-run", api_key=TEAM_B) as b:
+            with pytest.raises(anthropic.NotFoundError) as absent:
+                await b.messages.create(**ask)
+            assert absent.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
+        async with anthropic.AsyncAnthropic(base_url=served.url, api_key=TEAM_A + "x") as wrong:
+            with pytest.raises(anthropic.AuthenticationError):
+                await wrong.messages.create(**ask)
+        assert len(served.script.requests) == 1

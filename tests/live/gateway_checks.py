@@ -2,7 +2,8 @@
 ``{gateway}/s/{session}/v1``, each turn appending the assistant message the SDK returned and a new user message,
 streamed and whole turns alternating. The trajectory the gateway keeps is then checked id by id against what the
 SDK answered and against the engine's own teacher scoring of the whole sequence. Shared by the vLLM, router-front,
-SGLang and Dynamo live suites (each passes a :class:`~backends_core.Client` configured for its server)."""
+SGLang and Dynamo live suites (each passes a :class:`~backends_core.Client` configured for its server).
+:func:`check_anthropic_rollout` is the same rollout over the Messages API, through the official ``anthropic`` SDK."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import attrs
 import httpx
 import numpy as np
@@ -236,6 +238,76 @@ async def check_gateway_rollout(
     sys.stderr.write("\n" + figures.line() + "\n")
     if diff is not None:
         assert diff <= TEACHER_ATOL, figures.line()
+    return figures
+
+
+async def anthropic_harness(url: str, session: str, model: str, *, turns: int) -> list[anthropic.types.Message]:
+    """``turns`` turns of a session over the Messages API through the official ``anthropic`` SDK (even turns
+    streamed, accumulated by the SDK's own stream), each appending the content blocks the SDK answered."""
+    messages: list[dict[str, Any]] = []
+    answers: list[anthropic.types.Message] = []
+    # the SDK's own HTTP client (it brings its own httpx fork, not the probe client's httpx), no retries
+    async with anthropic.AsyncAnthropic(
+        base_url=f"{url}/s/{session}", api_key="x", max_retries=0, timeout=300.0
+    ) as sdk:
+        for index in range(turns):
+            if answers:
+                messages.append({"role": "assistant", "content": answers[-1].content})
+            messages.append({"role": "user", "content": USER_TURNS[index % len(USER_TURNS)]})
+            fields: dict[str, Any] = {
+                "model": model,
+                "max_tokens": MAX_TOKENS,
+                "system": "Be brief.",
+                "messages": list(messages),
+            }
+            if index % 2 == 0:
+                async with sdk.messages.stream(**fields) as events:
+                    answers.append(await events.get_final_message())
+            else:
+                answers.append(await sdk.messages.create(**fields))
+    return answers
+
+
+async def check_anthropic_rollout(client: Client, store: Path, *, name: str, turns: int = 3) -> Figures:
+    """:func:`check_gateway_rollout` over Anthropic's Messages API: one exact branch whose turns each reuse the
+    previous turn's whole sequence, each reply what the SDK answered, the loss mask 1 exactly on the sampled ids,
+    and their logprobs (which the Messages API does not answer: the trajectory's) the engine's teacher scores."""
+    model = client.config.model
+    assert model is not None
+    session = f"gw-anthropic-{name}-{int(time.time() * 1000)}"
+    limits = GatewayLimits(max_completion_tokens=64)
+    async with Gateway(client, SQLiteStore(store), limits=limits) as gateway, serve(gateway, port=0) as url:
+        started = time.monotonic()
+        answers = await anthropic_harness(url, session, model, turns=turns)
+        seconds = time.monotonic() - started
+        body = await trajectory(url, session)
+        body_turns = body["turns"]
+        for before, after in itertools.pairwise(body_turns):
+            check_extends(before, after)
+        assert (body["bridged"], body["branched"], body["rerendered"]) == (turns - 1, 0, 0), body
+        for turn, answer in zip(body_turns, answers, strict=True):
+            text = "".join(block.text for block in answer.content if block.type == "text")
+            assert text == (turn["reply"].get("content") or "")
+            assert answer.usage.output_tokens == len(turn["completion_ids"]) > 0
+            assert answer.usage.input_tokens == len(turn["prompt_ids"])
+        (branch,) = body["branches"]
+        ids = np.asarray(branch["input_ids"], dtype=np.int32)
+        mask = np.asarray(branch["loss_mask"], dtype=bool)
+        assert int(mask.sum()) == sum(len(t["completion_ids"]) for t in body_turns)
+        diff = await teacher_diff(client, ids, mask, np.asarray(branch["logprobs"], dtype=np.float32))
+        closed = await close(url, session)
+        assert closed["status"] == "closed" and closed["turns"] == turns
+    figures = Figures(
+        name=f"{name} (anthropic)",
+        turns=len(body_turns),
+        reused_ids=tuple(t["reused_ids"] for t in body_turns),
+        completion_ids=tuple(len(t["completion_ids"]) for t in body_turns),
+        sequence=len(ids),
+        teacher_max_abs_diff=diff,
+        seconds=seconds,
+    )
+    sys.stderr.write("\n" + figures.line() + "\n")
+    assert diff <= TEACHER_ATOL, figures.line()
     return figures
 
 

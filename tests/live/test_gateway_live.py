@@ -18,7 +18,14 @@ from typing import Any
 
 import attrs
 import pytest
-from gateway_checks import GATEWAY_TURNS, check_extends, check_gateway_rollout, harness, trajectory
+from gateway_checks import (
+    GATEWAY_TURNS,
+    check_anthropic_rollout,
+    check_extends,
+    check_gateway_rollout,
+    harness,
+    trajectory,
+)
 from router_probe_checks import SETTLE_S, http, vllm_finished
 
 from backends_core import Client, ClientConfig, FrontConfig
@@ -41,6 +48,17 @@ async def test_a_harness_session_through_the_gateway_on_real_vllm_is_one_exact_b
     async with Client(config) as client:
         figures = await check_gateway_rollout(client, tmp_path / "gateway.db", name="vllm")
     assert figures.turns == 3
+
+
+async def test_an_anthropic_sdk_session_through_the_gateway_on_real_vllm_is_one_exact_branch(
+    vllm_dense_url: str, tiny_models: TinyModels, tmp_path: Path
+) -> None:
+    config = ClientConfig(
+        backend="vllm", base_url=vllm_dense_url, model=MODEL, tokenizer=str(tiny_models.dense), stateless=GATEWAY_TURNS
+    )
+    async with Client(config) as client:
+        figures = await check_anthropic_rollout(client, tmp_path / "gateway.db", name="vllm")
+    assert figures.turns == 3 and all(figures.reused_ids[1:])
 
 
 async def test_a_harness_session_through_the_gateway_behind_vllm_router_stays_on_one_replica(

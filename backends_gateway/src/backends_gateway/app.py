@@ -6,6 +6,8 @@ without a session in the path, and the trajectory routes for the trainer.
 | ``POST /v1/chat/completions``, ``/s/{session}/v1/chat/completions`` | a turn (``stream`` or not) |
 | ``POST /v1/responses``, ``/s/{session}/v1/responses`` | a turn on OpenAI's Responses wire |
 | ``GET /v1/models``, ``/s/{session}/v1/models`` | the served model |
+| ``POST /v1/messages``, ``/s/{session}/v1/messages`` | a turn over Anthropic's Messages API (errors in its shape) |
+| ``POST /v1/messages/count_tokens`` | the prompt's length as the template renders it |
 | ``GET /v1/sessions?group=&status=&limit=&after=`` | session summaries |
 | ``GET /v1/sessions/{id}`` | one summary |
 | ``GET /v1/sessions/{id}/trajectory`` | every turn and branch, with each branch's training view |
@@ -36,6 +38,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from backends_gateway import anthropic_messages as anthropic
 from backends_gateway import ui
 from backends_gateway.errors import GatewayError, Overloaded
 from backends_gateway.gateway import Gateway, Served, Started, TextDelta, check_session_id
@@ -63,46 +66,53 @@ __all__ = ["create_app", "serve"]
 log = logging.getLogger("backends_gateway")
 
 
-def _error(exc: GatewayError) -> web.Response:
+def _error(request: web.Request, exc: GatewayError) -> web.Response:
+    """``exc`` in the shape of the API the request's path is under (Anthropic's for the Messages routes)."""
     headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, Overloaded) else None
     if exc.status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
-    return json_response(error_body(exc), status=exc.status, headers=headers)
+    shape = anthropic.error_body if anthropic.is_messages_path(request.path) else error_body
+    return json_response(shape(exc), status=exc.status, headers=headers)
 
 
 @web.middleware
 async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every failure in OpenAI's error shape, naming what was wrong."""
+    """Every failure in its API's error shape, naming what was wrong."""
     try:
         return await handler(request)
     except GatewayError as exc:
-        return _error(exc)
+        return _error(request, exc)
     except web.HTTPRequestEntityTooLarge as exc:
         return _error(
+            request,
             GatewayError(
                 413,
                 f"the body is larger than the gateway's max_body_bytes ({exc.text})",
                 param="body",
                 code="body_too_large",
-            )
+            ),
         )
     except web.HTTPNotFound:
         return _error(
-            GatewayError(404, f"no route {request.method} {request.path}", kind="not_found_error", code="unknown_route")
+            request,
+            GatewayError(
+                404, f"no route {request.method} {request.path}", kind="not_found_error", code="unknown_route"
+            ),
         )
     except web.HTTPMethodNotAllowed as exc:
         return _error(
+            request,
             GatewayError(
                 405,
                 f"{request.method} {request.path} is not allowed (allowed: {sorted(exc.allowed_methods)})",
                 code="method_not_allowed",
-            )
+            ),
         )
     except web.HTTPException:
         raise
     except Exception as exc:  # a bug or a store failure: said in the API's shape, logged with its traceback
         log.exception("%s %s failed", request.method, request.path)
-        return _error(GatewayError(500, f"{type(exc).__name__}: {exc}", kind="server_error", code="internal"))
+        return _error(request, GatewayError(500, f"{type(exc).__name__}: {exc}", kind="server_error", code="internal"))
 
 
 def _logprobs(gateway: Gateway, served: Served) -> list[dict[str, Any]]:
@@ -210,6 +220,54 @@ async def _finish_stream(
         await send(chunk(id=ident, model=call.model, created=created, delta=None, usage_=usage))
 
 
+async def messages(request: web.Request) -> web.StreamResponse:
+    """A turn over Anthropic's Messages API (:mod:`backends_gateway.anthropic_messages`)."""
+    gateway = gateway_of(request)
+    body = await read_json(request)
+    call = anthropic.parse_messages_request(body, max_completion_tokens=gateway.limits.max_completion_tokens)
+    check_model(gateway, call.model)
+    session, group = session_of(request), request.headers.get("X-Session-Group") or None
+    stop = call.turn.sampling.stop
+    if not call.stream:
+        served = await gateway.turn(call.turn, session=session, group=group, owner=owner_of(request))
+        message = anthropic.message_body(
+            id=anthropic.new_message_id(), model=call.model, message=served.message, result=served.result, stop=stop
+        )
+        return json_response(message, headers=turn_headers(served))
+    events = gateway.stream_turn(call.turn, session=session, group=group, owner=owner_of(request))
+    first = await anext(events)  # the session is placed (or the request refused) before anything is sent
+    assert isinstance(first, Started)
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **turn_headers(first)}
+    )
+    await response.prepare(request)
+    stream = anthropic.MessageStream(id=anthropic.new_message_id(), model=call.model, stop=stop)
+    await response.write(stream.start())
+    try:
+        async for event in events:
+            if isinstance(event, TextDelta):
+                await response.write(stream.text(event.kind, event.text))
+            elif isinstance(event, Served):  # durable: the rest ends with message_stop
+                await response.write(stream.finish(event.message, event.result))
+    except GatewayError as exc:
+        await response.write(anthropic.error_event(exc))
+    finally:
+        with contextlib.suppress(Exception):
+            await events.aclose()
+    await response.write_eof()
+    return response
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    gateway = gateway_of(request)
+    body = await read_json(request)
+    call = anthropic.parse_messages_request(
+        body, max_completion_tokens=gateway.limits.max_completion_tokens, counting=True
+    )
+    check_model(gateway, call.model)
+    return json_response({"input_tokens": len(gateway.prompt_ids(call.turn))})
+
+
 def uuid_suffix() -> str:
     import uuid
 
@@ -311,6 +369,8 @@ def create_app(gateway: Gateway, *, keys: Keys | None = None) -> web.Application
         app.router.add_post(prefix + "/v1/chat/completions", chat_completions)
         app.router.add_post(prefix + "/v1/responses", create_response)
         app.router.add_get(prefix + "/v1/models", models)
+        app.router.add_post(prefix + "/v1/messages", messages)
+        app.router.add_post(prefix + "/v1/messages/count_tokens", count_tokens)
     app.router.add_get("/v1/sessions", list_sessions)
     app.router.add_get("/v1/sessions/{id}", get_session)
     app.router.add_get("/v1/sessions/{id}/trajectory", trajectory)

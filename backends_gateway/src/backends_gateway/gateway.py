@@ -464,6 +464,18 @@ class Gateway:
             self._in_flight -= 1
             self._end(state, plan)
 
+    def prompt_ids(self, request: TurnRequest) -> list[int]:
+        """The ids ``request``'s messages render to, as a turn rendered whole would send them.
+
+        :raises GatewayError: the template refused the messages (400).
+        """
+        try:
+            return self.client.render(
+                request.messages, tools=request.tools, chat_template_kwargs=request.chat_template_kwargs
+            )
+        except BackendError as exc:
+            raise from_backend_error(exc) from exc
+
     # -- the trainer's side ----------------------------------------------------------------------------------
 
     async def _known(self, session: str, owner: str | None = None) -> SessionRecord:

@@ -1,0 +1,681 @@
+"""Anthropic's Messages wire: a request body checked field by field into a :class:`Turn` request (its messages
+converted to the OpenAI-shaped messages the chat template renders), and the answer (one message, or the event
+stream the official ``anthropic`` SDK accumulates) built from a served turn.
+
+Every field the Messages API defines is either honoured or refused by name; nothing is dropped. The conversion:
+
+* ``system`` (a string or text blocks) is a system message first;
+* an assistant message's blocks are one assistant message: ``thinking`` blocks its ``reasoning_content``, ``text``
+  blocks its ``content``, ``tool_use`` blocks its ``tool_calls`` (in that order: the template writes the calls
+  after the text);
+* a user message's ``tool_result`` blocks are ``tool`` messages in order, its text blocks one user message after
+  them.
+
+One text block is its text (Anthropic's shorthand, both ways); several stay text parts, rendered as the core renders
+OpenAI's text parts. So a session may mix this API and OpenAI's chat completions on one history and keep bridging
+on its exact ids.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import math
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import orjson
+
+from backends_core import GenerateResult, SamplingParams
+from backends_gateway.errors import GatewayError
+from backends_gateway.sessions import TurnRequest
+
+__all__ = [
+    "MessageStream",
+    "MessagesCall",
+    "error_body",
+    "error_event",
+    "is_messages_path",
+    "message_body",
+    "parse_messages_request",
+]
+
+# what the gateway cannot do faithfully, refused rather than ignored
+_REFUSED = {
+    "container": "containers (server-side code execution)",
+    "mcp_servers": "MCP servers (run the tools in the harness and send their results)",
+    "context_management": "server-side context management (the harness keeps its history)",
+    "output_config": "output configuration (effort, output formats)",
+    "service_tier": "service tiers",
+    "speed": "speed modes",
+    "inference_geo": "inference regions",
+    "diagnostics": "diagnostics",
+}
+_IGNORED_WHEN_DEFAULT: dict[str, Any] = {"service_tier": "auto", "speed": "standard"}
+_KNOWN = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "messages",
+        "system",
+        "tools",
+        "tool_choice",
+        "thinking",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stop_sequences",
+        "stream",
+        "metadata",
+        # prompt caching is the engine's prefix cache: a cache breakpoint changes nothing here
+        "cache_control",
+        # vLLM's extension, as on the chat-completions route
+        "chat_template_kwargs",
+        *_REFUSED,
+    }
+)
+_COUNT_KNOWN = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control"})
+# keys a block may carry that change nothing here when null (what the SDK sends back of a block it parsed)
+_CACHE = ("cache_control",)
+_BLOCK_KEYS = {
+    "text": ("text", "citations", *_CACHE),
+    "thinking": ("thinking", "signature", *_CACHE),
+    "tool_use": ("id", "name", "input", "caller", *_CACHE),
+    "tool_result": ("tool_use_id", "content", "is_error", *_CACHE),
+}
+_REFUSED_BLOCKS = {
+    "image": "images are not supported yet: the gateway renders text only",
+    "document": "documents are not supported: the gateway renders text only",
+    "search_result": "search results are not supported: send their text",
+    "redacted_thinking": "redacted thinking is encrypted reasoning only Anthropic can read: it cannot be rendered",
+    "server_tool_use": "server tools are not supported: the harness runs the tools",
+    "web_search_tool_result": "server tools are not supported: the harness runs the tools",
+    "container_upload": "containers are not supported",
+}
+_TOOL_KEYS = frozenset(
+    {
+        "name",
+        "description",
+        "input_schema",
+        "type",
+        "cache_control",
+        "strict",
+        "input_examples",
+        "defer_loading",
+        "eager_input_streaming",
+        "allowed_callers",
+    }
+)
+_MESSAGES_PATH = re.compile(r"(?:/s/[^/]+)?/v1/messages(?:/.*)?")
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "abort": "pause_turn"}
+
+
+@attrs.frozen(kw_only=True)
+class MessagesCall:
+    """One checked Messages request."""
+
+    turn: TurnRequest
+    model: str
+    stream: bool
+
+
+def is_messages_path(path: str) -> bool:
+    """Whether ``path`` is under the Messages API (its errors are answered in Anthropic's shape)."""
+    return _MESSAGES_PATH.fullmatch(path) is not None
+
+
+def _bad(message: str, param: str, code: str = "invalid_value") -> GatewayError:
+    return GatewayError(400, message, param=param, code=code)
+
+
+def _refuse_block(kind: Any, where: str) -> GatewayError:
+    why = _REFUSED_BLOCKS.get(kind) if isinstance(kind, str) else None
+    if why is not None:
+        return _bad(f"{where} is a {kind!r} block: {why}", where, "unsupported_content")
+    return _bad(f"{where} is a {kind!r} block, which this route does not take here", where, "unsupported_content")
+
+
+def _check_block(block: Any, where: str, allowed: Sequence[str]) -> tuple[str, Mapping[str, Any]]:
+    kind = block.get("type") if isinstance(block, dict) else None
+    if not isinstance(block, dict) or not isinstance(kind, str) or kind not in allowed:
+        raise _refuse_block(kind, where)
+    keys = _BLOCK_KEYS[kind]
+    for key, value in block.items():
+        if key != "type" and key not in keys:
+            raise _bad(f"{where}.{key} is not a field of a {kind} block", f"{where}.{key}", "unknown_parameter")
+        if key == "citations" and value is not None:
+            raise _bad(f"{where}.citations are not supported", f"{where}.citations", "unsupported_parameter")
+        if key == "caller" and value is not None and (not isinstance(value, dict) or value.get("type") != "direct"):
+            raise _bad(f"{where}.caller: only direct tool calls are supported", f"{where}.caller")
+    return kind, block
+
+
+def _text_of(block: Mapping[str, Any], where: str) -> str:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise _bad(f"{where}.text must be a string", f"{where}.text", "invalid_type")
+    return text
+
+
+def _texts(texts: list[str]) -> str | list[dict[str, str]]:
+    """One text is the string (Anthropic's shorthand); several stay text parts."""
+    if len(texts) == 1:
+        return texts[0]
+    return [{"type": "text", "text": t} for t in texts]
+
+
+def _text_content(value: Any, where: str) -> str | list[dict[str, str]]:
+    """A string, or a list of text blocks."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise _bad(f"{where} must be a string or a list of text blocks", where, "invalid_type")
+    texts = []
+    for j, block in enumerate(value):
+        _, block = _check_block(block, f"{where}[{j}]", ("text",))
+        texts.append(_text_of(block, f"{where}[{j}]"))
+    return _texts(texts) if texts else ""
+
+
+def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
+    call_id = block.get("tool_use_id")
+    if not isinstance(call_id, str) or not call_id:
+        raise _bad(f"{where}.tool_use_id must be a non-empty string", f"{where}.tool_use_id", "invalid_type")
+    content = block.get("content")
+    message: dict[str, Any] = {
+        "role": "tool",
+        "tool_call_id": call_id,
+        "content": "" if content is None else _text_content(content, f"{where}.content"),
+    }
+    is_error = block.get("is_error")
+    if is_error not in (None, True, False):
+        raise _bad(f"{where}.is_error must be a boolean", f"{where}.is_error", "invalid_type")
+    if is_error:
+        # kept on the tool message: a template that reads is_error renders it, the trajectory keeps it (OpenAI's
+        # tool messages have no such field, so common templates render the result alone)
+        message["is_error"] = True
+    return message
+
+
+def _user(content: Any, where: str) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    if not isinstance(content, list) or not content:
+        raise _bad(
+            f"{where}.content must be a string or a non-empty list of blocks", f"{where}.content", "invalid_type"
+        )
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for j, raw in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind, block = _check_block(raw, at, ("text", "tool_result"))
+        if kind == "tool_result":
+            if texts:
+                raise _bad(f"{at}: tool_result blocks must come before any text in a user message", at)
+            out.append(_tool_result(block, at))
+        else:
+            texts.append(_text_of(block, at))
+    if texts:
+        out.append({"role": "user", "content": _texts(texts)})
+    return out
+
+
+def _assistant(content: Any, where: str) -> dict[str, Any]:
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    if not isinstance(content, list):
+        raise _bad(f"{where}.content must be a string or a list of blocks", f"{where}.content", "invalid_type")
+    order = {"thinking": 0, "text": 1, "tool_use": 2}
+    last = 0
+    thinking: list[str] = []
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, raw in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind, block = _check_block(raw, at, tuple(order))
+        if order[kind] < last:
+            raise _bad(
+                f"{at}: a {kind} block after a {next(k for k, v in order.items() if v == last)} block cannot be "
+                "rendered: an assistant turn is its thinking, then its text, then its tool calls",
+                at,
+            )
+        last = order[kind]
+        if kind == "thinking":
+            text = block.get("thinking")
+            if not isinstance(text, str):
+                raise _bad(f"{at}.thinking must be a string", f"{at}.thinking", "invalid_type")
+            # the signature is not checked: the gateway's own are digests, not attestations
+            thinking.append(text)
+        elif kind == "text":
+            texts.append(_text_of(block, at))
+        else:
+            ident, name, args = block.get("id"), block.get("name"), block.get("input")
+            if not isinstance(ident, str) or not ident:
+                raise _bad(f"{at}.id must be a non-empty string", f"{at}.id", "invalid_type")
+            if not isinstance(name, str) or not name:
+                raise _bad(f"{at}.name must be a non-empty string", f"{at}.name", "invalid_type")
+            if not isinstance(args, dict):
+                raise _bad(f"{at}.input must be an object", f"{at}.input", "invalid_type")
+            arguments = orjson.dumps(args).decode()
+            calls.append({"id": ident, "type": "function", "function": {"name": name, "arguments": arguments}})
+    message: dict[str, Any] = {"role": "assistant", "content": _texts(texts) if texts else ""}
+    if thinking:
+        message["reasoning_content"] = "\n".join(thinking)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _messages(value: Any, system: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list) or not value:
+        raise _bad("messages must be a non-empty list of messages", "messages", "invalid_type")
+    out: list[dict[str, Any]] = []
+    if system is not None:
+        content = _text_content(system, "system")
+        if content:
+            out.append({"role": "system", "content": content})
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise _bad(f"{where} must be an object, got {type(message).__name__}", where, "invalid_type")
+        extra = sorted(set(message) - {"role", "content"})
+        if extra:
+            raise _bad(f"{where}.{extra[0]} is not a field of a message", f"{where}.{extra[0]}", "unknown_parameter")
+        role = message.get("role")
+        if role == "user":
+            out.extend(_user(message.get("content"), where))
+        elif role == "assistant":
+            out.append(_assistant(message.get("content"), where))
+        else:
+            raise _bad(f"{where}.role must be 'user' or 'assistant', got {role!r}", f"{where}.role")
+    if value[-1].get("role") == "assistant":
+        raise _bad(
+            f"messages[{len(value) - 1}]: a last assistant message (prefill) is not supported: the gateway renders "
+            "a new assistant turn after the messages",
+            f"messages[{len(value) - 1}]",
+            "unsupported_content",
+        )
+    return out
+
+
+def _tools(value: Any) -> list[dict[str, Any]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise _bad("tools must be a list", "tools", "invalid_type")
+    out = []
+    for i, tool in enumerate(value):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise _bad(f"{where} must be an object", where, "invalid_type")
+        kind = tool.get("type")
+        if kind not in (None, "custom"):
+            raise _bad(
+                f"{where} is a {kind!r} tool: server tools are not supported (send custom tools, run them in the "
+                "harness)",
+                f"{where}.type",
+                "unsupported_parameter",
+            )
+        unknown = sorted(set(tool) - _TOOL_KEYS)
+        if unknown:
+            raise _bad(f"{where}.{unknown[0]} is not a field of a tool", f"{where}.{unknown[0]}", "unknown_parameter")
+        for key in ("input_examples", "defer_loading", "eager_input_streaming", "allowed_callers"):
+            if tool.get(key) not in (None, False):
+                raise _bad(f"{where}.{key} is not supported by this gateway", f"{where}.{key}", "unsupported_parameter")
+        if tool.get("strict"):
+            raise _bad(f"{where}.strict cannot be enforced by the gateway", f"{where}.strict", "unsupported_parameter")
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            raise _bad(f"{where}.name must be a non-empty string", f"{where}.name", "invalid_type")
+        schema = tool.get("input_schema")
+        if not isinstance(schema, dict):
+            raise _bad(f"{where}.input_schema must be a JSON schema object", f"{where}.input_schema", "invalid_type")
+        description = tool.get("description")
+        if description is not None and not isinstance(description, str):
+            raise _bad(f"{where}.description must be a string", f"{where}.description", "invalid_type")
+        function: dict[str, Any] = {"name": name}
+        if description is not None:
+            function["description"] = description
+        function["parameters"] = schema
+        out.append({"type": "function", "function": function})
+    return out or None
+
+
+def _tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> None:
+    if value is None:
+        return
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "auto" or (kind == "none" and tools is None):
+        if value.get("disable_parallel_tool_use"):
+            raise _bad(
+                "tool_choice.disable_parallel_tool_use cannot be enforced by the gateway",
+                "tool_choice.disable_parallel_tool_use",
+                "unsupported_parameter",
+            )
+        return
+    raise _bad(
+        f"tool_choice {value!r} cannot be enforced by the gateway: send {{'type': 'auto'}} (or omit it)",
+        "tool_choice",
+        "unsupported_parameter",
+    )
+
+
+def _thinking(value: Any, max_tokens: int | None) -> bool | None:
+    """The template's reasoning switch (``enable_thinking``) the request asks for, ``None``: the template's default.
+
+    ``budget_tokens`` is checked as Anthropic checks it but not enforced: a template's switch has no budget, and
+    ``max_tokens`` bounds the whole reply, reasoning included.
+    """
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if not isinstance(value, dict) or kind not in ("enabled", "disabled", "adaptive"):
+        raise _bad("thinking must be {'type': 'enabled', 'budget_tokens': n}, disabled or adaptive", "thinking")
+    extra = sorted(set(value) - {"type", "budget_tokens", "display"})
+    if extra:
+        raise _bad(f"thinking.{extra[0]} is not supported", f"thinking.{extra[0]}", "unknown_parameter")
+    if value.get("display") is not None:
+        raise _bad(
+            "thinking.display is not supported: the reasoning is returned as sampled",
+            "thinking.display",
+            "unsupported_parameter",
+        )
+    if kind == "enabled":
+        budget = value.get("budget_tokens")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1024:
+            raise _bad(f"thinking.budget_tokens must be an integer >= 1024, got {budget!r}", "thinking.budget_tokens")
+        if max_tokens is not None and budget >= max_tokens:
+            raise _bad(
+                f"thinking.budget_tokens ({budget}) must be less than max_tokens ({max_tokens})",
+                "thinking.budget_tokens",
+            )
+    elif "budget_tokens" in value:
+        raise _bad(f"thinking.budget_tokens goes with type 'enabled', not {kind!r}", "thinking.budget_tokens")
+    return bool(kind != "disabled")
+
+
+def _template_kwargs(body: Mapping[str, Any], max_tokens: int | None) -> dict[str, Any] | None:
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise _bad("chat_template_kwargs must be an object", "chat_template_kwargs", "invalid_type")
+    thinking = _thinking(body.get("thinking"), max_tokens)
+    if thinking is None:
+        return kwargs
+    kwargs = dict(kwargs or {})
+    if kwargs.setdefault("enable_thinking", thinking) != thinking:
+        raise _bad("thinking and chat_template_kwargs.enable_thinking disagree", "thinking")
+    return kwargs
+
+
+def _number(body: Mapping[str, Any], key: str, *, low: float, high: float) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise _bad(f"{key} must be a number, got {value!r}", key, "invalid_type")
+    if not low <= value <= high:
+        raise _bad(f"{key} must be in [{low}, {high}], got {value!r}", key)
+    return float(value)
+
+
+def _integer(body: Mapping[str, Any], key: str, *, low: int, high: int | None = None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(f"{key} must be an integer, got {value!r}", key, "invalid_type")
+    if value < low or (high is not None and value > high):
+        raise _bad(f"{key} must be an integer in [{low}, {high if high is not None else '∞'}], got {value}", key)
+    return value
+
+
+def _stop_sequences(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, list) and all(isinstance(s, str) and s for s in value):
+        return tuple(value)
+    raise _bad("stop_sequences must be a list of non-empty strings", "stop_sequences", "invalid_type")
+
+
+def _metadata(value: Any) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _bad("metadata must be an object", "metadata", "invalid_type")
+    extra = sorted(set(value) - {"user_id"})
+    if extra:
+        raise _bad(f"metadata.{extra[0]} is not a metadata field", f"metadata.{extra[0]}", "unknown_parameter")
+    if value.get("user_id") is not None and not isinstance(value["user_id"], str):
+        raise _bad("metadata.user_id must be a string", "metadata.user_id", "invalid_type")
+    # user_id changes nothing about the turn: it is kept with the turn's request, as OpenAI's metadata is
+    return value
+
+
+def parse_messages_request(body: Any, *, max_completion_tokens: int, counting: bool = False) -> MessagesCall:
+    """Check a Messages body (decoded JSON) and turn it into a :class:`MessagesCall`.
+
+    :param max_completion_tokens: the gateway's bound on a turn's completion (``max_tokens`` past it is refused).
+    :param counting: the body of ``/v1/messages/count_tokens`` (no sampling fields; the turn's sampling is a
+        placeholder).
+    :raises GatewayError: naming the field (400), before anything is sent.
+    """
+    if not isinstance(body, dict):
+        raise _bad("the body must be a JSON object", "body", "invalid_type")
+    unknown = sorted(set(body) - (_COUNT_KNOWN if counting else _KNOWN))
+    if unknown:
+        raise _bad(f"unknown parameter {unknown[0]!r}", unknown[0], "unknown_parameter")
+    for key, why in _REFUSED.items():
+        if body.get(key) is not None and body[key] != _IGNORED_WHEN_DEFAULT.get(key, object()):
+            raise _bad(f"{key} is not supported by this gateway: {why}", key, "unsupported_parameter")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("model must be a non-empty string", "model", "invalid_type")
+    if not counting and body.get("max_tokens") is None:
+        raise _bad("max_tokens is required", "max_tokens", "missing_parameter")
+    max_tokens = _integer(body, "max_tokens", low=1, high=max_completion_tokens)
+    messages = _messages(body.get("messages"), body.get("system"))
+    tools = _tools(body.get("tools"))
+    _tool_choice(body.get("tool_choice"), tools)
+    kwargs = _template_kwargs(body, max_tokens)
+    stream = body.get("stream")
+    if stream not in (None, True, False):
+        raise _bad("stream must be a boolean", "stream", "invalid_type")
+    metadata = _metadata(body.get("metadata"))
+    top_k = _integer(body, "top_k", low=0)
+    temperature = _number(body, "temperature", low=0.0, high=1.0)
+    top_p = _number(body, "top_p", low=0.0, high=1.0)
+    sampling = SamplingParams(
+        max_tokens=max_tokens or max_completion_tokens,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=-1 if top_k in (None, 0) else top_k,
+        stop=_stop_sequences(body.get("stop_sequences")),
+    )
+    turn = TurnRequest(
+        messages=messages,
+        tools=tools,
+        sampling=sampling,
+        chat_template_kwargs=kwargs,
+        metadata={} if metadata is None else {"metadata": metadata},
+    )
+    return MessagesCall(turn=turn, model=model, stream=bool(stream))
+
+
+# -- answers ----------------------------------------------------------------------------------------------------
+
+_ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+
+
+def error_body(exc: GatewayError) -> dict[str, Any]:
+    """Anthropic's error shape (its type from the status), with the gateway's ``code`` and ``param``."""
+    kind = _ERROR_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
+    error: dict[str, Any] = {"type": kind, "message": exc.message, "code": exc.code}
+    if exc.param is not None:
+        error["param"] = exc.param
+    return {"type": "error", "error": error}
+
+
+def new_message_id() -> str:
+    return f"msg_{uuid.uuid4().hex[:24]}"
+
+
+def signature(thinking: str) -> str:
+    """A thinking block's signature: a digest of its text, not an attestation (the gateway checks none it is
+    sent); it lets a client carry the block back as it carries Anthropic's."""
+    return base64.b64encode(hashlib.blake2b(thinking.encode(), digest_size=24).digest()).decode()
+
+
+def _tool_use(call: Mapping[str, Any]) -> dict[str, Any]:
+    fn = call["function"]
+    arguments = fn.get("arguments") or "{}"
+    try:
+        value = orjson.loads(arguments) if isinstance(arguments, str) else arguments
+    except orjson.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise GatewayError(
+            502,
+            f"the model's call of {fn.get('name')!r} has arguments that are not a JSON object: {arguments!r:.200}",
+            kind="server_error",
+            code="tool_arguments",
+        )
+    ident = str(call.get("id") or uuid.uuid4().hex)
+    return {"type": "tool_use", "id": "toolu_" + ident.removeprefix("call_"), "name": fn["name"], "input": value}
+
+
+def content_blocks(message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The reply's blocks: its thinking, its text, its tool calls (each only when there is one)."""
+    out: list[dict[str, Any]] = []
+    reasoning = message.get("reasoning_content")
+    if reasoning:
+        out.append({"type": "thinking", "thinking": reasoning, "signature": signature(reasoning)})
+    if message.get("content"):
+        out.append({"type": "text", "text": message["content"]})
+    out.extend(_tool_use(call) for call in message.get("tool_calls") or ())
+    return out
+
+
+def stop_of(message: Mapping[str, Any], result: GenerateResult, stop: Sequence[str]) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence``: ``tool_use`` when the reply calls tools, ``stop_sequence``
+    when one of the request's ended it, ``pause_turn`` for a generation the engine aborted (the partial turn is
+    kept)."""
+    if result.finish_reason == "stop":
+        if message.get("tool_calls"):
+            return "tool_use", None
+        if isinstance(result.stop_reason, str) and result.stop_reason in stop:
+            return "stop_sequence", result.stop_reason
+    return _STOP_REASONS[result.finish_reason], None
+
+
+def _usage(result: GenerateResult) -> dict[str, int]:
+    return {"input_tokens": len(result.prompt_ids), "output_tokens": len(result.completion_ids)}
+
+
+def message_body(
+    *, id: str, model: str, message: Mapping[str, Any], result: GenerateResult, stop: Sequence[str]
+) -> dict[str, Any]:
+    """A whole ``message`` body."""
+    reason, sequence = stop_of(message, result, stop)
+    return {
+        "id": id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content_blocks(message),
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": _usage(result),
+    }
+
+
+def _event(kind: str, body: Mapping[str, Any]) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **body}) + b"\n\n"
+
+
+def error_event(exc: GatewayError) -> bytes:
+    """A stream's ``error`` event (the SDK raises it as the status's error)."""
+    return b"event: error\ndata: " + orjson.dumps(error_body(exc)) + b"\n\n"
+
+
+class MessageStream:
+    """A streamed turn's events, in the order the SDK's accumulator reads them: ``message_start``, each block's
+    ``content_block_start``/``_delta``/``_stop`` (thinking and text as they stream, then the tool calls once the
+    turn is parsed), ``message_delta`` (the stop reason and usage) and ``message_stop``."""
+
+    def __init__(self, *, id: str, model: str, stop: Sequence[str]) -> None:
+        self.id = id
+        self.model = model
+        self.stop = tuple(stop)
+        self.index = -1
+        self.open: str | None = None  # the kind of the block being streamed
+        self.thinking = ""
+
+    def start(self) -> bytes:
+        message: dict[str, Any] = {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": 0, "output_tokens": 0},  # the prompt's length comes with message_delta
+        }
+        return _event("message_start", {"message": message})
+
+    def _close(self) -> bytes:
+        if self.open is None:
+            return b""
+        out = b""
+        if self.open == "thinking":
+            delta = {"type": "signature_delta", "signature": signature(self.thinking)}
+            out += _event("content_block_delta", {"index": self.index, "delta": delta})
+        self.open = None
+        return out + _event("content_block_stop", {"index": self.index})
+
+    def _open(self, block: Mapping[str, Any]) -> bytes:
+        out = self._close()
+        self.index += 1
+        return out + _event("content_block_start", {"index": self.index, "content_block": dict(block)})
+
+    def text(self, kind: str, text: str) -> bytes:
+        """A streamed piece of the reply (``kind``: ``"reasoning"`` or ``"content"``)."""
+        out = b""
+        if kind == "reasoning":
+            if self.open != "thinking":
+                self.thinking = ""
+                out += self._open({"type": "thinking", "thinking": "", "signature": ""})
+                self.open = "thinking"
+            self.thinking += text
+            delta = {"type": "thinking_delta", "thinking": text}
+        else:
+            if self.open != "text":
+                out += self._open({"type": "text", "text": ""})
+                self.open = "text"
+            delta = {"type": "text_delta", "text": text}
+        return out + _event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def finish(self, message: Mapping[str, Any], result: GenerateResult) -> bytes:
+        """The rest, once the turn is durable: its tool calls, the stop reason and usage, ``message_stop``."""
+        out = self._close()
+        for call in message.get("tool_calls") or ():
+            block = _tool_use(call)
+            out += self._open({**block, "input": {}})
+            delta = {"type": "input_json_delta", "partial_json": orjson.dumps(block["input"]).decode()}
+            out += _event("content_block_delta", {"index": self.index, "delta": delta})
+            out += _event("content_block_stop", {"index": self.index})
+        reason, sequence = stop_of(message, result, self.stop)
+        out += _event(
+            "message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": _usage(result)}
+        )
+        return out + _event("message_stop", {})
