@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import math
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -31,6 +30,7 @@ import orjson
 
 from backends_core import GenerateResult, SamplingParams
 from backends_gateway.errors import GatewayError
+from backends_gateway.fields import bad, integer, number
 from backends_gateway.sessions import TurnRequest
 
 __all__ = [
@@ -127,15 +127,11 @@ def is_messages_path(path: str) -> bool:
     return _MESSAGES_PATH.fullmatch(path) is not None
 
 
-def _bad(message: str, param: str, code: str = "invalid_value") -> GatewayError:
-    return GatewayError(400, message, param=param, code=code)
-
-
 def _refuse_block(kind: Any, where: str) -> GatewayError:
     why = _REFUSED_BLOCKS.get(kind) if isinstance(kind, str) else None
     if why is not None:
-        return _bad(f"{where} is a {kind!r} block: {why}", where, "unsupported_content")
-    return _bad(f"{where} is a {kind!r} block, which this route does not take here", where, "unsupported_content")
+        return bad(f"{where} is a {kind!r} block: {why}", where, "unsupported_content")
+    return bad(f"{where} is a {kind!r} block, which this route does not take here", where, "unsupported_content")
 
 
 def _check_block(block: Any, where: str, allowed: Sequence[str]) -> tuple[str, Mapping[str, Any]]:
@@ -145,18 +141,18 @@ def _check_block(block: Any, where: str, allowed: Sequence[str]) -> tuple[str, M
     keys = _BLOCK_KEYS[kind]
     for key, value in block.items():
         if key != "type" and key not in keys:
-            raise _bad(f"{where}.{key} is not a field of a {kind} block", f"{where}.{key}", "unknown_parameter")
+            raise bad(f"{where}.{key} is not a field of a {kind} block", f"{where}.{key}", "unknown_parameter")
         if key == "citations" and value is not None:
-            raise _bad(f"{where}.citations are not supported", f"{where}.citations", "unsupported_parameter")
+            raise bad(f"{where}.citations are not supported", f"{where}.citations", "unsupported_parameter")
         if key == "caller" and value is not None and (not isinstance(value, dict) or value.get("type") != "direct"):
-            raise _bad(f"{where}.caller: only direct tool calls are supported", f"{where}.caller")
+            raise bad(f"{where}.caller: only direct tool calls are supported", f"{where}.caller")
     return kind, block
 
 
 def _text_of(block: Mapping[str, Any], where: str) -> str:
     text = block.get("text")
     if not isinstance(text, str):
-        raise _bad(f"{where}.text must be a string", f"{where}.text", "invalid_type")
+        raise bad(f"{where}.text must be a string", f"{where}.text", "invalid_type")
     return text
 
 
@@ -172,7 +168,7 @@ def _text_content(value: Any, where: str) -> str | list[dict[str, str]]:
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
-        raise _bad(f"{where} must be a string or a list of text blocks", where, "invalid_type")
+        raise bad(f"{where} must be a string or a list of text blocks", where, "invalid_type")
     texts = []
     for j, block in enumerate(value):
         _, block = _check_block(block, f"{where}[{j}]", ("text",))
@@ -183,7 +179,7 @@ def _text_content(value: Any, where: str) -> str | list[dict[str, str]]:
 def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
     call_id = block.get("tool_use_id")
     if not isinstance(call_id, str) or not call_id:
-        raise _bad(f"{where}.tool_use_id must be a non-empty string", f"{where}.tool_use_id", "invalid_type")
+        raise bad(f"{where}.tool_use_id must be a non-empty string", f"{where}.tool_use_id", "invalid_type")
     content = block.get("content")
     message: dict[str, Any] = {
         "role": "tool",
@@ -192,7 +188,7 @@ def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
     }
     is_error = block.get("is_error")
     if is_error not in (None, True, False):
-        raise _bad(f"{where}.is_error must be a boolean", f"{where}.is_error", "invalid_type")
+        raise bad(f"{where}.is_error must be a boolean", f"{where}.is_error", "invalid_type")
     if is_error:
         # kept on the tool message: a template that reads is_error renders it, the trajectory keeps it (OpenAI's
         # tool messages have no such field, so common templates render the result alone)
@@ -204,9 +200,7 @@ def _user(content: Any, where: str) -> list[dict[str, Any]]:
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     if not isinstance(content, list) or not content:
-        raise _bad(
-            f"{where}.content must be a string or a non-empty list of blocks", f"{where}.content", "invalid_type"
-        )
+        raise bad(f"{where}.content must be a string or a non-empty list of blocks", f"{where}.content", "invalid_type")
     out: list[dict[str, Any]] = []
     texts: list[str] = []
     for j, raw in enumerate(content):
@@ -214,7 +208,7 @@ def _user(content: Any, where: str) -> list[dict[str, Any]]:
         kind, block = _check_block(raw, at, ("text", "tool_result"))
         if kind == "tool_result":
             if texts:
-                raise _bad(f"{at}: tool_result blocks must come before any text in a user message", at)
+                raise bad(f"{at}: tool_result blocks must come before any text in a user message", at)
             out.append(_tool_result(block, at))
         else:
             texts.append(_text_of(block, at))
@@ -227,7 +221,7 @@ def _assistant(content: Any, where: str) -> dict[str, Any]:
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
     if not isinstance(content, list):
-        raise _bad(f"{where}.content must be a string or a list of blocks", f"{where}.content", "invalid_type")
+        raise bad(f"{where}.content must be a string or a list of blocks", f"{where}.content", "invalid_type")
     order = {"thinking": 0, "text": 1, "tool_use": 2}
     last = 0
     thinking: list[str] = []
@@ -237,7 +231,7 @@ def _assistant(content: Any, where: str) -> dict[str, Any]:
         at = f"{where}.content[{j}]"
         kind, block = _check_block(raw, at, tuple(order))
         if order[kind] < last:
-            raise _bad(
+            raise bad(
                 f"{at}: a {kind} block after a {next(k for k, v in order.items() if v == last)} block cannot be "
                 "rendered: an assistant turn is its thinking, then its text, then its tool calls",
                 at,
@@ -246,7 +240,7 @@ def _assistant(content: Any, where: str) -> dict[str, Any]:
         if kind == "thinking":
             text = block.get("thinking")
             if not isinstance(text, str):
-                raise _bad(f"{at}.thinking must be a string", f"{at}.thinking", "invalid_type")
+                raise bad(f"{at}.thinking must be a string", f"{at}.thinking", "invalid_type")
             # the signature is not checked: the gateway's own are digests, not attestations
             thinking.append(text)
         elif kind == "text":
@@ -254,11 +248,11 @@ def _assistant(content: Any, where: str) -> dict[str, Any]:
         else:
             ident, name, args = block.get("id"), block.get("name"), block.get("input")
             if not isinstance(ident, str) or not ident:
-                raise _bad(f"{at}.id must be a non-empty string", f"{at}.id", "invalid_type")
+                raise bad(f"{at}.id must be a non-empty string", f"{at}.id", "invalid_type")
             if not isinstance(name, str) or not name:
-                raise _bad(f"{at}.name must be a non-empty string", f"{at}.name", "invalid_type")
+                raise bad(f"{at}.name must be a non-empty string", f"{at}.name", "invalid_type")
             if not isinstance(args, dict):
-                raise _bad(f"{at}.input must be an object", f"{at}.input", "invalid_type")
+                raise bad(f"{at}.input must be an object", f"{at}.input", "invalid_type")
             arguments = orjson.dumps(args).decode()
             calls.append({"id": ident, "type": "function", "function": {"name": name, "arguments": arguments}})
     message: dict[str, Any] = {"role": "assistant", "content": _texts(texts) if texts else ""}
@@ -271,7 +265,7 @@ def _assistant(content: Any, where: str) -> dict[str, Any]:
 
 def _messages(value: Any, system: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
-        raise _bad("messages must be a non-empty list of messages", "messages", "invalid_type")
+        raise bad("messages must be a non-empty list of messages", "messages", "invalid_type")
     out: list[dict[str, Any]] = []
     if system is not None:
         content = _text_content(system, "system")
@@ -280,19 +274,19 @@ def _messages(value: Any, system: Any) -> list[dict[str, Any]]:
     for i, message in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise _bad(f"{where} must be an object, got {type(message).__name__}", where, "invalid_type")
+            raise bad(f"{where} must be an object, got {type(message).__name__}", where, "invalid_type")
         extra = sorted(set(message) - {"role", "content"})
         if extra:
-            raise _bad(f"{where}.{extra[0]} is not a field of a message", f"{where}.{extra[0]}", "unknown_parameter")
+            raise bad(f"{where}.{extra[0]} is not a field of a message", f"{where}.{extra[0]}", "unknown_parameter")
         role = message.get("role")
         if role == "user":
             out.extend(_user(message.get("content"), where))
         elif role == "assistant":
             out.append(_assistant(message.get("content"), where))
         else:
-            raise _bad(f"{where}.role must be 'user' or 'assistant', got {role!r}", f"{where}.role")
+            raise bad(f"{where}.role must be 'user' or 'assistant', got {role!r}", f"{where}.role")
     if value[-1].get("role") == "assistant":
-        raise _bad(
+        raise bad(
             f"messages[{len(value) - 1}]: a last assistant message (prefill) is not supported: the gateway renders "
             "a new assistant turn after the messages",
             f"messages[{len(value) - 1}]",
@@ -305,15 +299,15 @@ def _tools(value: Any) -> list[dict[str, Any]] | None:
     if value is None:
         return None
     if not isinstance(value, list):
-        raise _bad("tools must be a list", "tools", "invalid_type")
+        raise bad("tools must be a list", "tools", "invalid_type")
     out = []
     for i, tool in enumerate(value):
         where = f"tools[{i}]"
         if not isinstance(tool, dict):
-            raise _bad(f"{where} must be an object", where, "invalid_type")
+            raise bad(f"{where} must be an object", where, "invalid_type")
         kind = tool.get("type")
         if kind not in (None, "custom"):
-            raise _bad(
+            raise bad(
                 f"{where} is a {kind!r} tool: server tools are not supported (send custom tools, run them in the "
                 "harness)",
                 f"{where}.type",
@@ -321,21 +315,21 @@ def _tools(value: Any) -> list[dict[str, Any]] | None:
             )
         unknown = sorted(set(tool) - _TOOL_KEYS)
         if unknown:
-            raise _bad(f"{where}.{unknown[0]} is not a field of a tool", f"{where}.{unknown[0]}", "unknown_parameter")
+            raise bad(f"{where}.{unknown[0]} is not a field of a tool", f"{where}.{unknown[0]}", "unknown_parameter")
         for key in ("input_examples", "defer_loading", "eager_input_streaming", "allowed_callers"):
             if tool.get(key) not in (None, False):
-                raise _bad(f"{where}.{key} is not supported by this gateway", f"{where}.{key}", "unsupported_parameter")
+                raise bad(f"{where}.{key} is not supported by this gateway", f"{where}.{key}", "unsupported_parameter")
         if tool.get("strict"):
-            raise _bad(f"{where}.strict cannot be enforced by the gateway", f"{where}.strict", "unsupported_parameter")
+            raise bad(f"{where}.strict cannot be enforced by the gateway", f"{where}.strict", "unsupported_parameter")
         name = tool.get("name")
         if not isinstance(name, str) or not name:
-            raise _bad(f"{where}.name must be a non-empty string", f"{where}.name", "invalid_type")
+            raise bad(f"{where}.name must be a non-empty string", f"{where}.name", "invalid_type")
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
-            raise _bad(f"{where}.input_schema must be a JSON schema object", f"{where}.input_schema", "invalid_type")
+            raise bad(f"{where}.input_schema must be a JSON schema object", f"{where}.input_schema", "invalid_type")
         description = tool.get("description")
         if description is not None and not isinstance(description, str):
-            raise _bad(f"{where}.description must be a string", f"{where}.description", "invalid_type")
+            raise bad(f"{where}.description must be a string", f"{where}.description", "invalid_type")
         function: dict[str, Any] = {"name": name}
         if description is not None:
             function["description"] = description
@@ -350,13 +344,13 @@ def _tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> None:
     kind = value.get("type") if isinstance(value, dict) else None
     if kind == "auto" or (kind == "none" and tools is None):
         if value.get("disable_parallel_tool_use"):
-            raise _bad(
+            raise bad(
                 "tool_choice.disable_parallel_tool_use cannot be enforced by the gateway",
                 "tool_choice.disable_parallel_tool_use",
                 "unsupported_parameter",
             )
         return
-    raise _bad(
+    raise bad(
         f"tool_choice {value!r} cannot be enforced by the gateway: send {{'type': 'auto'}} (or omit it)",
         "tool_choice",
         "unsupported_parameter",
@@ -373,12 +367,12 @@ def _thinking(value: Any, max_tokens: int | None) -> bool | None:
         return None
     kind = value.get("type") if isinstance(value, dict) else None
     if not isinstance(value, dict) or kind not in ("enabled", "disabled", "adaptive"):
-        raise _bad("thinking must be {'type': 'enabled', 'budget_tokens': n}, disabled or adaptive", "thinking")
+        raise bad("thinking must be {'type': 'enabled', 'budget_tokens': n}, disabled or adaptive", "thinking")
     extra = sorted(set(value) - {"type", "budget_tokens", "display"})
     if extra:
-        raise _bad(f"thinking.{extra[0]} is not supported", f"thinking.{extra[0]}", "unknown_parameter")
+        raise bad(f"thinking.{extra[0]} is not supported", f"thinking.{extra[0]}", "unknown_parameter")
     if value.get("display") is not None:
-        raise _bad(
+        raise bad(
             "thinking.display is not supported: the reasoning is returned as sampled",
             "thinking.display",
             "unsupported_parameter",
@@ -386,50 +380,28 @@ def _thinking(value: Any, max_tokens: int | None) -> bool | None:
     if kind == "enabled":
         budget = value.get("budget_tokens")
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1024:
-            raise _bad(f"thinking.budget_tokens must be an integer >= 1024, got {budget!r}", "thinking.budget_tokens")
+            raise bad(f"thinking.budget_tokens must be an integer >= 1024, got {budget!r}", "thinking.budget_tokens")
         if max_tokens is not None and budget >= max_tokens:
-            raise _bad(
+            raise bad(
                 f"thinking.budget_tokens ({budget}) must be less than max_tokens ({max_tokens})",
                 "thinking.budget_tokens",
             )
     elif "budget_tokens" in value:
-        raise _bad(f"thinking.budget_tokens goes with type 'enabled', not {kind!r}", "thinking.budget_tokens")
+        raise bad(f"thinking.budget_tokens goes with type 'enabled', not {kind!r}", "thinking.budget_tokens")
     return bool(kind != "disabled")
 
 
 def _template_kwargs(body: Mapping[str, Any], max_tokens: int | None) -> dict[str, Any] | None:
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
-        raise _bad("chat_template_kwargs must be an object", "chat_template_kwargs", "invalid_type")
+        raise bad("chat_template_kwargs must be an object", "chat_template_kwargs", "invalid_type")
     thinking = _thinking(body.get("thinking"), max_tokens)
     if thinking is None:
         return kwargs
     kwargs = dict(kwargs or {})
     if kwargs.setdefault("enable_thinking", thinking) != thinking:
-        raise _bad("thinking and chat_template_kwargs.enable_thinking disagree", "thinking")
+        raise bad("thinking and chat_template_kwargs.enable_thinking disagree", "thinking")
     return kwargs
-
-
-def _number(body: Mapping[str, Any], key: str, *, low: float, high: float) -> float | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise _bad(f"{key} must be a number, got {value!r}", key, "invalid_type")
-    if not low <= value <= high:
-        raise _bad(f"{key} must be in [{low}, {high}], got {value!r}", key)
-    return float(value)
-
-
-def _integer(body: Mapping[str, Any], key: str, *, low: int, high: int | None = None) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(f"{key} must be an integer, got {value!r}", key, "invalid_type")
-    if value < low or (high is not None and value > high):
-        raise _bad(f"{key} must be an integer in [{low}, {high if high is not None else '∞'}], got {value}", key)
-    return value
 
 
 def _stop_sequences(value: Any) -> tuple[str, ...]:
@@ -437,19 +409,19 @@ def _stop_sequences(value: Any) -> tuple[str, ...]:
         return ()
     if isinstance(value, list) and all(isinstance(s, str) and s for s in value):
         return tuple(value)
-    raise _bad("stop_sequences must be a list of non-empty strings", "stop_sequences", "invalid_type")
+    raise bad("stop_sequences must be a list of non-empty strings", "stop_sequences", "invalid_type")
 
 
 def _metadata(value: Any) -> dict[str, Any] | None:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise _bad("metadata must be an object", "metadata", "invalid_type")
+        raise bad("metadata must be an object", "metadata", "invalid_type")
     extra = sorted(set(value) - {"user_id"})
     if extra:
-        raise _bad(f"metadata.{extra[0]} is not a metadata field", f"metadata.{extra[0]}", "unknown_parameter")
+        raise bad(f"metadata.{extra[0]} is not a metadata field", f"metadata.{extra[0]}", "unknown_parameter")
     if value.get("user_id") is not None and not isinstance(value["user_id"], str):
-        raise _bad("metadata.user_id must be a string", "metadata.user_id", "invalid_type")
+        raise bad("metadata.user_id must be a string", "metadata.user_id", "invalid_type")
     # user_id changes nothing about the turn: it is kept with the turn's request, as OpenAI's metadata is
     return value
 
@@ -463,30 +435,30 @@ def parse_messages_request(body: Any, *, max_completion_tokens: int, counting: b
     :raises GatewayError: naming the field (400), before anything is sent.
     """
     if not isinstance(body, dict):
-        raise _bad("the body must be a JSON object", "body", "invalid_type")
+        raise bad("the body must be a JSON object", "body", "invalid_type")
     unknown = sorted(set(body) - (_COUNT_KNOWN if counting else _KNOWN))
     if unknown:
-        raise _bad(f"unknown parameter {unknown[0]!r}", unknown[0], "unknown_parameter")
+        raise bad(f"unknown parameter {unknown[0]!r}", unknown[0], "unknown_parameter")
     for key, why in _REFUSED.items():
         if body.get(key) is not None and body[key] != _IGNORED_WHEN_DEFAULT.get(key, object()):
-            raise _bad(f"{key} is not supported by this gateway: {why}", key, "unsupported_parameter")
+            raise bad(f"{key} is not supported by this gateway: {why}", key, "unsupported_parameter")
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise _bad("model must be a non-empty string", "model", "invalid_type")
+        raise bad("model must be a non-empty string", "model", "invalid_type")
     if not counting and body.get("max_tokens") is None:
-        raise _bad("max_tokens is required", "max_tokens", "missing_parameter")
-    max_tokens = _integer(body, "max_tokens", low=1, high=max_completion_tokens)
+        raise bad("max_tokens is required", "max_tokens", "missing_parameter")
+    max_tokens = integer(body, "max_tokens", low=1, high=max_completion_tokens)
     messages = _messages(body.get("messages"), body.get("system"))
     tools = _tools(body.get("tools"))
     _tool_choice(body.get("tool_choice"), tools)
     kwargs = _template_kwargs(body, max_tokens)
     stream = body.get("stream")
     if stream not in (None, True, False):
-        raise _bad("stream must be a boolean", "stream", "invalid_type")
+        raise bad("stream must be a boolean", "stream", "invalid_type")
     metadata = _metadata(body.get("metadata"))
-    top_k = _integer(body, "top_k", low=0)
-    temperature = _number(body, "temperature", low=0.0, high=1.0)
-    top_p = _number(body, "top_p", low=0.0, high=1.0)
+    top_k = integer(body, "top_k", low=0)
+    temperature = number(body, "temperature", low=0.0, high=1.0)
+    top_p = number(body, "top_p", low=0.0, high=1.0)
     sampling = SamplingParams(
         max_tokens=max_tokens or max_completion_tokens,
         temperature=1.0 if temperature is None else temperature,

@@ -8,7 +8,6 @@ The vLLM extensions harnesses send to open-weight servers (``top_k``, ``min_p``,
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -17,6 +16,7 @@ import attrs
 
 from backends_core import JsonSchema, SamplingParams
 from backends_gateway.errors import GatewayError
+from backends_gateway.fields import bad, integer, number, refuse_unenforceable_tool_choice
 from backends_gateway.sessions import TurnRequest
 
 __all__ = ["ChatCall", "chat_completion", "chunk", "error_body", "parse_chat_request"]
@@ -87,50 +87,24 @@ class ChatCall:
     logprobs: bool
 
 
-def _bad(message: str, param: str, code: str = "invalid_value") -> GatewayError:
-    return GatewayError(400, message, param=param, code=code)
-
-
-def _number(body: Mapping[str, Any], key: str, *, low: float, high: float) -> float | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise _bad(f"{key} must be a number, got {value!r}", key, "invalid_type")
-    if not low <= value <= high:
-        raise _bad(f"{key} must be in [{low}, {high}], got {value!r}", key)
-    return float(value)
-
-
-def _integer(body: Mapping[str, Any], key: str, *, low: int, high: int | None = None) -> int | None:
-    value = body.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _bad(f"{key} must be an integer, got {value!r}", key, "invalid_type")
-    if value < low or (high is not None and value > high):
-        raise _bad(f"{key} must be an integer in [{low}, {high if high is not None else '∞'}], got {value}", key)
-    return value
-
-
 def _check_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
-        raise _bad("messages must be a non-empty list of messages", "messages", "invalid_type")
+        raise bad("messages must be a non-empty list of messages", "messages", "invalid_type")
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise _bad(f"{where} must be an object, got {type(message).__name__}", where, "invalid_type")
+            raise bad(f"{where} must be an object, got {type(message).__name__}", where, "invalid_type")
         role = message.get("role")
         if role not in _ROLES:
-            raise _bad(f"{where}.role must be one of {sorted(_ROLES)}, got {role!r}", f"{where}.role")
+            raise bad(f"{where}.role must be one of {sorted(_ROLES)}, got {role!r}", f"{where}.role")
         content = message.get("content")
         if content is not None and not isinstance(content, str | list):
-            raise _bad(f"{where}.content must be a string or a list of parts", f"{where}.content", "invalid_type")
+            raise bad(f"{where}.content must be a string or a list of parts", f"{where}.content", "invalid_type")
         if isinstance(content, list):
             for j, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind != "text" or not isinstance(part.get("text"), str):
-                    raise _bad(
+                    raise bad(
                         f"{where}.content[{j}] is a {kind!r} part: this gateway takes text parts only",
                         f"{where}.content[{j}]",
                         "unsupported_content",
@@ -138,18 +112,18 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
         calls = message.get("tool_calls")
         if calls is not None:
             if role != "assistant" or not isinstance(calls, list):
-                raise _bad(f"{where}.tool_calls must be a list on an assistant message", f"{where}.tool_calls")
+                raise bad(f"{where}.tool_calls must be a list on an assistant message", f"{where}.tool_calls")
             for j, call in enumerate(calls):
                 fn = call.get("function") if isinstance(call, dict) else None
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                    raise _bad(f"{where}.tool_calls[{j}] needs function.name", f"{where}.tool_calls[{j}]")
+                    raise bad(f"{where}.tool_calls[{j}] needs function.name", f"{where}.tool_calls[{j}]")
                 if not isinstance(fn.get("arguments"), str | dict):
-                    raise _bad(
+                    raise bad(
                         f"{where}.tool_calls[{j}].function.arguments must be a JSON string",
                         f"{where}.tool_calls[{j}].function.arguments",
                     )
         if role == "tool" and not isinstance(message.get("tool_call_id", ""), str):
-            raise _bad(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id", "invalid_type")
+            raise bad(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id", "invalid_type")
     return messages
 
 
@@ -157,13 +131,13 @@ def _check_tools(tools: Any) -> list[dict[str, Any]] | None:
     if tools is None:
         return None
     if not isinstance(tools, list):
-        raise _bad("tools must be a list", "tools", "invalid_type")
+        raise bad("tools must be a list", "tools", "invalid_type")
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
-            raise _bad(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', f"tools[{i}]")
+            raise bad(f'tools[{i}] must be {{"type": "function", "function": {{...}}}}', f"tools[{i}]")
         if not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise _bad(f"tools[{i}].function.name must be a non-empty string", f"tools[{i}].function.name")
+            raise bad(f"tools[{i}].function.name must be a non-empty string", f"tools[{i}].function.name")
     return tools or None
 
 
@@ -174,22 +148,22 @@ def _stop(value: Any) -> tuple[str, ...]:
         return (value,)
     if isinstance(value, list) and all(isinstance(s, str) for s in value) and len(value) <= 16:
         return tuple(value)
-    raise _bad("stop must be a string or a list of at most 16 strings", "stop", "invalid_type")
+    raise bad("stop must be a string or a list of at most 16 strings", "stop", "invalid_type")
 
 
 def _logit_bias(value: Any) -> dict[int, float]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise _bad("logit_bias must map token ids to biases", "logit_bias", "invalid_type")
+        raise bad("logit_bias must map token ids to biases", "logit_bias", "invalid_type")
     out: dict[int, float] = {}
     for key, bias in value.items():
         try:
             token = int(key)
         except (TypeError, ValueError):
-            raise _bad(f"logit_bias keys are token ids, got {key!r}", "logit_bias") from None
+            raise bad(f"logit_bias keys are token ids, got {key!r}", "logit_bias") from None
         if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
-            raise _bad(f"logit_bias[{key}] must be a number in [-100, 100], got {bias!r}", "logit_bias")
+            raise bad(f"logit_bias[{key}] must be a number in [-100, 100], got {bias!r}", "logit_bias")
         out[token] = float(bias)
     return out
 
@@ -205,9 +179,9 @@ def _response_format(value: Any) -> JsonSchema | None:
     if kind == "json_schema":
         schema = value.get("json_schema")
         if not isinstance(schema, dict) or not isinstance(schema.get("schema"), dict):
-            raise _bad("response_format.json_schema.schema must be an object", "response_format.json_schema")
+            raise bad("response_format.json_schema.schema must be an object", "response_format.json_schema")
         return JsonSchema(schema["schema"])
-    raise _bad(f"response_format.type must be text, json_object or json_schema, got {kind!r}", "response_format")
+    raise bad(f"response_format.type must be text, json_object or json_schema, got {kind!r}", "response_format")
 
 
 def parse_chat_request(body: Any, *, max_completion_tokens: int) -> ChatCall:
@@ -218,86 +192,76 @@ def parse_chat_request(body: Any, *, max_completion_tokens: int) -> ChatCall:
     :raises GatewayError: naming the field (400), before anything is sent.
     """
     if not isinstance(body, dict):
-        raise _bad("the body must be a JSON object", "body", "invalid_type")
+        raise bad("the body must be a JSON object", "body", "invalid_type")
     unknown = sorted(set(body) - _KNOWN)
     if unknown:
-        raise _bad(f"unknown parameter {unknown[0]!r}", unknown[0], "unknown_parameter")
+        raise bad(f"unknown parameter {unknown[0]!r}", unknown[0], "unknown_parameter")
     for key, why in _REFUSED.items():
         if key in body and body[key] is not None and body[key] != _IGNORED_WHEN_DEFAULT.get(key, object()):
-            raise _bad(f"{key} is not supported by this gateway: {why}", key, "unsupported_parameter")
+            raise bad(f"{key} is not supported by this gateway: {why}", key, "unsupported_parameter")
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise _bad("model must be a non-empty string", "model", "invalid_type")
+        raise bad("model must be a non-empty string", "model", "invalid_type")
     messages = _check_messages(body.get("messages"))
     tools = _check_tools(body.get("tools"))
-    choice = body.get("tool_choice")
-    if choice not in (None, "auto") and not (choice == "none" and tools is None):
-        raise _bad(
-            f"tool_choice {choice!r} cannot be enforced by the gateway: send 'auto' (or omit it)",
-            "tool_choice",
-            "unsupported_parameter",
-        )
-    if body.get("parallel_tool_calls") not in (None, True):
-        raise _bad(
-            "parallel_tool_calls=false cannot be enforced by the gateway",
-            "parallel_tool_calls",
-            "unsupported_parameter",
-        )
+    refuse_unenforceable_tool_choice(
+        body.get("tool_choice"), body.get("parallel_tool_calls"), has_tools=tools is not None
+    )
     stream = body.get("stream")
     if stream not in (None, True, False):
-        raise _bad("stream must be a boolean", "stream", "invalid_type")
+        raise bad("stream must be a boolean", "stream", "invalid_type")
     options = body.get("stream_options")
     include_usage = False
     if options is not None:
         if not stream:
-            raise _bad("stream_options is only allowed with stream=true", "stream_options")
+            raise bad("stream_options is only allowed with stream=true", "stream_options")
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise _bad("stream_options takes include_usage only", "stream_options", "unsupported_parameter")
+            raise bad("stream_options takes include_usage only", "stream_options", "unsupported_parameter")
         include_usage = bool(options.get("include_usage"))
     limit = body.get("max_completion_tokens")
     key = "max_completion_tokens"
     if limit is None:
         limit, key = body.get("max_tokens"), "max_tokens"
-    max_tokens = _integer({key: limit}, key, low=1, high=max_completion_tokens)
+    max_tokens = integer({key: limit}, key, low=1, high=max_completion_tokens)
     logprobs = body.get("logprobs")
     if logprobs not in (None, True, False):
-        raise _bad("logprobs must be a boolean", "logprobs", "invalid_type")
-    top = _integer(body, "top_logprobs", low=0, high=20) or 0
+        raise bad("logprobs must be a boolean", "logprobs", "invalid_type")
+    top = integer(body, "top_logprobs", low=0, high=20) or 0
     if top and not logprobs:
-        raise _bad("top_logprobs needs logprobs=true", "top_logprobs")
+        raise bad("top_logprobs needs logprobs=true", "top_logprobs")
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
-        raise _bad("chat_template_kwargs must be an object", "chat_template_kwargs", "invalid_type")
+        raise bad("chat_template_kwargs must be an object", "chat_template_kwargs", "invalid_type")
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
-        raise _bad("metadata must be an object", "metadata", "invalid_type")
+        raise bad("metadata must be an object", "metadata", "invalid_type")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
-        raise _bad("user must be a string", "user", "invalid_type")
+        raise bad("user must be a string", "user", "invalid_type")
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None and (
         not isinstance(stop_ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in stop_ids)
     ):
-        raise _bad("stop_token_ids must be a list of token ids", "stop_token_ids", "invalid_type")
+        raise bad("stop_token_ids must be a list of token ids", "stop_token_ids", "invalid_type")
     for flag in ("ignore_eos", "return_routed_experts", "store"):
         if body.get(flag) not in (None, True, False):
-            raise _bad(f"{flag} must be a boolean", flag, "invalid_type")
-    temperature = _number(body, "temperature", low=0.0, high=2.0)
-    top_p = _number(body, "top_p", low=0.0, high=1.0)
-    top_k = _integer(body, "top_k", low=-1)
+            raise bad(f"{flag} must be a boolean", flag, "invalid_type")
+    temperature = number(body, "temperature", low=0.0, high=2.0)
+    top_p = number(body, "top_p", low=0.0, high=1.0)
+    top_k = integer(body, "top_k", low=-1)
     sampling = SamplingParams(
         max_tokens=max_tokens or max_completion_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
         top_k=-1 if top_k in (None, 0) else top_k,
-        min_p=_number(body, "min_p", low=0.0, high=1.0) or 0.0,
-        seed=_integer(body, "seed", low=-(2**63), high=2**63 - 1),
+        min_p=number(body, "min_p", low=0.0, high=1.0) or 0.0,
+        seed=integer(body, "seed", low=-(2**63), high=2**63 - 1),
         stop=_stop(body.get("stop")),
         stop_token_ids=tuple(stop_ids) if stop_ids else None,
-        presence_penalty=_number(body, "presence_penalty", low=-2.0, high=2.0) or 0.0,
-        frequency_penalty=_number(body, "frequency_penalty", low=-2.0, high=2.0) or 0.0,
-        repetition_penalty=_number(body, "repetition_penalty", low=0.01, high=10.0) or 1.0,
-        min_tokens=_integer(body, "min_tokens", low=0) or 0,
+        presence_penalty=number(body, "presence_penalty", low=-2.0, high=2.0) or 0.0,
+        frequency_penalty=number(body, "frequency_penalty", low=-2.0, high=2.0) or 0.0,
+        repetition_penalty=number(body, "repetition_penalty", low=0.01, high=10.0) or 1.0,
+        min_tokens=integer(body, "min_tokens", low=0) or 0,
         ignore_eos=bool(body.get("ignore_eos")),
         logit_bias=_logit_bias(body.get("logit_bias")),
         top_logprobs=top,

@@ -29,8 +29,9 @@ from aiohttp import web
 
 from backends_core import JsonSchema, SamplingParams
 from backends_gateway.errors import GatewayError
+from backends_gateway.fields import bad, integer, number, refuse_unenforceable_tool_choice
 from backends_gateway.gateway import Gateway, Served, Started, TextDelta
-from backends_gateway.openai_chat import _bad, _integer, _number, error_body
+from backends_gateway.openai_chat import error_body
 from backends_gateway.routing import (
     check_model,
     gateway_of,
@@ -133,7 +134,7 @@ class ResponsesCall:
                 history.insert(0, {"role": "system", "content": self.instructions})
             messages = [*history, dict(previous.reply), *self.messages]
         if not messages:
-            raise _bad("input must hold at least one item", "input")
+            raise bad("input must hold at least one item", "input")
         responses = {"id": suffix, "instructions": self.instructions is not None}
         if self.previous_response_id is not None:
             responses["previous_response_id"] = self.previous_response_id
@@ -151,19 +152,19 @@ def _text_parts(content: Any, where: str, *, kinds: Mapping[str, frozenset[str]]
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _bad(f"{where} must be a string or a list of content parts", where, "invalid_type")
+        raise bad(f"{where} must be a string or a list of content parts", where, "invalid_type")
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in kinds or not isinstance(part.get("text"), str):
-            raise _bad(
+            raise bad(
                 f"{where}[{j}] is a {kind!r} part: this gateway takes {' and '.join(sorted(kinds))} parts only",
                 f"{where}[{j}]",
                 "unsupported_content",
             )
         extra = sorted(set(part) - kinds[str(kind)])
         if extra:
-            raise _bad(f"unknown parameter {where}[{j}].{extra[0]}", f"{where}[{j}].{extra[0]}", "unknown_parameter")
+            raise bad(f"unknown parameter {where}[{j}].{extra[0]}", f"{where}[{j}].{extra[0]}", "unknown_parameter")
         texts.append(part["text"])
     return texts[0] if len(texts) == 1 else [{"type": "text", "text": t} for t in texts]
 
@@ -173,7 +174,7 @@ def _item_kind(item: Mapping[str, Any], where: str) -> str:
     if kind is None and "role" in item:
         return "message"
     if kind not in _ITEM_KEYS:
-        raise _bad(
+        raise bad(
             f"{where} is a {kind!r} item: this gateway takes message, function_call, function_call_output and "
             "reasoning items",
             f"{where}.type",
@@ -181,14 +182,14 @@ def _item_kind(item: Mapping[str, Any], where: str) -> str:
         )
     extra = sorted(set(item) - _ITEM_KEYS[kind])
     if extra:
-        raise _bad(f"unknown parameter {where}.{extra[0]}", f"{where}.{extra[0]}", "unknown_parameter")
+        raise bad(f"unknown parameter {where}.{extra[0]}", f"{where}.{extra[0]}", "unknown_parameter")
     return str(kind)
 
 
 def _string(item: Mapping[str, Any], key: str, where: str) -> str:
     value = item.get(key)
     if not isinstance(value, str):
-        raise _bad(f"{where}.{key} must be a string", f"{where}.{key}", "invalid_type")
+        raise bad(f"{where}.{key} must be a string", f"{where}.{key}", "invalid_type")
     return value
 
 
@@ -196,7 +197,7 @@ def _reasoning_text(item: Mapping[str, Any], where: str) -> str | None:
     """A reasoning item's text (its ``content``); a summary alone is not what the model sampled, so it is not
     rendered as its reasoning."""
     if item.get("encrypted_content") is not None:
-        raise _bad(
+        raise bad(
             f"{where}.encrypted_content cannot be read by this gateway: send the reasoning as content "
             "(as the gateway answers it)",
             f"{where}.encrypted_content",
@@ -204,16 +205,16 @@ def _reasoning_text(item: Mapping[str, Any], where: str) -> str | None:
         )
     summary = item.get("summary", [])
     if not isinstance(summary, list):
-        raise _bad(f"{where}.summary must be a list", f"{where}.summary", "invalid_type")
+        raise bad(f"{where}.summary must be a list", f"{where}.summary", "invalid_type")
     content = item.get("content")
     if content is None:
         return None
     if not isinstance(content, list):
-        raise _bad(f"{where}.content must be a list of reasoning_text parts", f"{where}.content", "invalid_type")
+        raise bad(f"{where}.content must be a list of reasoning_text parts", f"{where}.content", "invalid_type")
     texts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "reasoning_text" or not isinstance(part.get("text"), str):
-            raise _bad(f"{where}.content[{j}] must be a reasoning_text part", f"{where}.content[{j}]")
+            raise bad(f"{where}.content[{j}] must be a reasoning_text part", f"{where}.content[{j}]")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -231,18 +232,18 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list):
-        raise _bad("input must be a string or a list of items", "input", "invalid_type")
+        raise bad("input must be a string or a list of items", "input", "invalid_type")
     messages: list[dict[str, Any]] = []
     reply: dict[str, Any] | None = None  # the assistant message the items being read belong to
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, dict):
-            raise _bad(f"{where} must be an object, got {type(item).__name__}", where, "invalid_type")
+            raise bad(f"{where} must be an object, got {type(item).__name__}", where, "invalid_type")
         kind = _item_kind(item, where)
         if kind == "message":
             role = item.get("role")
             if role not in _MESSAGE_ROLES:
-                raise _bad(f"{where}.role must be one of {sorted(_MESSAGE_ROLES)}, got {role!r}", f"{where}.role")
+                raise bad(f"{where}.role must be one of {sorted(_MESSAGE_ROLES)}, got {role!r}", f"{where}.role")
             content = _text_parts(item.get("content"), f"{where}.content", kinds=_PART_KEYS)
             if role != "assistant":
                 messages.append({"role": role, "content": content})
@@ -284,23 +285,23 @@ def _tools(value: Any) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]
     if value is None:
         return None, []
     if not isinstance(value, list):
-        raise _bad("tools must be a list", "tools", "invalid_type")
+        raise bad("tools must be a list", "tools", "invalid_type")
     chat, echo = [], []
     for i, tool in enumerate(value):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind != "function":
-            raise _bad(
+            raise bad(
                 f"tools[{i}] is a {kind!r} tool: this gateway serves function tools only (the harness runs them)",
                 f"tools[{i}].type",
                 "unsupported_parameter",
             )
         extra = sorted(set(tool) - _TOOL_KEYS)
         if extra:
-            raise _bad(f"unknown parameter tools[{i}].{extra[0]}", f"tools[{i}].{extra[0]}", "unknown_parameter")
+            raise bad(f"unknown parameter tools[{i}].{extra[0]}", f"tools[{i}].{extra[0]}", "unknown_parameter")
         if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise _bad(f"tools[{i}].name must be a non-empty string", f"tools[{i}].name")
+            raise bad(f"tools[{i}].name must be a non-empty string", f"tools[{i}].name")
         if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
-            raise _bad(f"tools[{i}].parameters must be a JSON schema object", f"tools[{i}].parameters")
+            raise bad(f"tools[{i}].parameters must be a JSON schema object", f"tools[{i}].parameters")
         function = {k: v for k, v in tool.items() if k != "type" and v is not None}
         chat.append({"type": "function", "function": function})
         echo.append(
@@ -319,12 +320,12 @@ def _text_format(value: Any) -> JsonSchema | None:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise _bad("text must be an object", "text", "invalid_type")
+        raise bad("text must be an object", "text", "invalid_type")
     extra = sorted(set(value) - {"format", "verbosity"})
     if extra:
-        raise _bad(f"unknown parameter text.{extra[0]}", f"text.{extra[0]}", "unknown_parameter")
+        raise bad(f"unknown parameter text.{extra[0]}", f"text.{extra[0]}", "unknown_parameter")
     if value.get("verbosity") not in (None, "medium"):
-        raise _bad("text.verbosity is not supported by this gateway", "text.verbosity", "unsupported_parameter")
+        raise bad("text.verbosity is not supported by this gateway", "text.verbosity", "unsupported_parameter")
     fmt = value.get("format")
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if fmt is None or kind == "text":
@@ -334,26 +335,26 @@ def _text_format(value: Any) -> JsonSchema | None:
     if kind == "json_schema":
         assert isinstance(fmt, dict)
         if not isinstance(fmt.get("schema"), dict):
-            raise _bad("text.format.schema must be an object", "text.format.schema")
+            raise bad("text.format.schema must be an object", "text.format.schema")
         return JsonSchema(fmt["schema"])
-    raise _bad(f"text.format.type must be text, json_object or json_schema, got {kind!r}", "text.format")
+    raise bad(f"text.format.type must be text, json_object or json_schema, got {kind!r}", "text.format")
 
 
 def _check_reasoning(value: Any) -> None:
     if value is None:
         return
     if not isinstance(value, dict):
-        raise _bad("reasoning must be an object", "reasoning", "invalid_type")
+        raise bad("reasoning must be an object", "reasoning", "invalid_type")
     extra = sorted(set(value) - {"effort", "summary", "generate_summary"})
     if extra:
-        raise _bad(f"unknown parameter reasoning.{extra[0]}", f"reasoning.{extra[0]}", "unknown_parameter")
+        raise bad(f"unknown parameter reasoning.{extra[0]}", f"reasoning.{extra[0]}", "unknown_parameter")
     for key, why in (
         ("effort", "reasoning effort (pass chat_template_kwargs, e.g. enable_thinking)"),
         ("summary", "reasoning summaries (the reasoning itself is answered as reasoning_text content)"),
         ("generate_summary", "reasoning summaries (the reasoning itself is answered as reasoning_text content)"),
     ):
         if value.get(key) is not None:
-            raise _bad(
+            raise bad(
                 f"reasoning.{key} is not supported by this gateway: {why}", f"reasoning.{key}", "unsupported_parameter"
             )
 
@@ -362,10 +363,10 @@ def _check_include(value: Any) -> None:
     if value is None:
         return
     if not isinstance(value, list):
-        raise _bad("include must be a list", "include", "invalid_type")
+        raise bad("include must be a list", "include", "invalid_type")
     for i, name in enumerate(value):
         if name not in _INCLUDABLE:
-            raise _bad(
+            raise bad(
                 f"include[{i}] {name!r} is not supported by this gateway (it answers {sorted(_INCLUDABLE)})",
                 f"include[{i}]",
                 "unsupported_parameter",
@@ -394,59 +395,48 @@ def parse_responses_request(body: Any, *, max_completion_tokens: int) -> Respons
     :raises GatewayError: naming the field (400), before anything is sent.
     """
     if not isinstance(body, dict):
-        raise _bad("the body must be a JSON object", "body", "invalid_type")
+        raise bad("the body must be a JSON object", "body", "invalid_type")
     unknown = sorted(set(body) - _KNOWN)
     if unknown:
-        raise _bad(f"unknown parameter {unknown[0]!r}", unknown[0], "unknown_parameter")
+        raise bad(f"unknown parameter {unknown[0]!r}", unknown[0], "unknown_parameter")
     for key, (why, default) in _REFUSED.items():
         if body.get(key) is not None and body[key] != default:
-            raise _bad(f"{key} is not supported by this gateway: {why}", key, "unsupported_parameter")
+            raise bad(f"{key} is not supported by this gateway: {why}", key, "unsupported_parameter")
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise _bad("model must be a non-empty string", "model", "invalid_type")
+        raise bad("model must be a non-empty string", "model", "invalid_type")
     if "input" not in body and body.get("previous_response_id") is None:
-        raise _bad("input is required", "input", "invalid_type")
+        raise bad("input is required", "input", "invalid_type")
     messages = input_messages(body.get("input", []))
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
-        raise _bad("instructions must be a string", "instructions", "invalid_type")
+        raise bad("instructions must be a string", "instructions", "invalid_type")
     tools, tools_echo = _tools(body.get("tools"))
     choice = body.get("tool_choice")
-    if choice not in (None, "auto") and not (choice == "none" and tools is None):
-        raise _bad(
-            f"tool_choice {choice!r} cannot be enforced by the gateway: send 'auto' (or omit it)",
-            "tool_choice",
-            "unsupported_parameter",
-        )
-    if body.get("parallel_tool_calls") not in (None, True):
-        raise _bad(
-            "parallel_tool_calls=false cannot be enforced by the gateway",
-            "parallel_tool_calls",
-            "unsupported_parameter",
-        )
+    refuse_unenforceable_tool_choice(choice, body.get("parallel_tool_calls"), has_tools=tools is not None)
     stream = body.get("stream")
     if stream not in (None, True, False):
-        raise _bad("stream must be a boolean", "stream", "invalid_type")
+        raise bad("stream must be a boolean", "stream", "invalid_type")
     options = body.get("stream_options")
     if options is not None:
         if not stream:
-            raise _bad("stream_options is only allowed with stream=true", "stream_options")
+            raise bad("stream_options is only allowed with stream=true", "stream_options")
         if not isinstance(options, dict) or set(options) - {"include_obfuscation"}:
-            raise _bad("stream_options takes include_obfuscation only", "stream_options", "unsupported_parameter")
-    max_tokens = _integer(body, "max_output_tokens", low=1, high=max_completion_tokens)
+            raise bad("stream_options takes include_obfuscation only", "stream_options", "unsupported_parameter")
+    max_tokens = integer(body, "max_output_tokens", low=1, high=max_completion_tokens)
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
-        raise _bad("chat_template_kwargs must be an object", "chat_template_kwargs", "invalid_type")
+        raise bad("chat_template_kwargs must be an object", "chat_template_kwargs", "invalid_type")
     metadata = body.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
-        raise _bad("metadata must be an object", "metadata", "invalid_type")
+        raise bad("metadata must be an object", "metadata", "invalid_type")
     for key in ("user", "prompt_cache_key"):
         if body.get(key) is not None and not isinstance(body[key], str):
-            raise _bad(f"{key} must be a string", key, "invalid_type")
+            raise bad(f"{key} must be a string", key, "invalid_type")
     if body.get("store") not in (None, True, False):
-        raise _bad("store must be a boolean", "store", "invalid_type")
+        raise bad("store must be a boolean", "store", "invalid_type")
     if body.get("truncation") not in (None, "disabled"):
-        raise _bad(
+        raise bad(
             "truncation 'auto' is not supported: the gateway never drops input (a prompt past the context fails)",
             "truncation",
             "unsupported_parameter",
@@ -457,8 +447,8 @@ def parse_responses_request(body: Any, *, max_completion_tokens: int) -> Respons
     previous = body.get("previous_response_id")
     if previous is not None:
         parse_response_id(previous)
-    temperature = _number(body, "temperature", low=0.0, high=2.0)
-    top_p = _number(body, "top_p", low=0.0, high=1.0)
+    temperature = number(body, "temperature", low=0.0, high=2.0)
+    top_p = number(body, "top_p", low=0.0, high=1.0)
     sampling = SamplingParams(
         max_tokens=max_tokens or max_completion_tokens,
         temperature=1.0 if temperature is None else temperature,
@@ -620,7 +610,7 @@ async def _previous(gateway: Gateway, call: ResponsesCall, session: str | None, 
     assert ident is not None
     named, suffix = parse_response_id(ident)
     if session is not None and session != named:
-        raise _bad(
+        raise bad(
             f"previous_response_id {ident!r} is a response of session {named!r}, not of {session!r}",
             "previous_response_id",
         )
