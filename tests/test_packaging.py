@@ -80,8 +80,9 @@ def test_extras_pull_members_in_lockstep() -> None:
         assert member(f"backends_{backend}")["project"]["version"] == version
         assert md.version(f"backends-{backend}") == version
     assert extras["gateway"] == [f"backends-gateway=={version}"]
+    assert extras["gateway-postgres"] == [f"backends-gateway[postgres]=={version}"]
     assert member("backends_gateway")["project"]["version"] == md.version("backends-gateway") == version
-    assert extras["all"] == ["backends[vllm,dynamo,sglang,gateway]"]
+    assert extras["all"] == ["backends[vllm,dynamo,sglang,gateway,gateway-postgres]"]
     assert ROOT_PYPROJECT["project"]["dependencies"] == [f"backends-core=={version}"]
 
 
@@ -264,6 +265,16 @@ def test_backends_gateway_installs_from_the_wheels_and_adds_its_verb(
     assert venv.distributions & unwanted == set()
     usage = venv.run(str(venv.python), "-m", "backends_core", "gateway", "--help")
     assert "--store" in usage and "export" in usage
+
+
+@pytest.mark.slow
+def test_the_gateway_wheel_holds_every_migration_of_both_stores(wheels: dict[str, Path]) -> None:
+    from backends_gateway.migrations import migrations
+
+    names = set(names_in(wheels["backends-gateway"]))
+    for dialect in ("sqlite", "postgres"):
+        files = {f"backends_gateway/migrations/{dialect}/{m.name}" for m in migrations(dialect)}
+        assert files and files <= names, (dialect, sorted(files - names))
 
 
 @pytest.mark.slow

@@ -4,7 +4,8 @@ a scripted backend (a chosen reply per turn: tool calls, reasoning) on the same 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+import itertools
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +17,27 @@ from backends_core.config import StatelessPolicy
 from backends_core.multiturn.rendering import load_tokenizer
 from backends_gateway import Gateway, GatewayLimits, Keys, SQLiteStore, serve
 from backends_testkit.engine import ReferenceEngine
+from backends_testkit.postgres import PostgresServer
 from backends_vllm_testing.emulator import VllmEmulator
 from scripted_stream import StreamingScript
 
 #: the gateway keeps the turns itself
 OFF = StatelessPolicy(enabled=False)
+_DATABASES = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """One PostgreSQL server for the session, from the machine's server binaries (missing ones fail the tests that
+    need it, naming what to install)."""
+    with PostgresServer() as server:
+        yield server
+
+
+@pytest.fixture
+def postgres_dsn(postgres_server: PostgresServer) -> str:
+    """A fresh empty database of that server for this test: its ``postgresql://`` URL (with a password)."""
+    return postgres_server.create_database(f"t{next(_DATABASES)}")
 
 
 @attrs.frozen

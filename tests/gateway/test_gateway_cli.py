@@ -168,7 +168,7 @@ def test_the_gateway_verb_without_the_gateway_installed_says_what_to_install(mon
     assert 'pip install "backends[gateway]"' in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["gateway", "--port", "70000"], ["gateway", "--store", "postgres://x/y"]])
+@pytest.mark.parametrize("argv", [["gateway", "--port", "70000"], ["gateway", "--store", "mysql://x/y"]])
 def test_bad_gateway_flags_exit_2_naming_the_flag(argv, capsys) -> None:
     assert cli.main([*argv, "--backend", "vllm", "--url", "http://127.0.0.1:9"]) == 2
     assert ("--port" if "--port" in argv else "--store") in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""The SQLite store: what goes in comes out, concurrent turns are each durable, one bad write fails alone."""
+"""The stores (SQLite, and PostgreSQL on a server of the test session's own): what goes in comes out, concurrent
+turns are each durable, one bad write fails alone, the reader pages and filters; SQLite's own migration path."""
 
 from __future__ import annotations
 
@@ -7,11 +8,40 @@ import contextlib
 import sqlite3
 
 import numpy as np
+import psycopg
 import pytest
 
 from backends_core import MessageSpan, RoutedExperts, WeightVersionSpan
-from backends_gateway import Branch, SessionRecord, SQLiteStore, TurnRecord
+from backends_gateway import Branch, SessionRecord, SQLiteStore, Store, Trajectories, TurnRecord, open_store
 from backends_gateway.migrations import migrations
+from backends_gateway.store import SyncReads
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def spec(request: pytest.FixtureRequest, tmp_path) -> str:
+    """A new store's ``--store`` value: a SQLite file, or a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return str(tmp_path / "store.db")
+    dsn: str = request.getfixturevalue("postgres_dsn")
+    return dsn
+
+
+#: what each store raises for a row whose primary key is taken
+CONFLICT = {"sqlite": sqlite3.IntegrityError, "postgres": psycopg.errors.UniqueViolation}
+
+
+def kind(spec: str) -> str:
+    return "postgres" if spec.startswith("postgresql://") else "sqlite"
+
+
+@contextlib.asynccontextmanager
+async def opened(spec: str):
+    store: Store = open_store(spec)
+    await store.open()
+    try:
+        yield store
+    finally:
+        await store.aclose()
 
 
 def record(session: str, turn: int, *, experts: bool = False) -> TurnRecord:
@@ -60,10 +90,8 @@ def same(a: TurnRecord, b: TurnRecord) -> bool:
     )
 
 
-async def test_a_turn_comes_back_as_it_went_in_routed_experts_included(tmp_path) -> None:
-    store = SQLiteStore(tmp_path / "s.db")
-    await store.open()
-    try:
+async def test_a_turn_comes_back_as_it_went_in_routed_experts_included(spec) -> None:
+    async with opened(spec) as store:
         session = SessionRecord(id="s", group="g")
         await store.create_session(session)
         turns = [record("s", 0, experts=True), record("s", 1)]
@@ -75,27 +103,28 @@ async def test_a_turn_comes_back_as_it_went_in_routed_experts_included(tmp_path)
         assert len(back) == 2 and all(same(a, b) for a, b in zip(turns, back, strict=True))
         assert await store.branches("s") == [branch]
         assert (await store.get_session("s")).counts["turns"] == 2
-    finally:
-        await store.aclose()
+        assert await store.get_session("missing") is None
 
 
-async def test_concurrent_sessions_each_get_their_turn_durably(tmp_path) -> None:
-    path = tmp_path / "c.db"
-    store = SQLiteStore(path)
-    await store.open()
-    sessions = [SessionRecord(id=f"s{i}") for i in range(256)]
-    await asyncio.gather(*(store.create_session(s) for s in sessions))
-    await asyncio.gather(*(store.record_turn(record(s.id, 0), s, None) for s in sessions))
-    # read through another connection while the writer is still open: committed means visible
-    with contextlib.closing(sqlite3.connect(path)) as db:
-        assert db.execute("SELECT count(*) FROM turns").fetchone()[0] == 256
-    await store.aclose()
+async def test_concurrent_sessions_each_get_their_turn_durably(spec) -> None:
+    async with opened(spec) as store:
+        sessions = [SessionRecord(id=f"s{i}") for i in range(256)]
+        await asyncio.gather(*(store.create_session(s) for s in sessions))
+        for s in sessions:
+            s.counts = {**s.counts, "turns": 1}
+        await asyncio.gather(*(store.record_turn(record(s.id, 0), s, None) for s in sessions))
+        # read through another store's connections while the writer is still open: committed means visible
+        other = open_store(spec)
+        assert isinstance(other, SyncReads)
+        assert sum(len(other.turns_sync(s.id)) for s in sessions) == 256
+        assert {other.get_session_sync(s.id).counts["turns"] for s in sessions} == {1}
+        if hasattr(other, "close_readers"):
+            other.close_readers()
 
 
-async def test_one_bad_write_in_a_batch_fails_alone(tmp_path) -> None:
-    store = SQLiteStore(tmp_path / "b.db")
-    await store.open()
-    try:
+async def test_one_bad_write_in_a_batch_fails_alone(spec) -> None:
+    conflict = CONFLICT[kind(spec)]
+    async with opened(spec) as store:
         session = SessionRecord(id="s")
         await store.create_session(session)
         good = [record("s", i) for i in range(1, 5)]
@@ -103,24 +132,47 @@ async def test_one_bad_write_in_a_batch_fails_alone(tmp_path) -> None:
             store.record_turn(record("s", 1), session, None)
         ]
         outcomes = await asyncio.gather(*writes, return_exceptions=True)
-        assert [type(o).__name__ for o in outcomes] == ["NoneType"] * 4 + ["IntegrityError"]
+        assert outcomes[:4] == [None] * 4 and isinstance(outcomes[4], conflict)
         assert [t.turn for t in await store.turns("s")] == [1, 2, 3, 4]
-        with pytest.raises(sqlite3.IntegrityError):
+        with pytest.raises(conflict):
             await store.create_session(SessionRecord(id="s"))
-    finally:
-        await store.aclose()
+        branch = Branch(session="s", branch=0, parent_branch=None, parent_turn=None, reason="first", created=1.0)
+        await store.record_turn(record("s", 5), session, branch)
+        with pytest.raises(conflict):  # the branch is taken: the turn is not kept either
+            await store.record_turn(record("s", 6), session, branch)
+        assert [t.turn for t in await store.turns("s")] == [1, 2, 3, 4, 5]
 
 
-async def test_the_reader_pages_through_sessions_closed_at_the_same_instant(tmp_path) -> None:
-    from backends_gateway import Trajectories
+async def test_the_reader_pages_through_sessions_closed_at_the_same_instant(spec) -> None:
+    async with opened(spec) as store:
+        for i in range(7):
+            await store.create_session(SessionRecord(id=f"s{i}", status="closed", created=5.0, closed=9.0))
+        await store.create_session(SessionRecord(id="later", status="closed", created=5.0, closed=10.0))
+        await store.create_session(SessionRecord(id="open", created=4.0))
+    reader = Trajectories(spec)
+    read = [t.session for t in reader.sessions(status="closed", page=2)]
+    assert read == [*(f"s{i}" for i in range(7)), "later"]
+    assert [t.session for t in reader.closed(after=9.0)] == ["later"]
+    # by creation time, then id
+    assert [t.session for t in reader.sessions(page=3)] == ["open", "later", *(f"s{i}" for i in range(7))]
 
-    store = SQLiteStore(tmp_path / "p.db")
-    await store.open()
-    for i in range(7):
-        await store.create_session(SessionRecord(id=f"s{i}", status="closed", created=5.0, closed=9.0))
-    await store.aclose()
-    read = [t.session for t in Trajectories(tmp_path / "p.db").sessions(status="closed", page=2)]
-    assert read == [f"s{i}" for i in range(7)]
+
+async def test_sessions_are_listed_by_owner_and_group(spec) -> None:
+    async with opened(spec) as store:
+        await store.create_session(SessionRecord(id="a1", group="g", owner="team-a", created=1.0))
+        await store.create_session(SessionRecord(id="b1", group="g", owner="team-b", created=2.0))
+        await store.create_session(SessionRecord(id="a2", group="h", owner="team-a", created=3.0))
+        await store.create_session(SessionRecord(id="none", created=4.0))
+        assert [s.id for s in await store.list_sessions(owner="team-a")] == ["a1", "a2"]
+        assert [s.id for s in await store.list_sessions(owner="team-a", group="g")] == ["a1"]
+        assert [s.id for s in await store.list_sessions(group="g")] == ["a1", "b1"]
+        assert [s.id for s in await store.list_sessions(after=1.5, limit=2)] == ["b1", "a2"]
+        closed = SessionRecord(id="b1", group="g", owner="team-b", created=2.0, status="closed", closed=5.0)
+        closed.reward, closed.reward_info = 0.5, {"why": "test"}
+        await store.update_session(closed)
+        back = await store.get_session("b1")
+        assert back == closed
+        assert [s.id for s in await store.list_sessions(status="closed")] == ["b1"]
 
 
 _FIRST_SCHEMA = """

@@ -12,7 +12,6 @@ import gc
 import signal
 import sys
 from collections.abc import Callable, Coroutine
-from pathlib import Path
 from typing import IO, Any
 
 import attrs
@@ -53,7 +52,11 @@ def register(sub: Any) -> None:
     add_client_flags(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=nonnegative_int, default=8080, help="port (default: 8080; 0: a free one)")
-    p.add_argument("--store", default=DEFAULT_STORE, help=f"the SQLite store file (default: ./{DEFAULT_STORE})")
+    p.add_argument(
+        "--store",
+        default=DEFAULT_STORE,
+        help=f"the SQLite store file (default: ./{DEFAULT_STORE}), or a postgresql://user@host/db URL (replicas)",
+    )
     p.add_argument(
         "--keys",
         default=None,
@@ -68,7 +71,9 @@ def register(sub: Any) -> None:
     p.set_defaults(func=_serve)
     actions = p.add_subparsers(dest="gateway_command", metavar="{export}")
     e = actions.add_parser("export", help="write a store's trajectories, one row per branch (JSONL or Parquet)")
-    e.add_argument("--store", dest="export_store", default=DEFAULT_STORE, help="the store file to read")
+    e.add_argument(
+        "--store", dest="export_store", default=DEFAULT_STORE, help="the store file (or postgresql:// URL) to read"
+    )
     e.add_argument("--format", choices=["jsonl", "parquet"], default="jsonl", help="output format (default: jsonl)")
     e.add_argument("--output", "-o", required=True, help="the file to write ('-': stdout, JSONL only)")
     e.add_argument("--group", default=None, help="only sessions of this group")
@@ -95,7 +100,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"argument --store: {exc}") from None
 
-    where = str(Path(args.store).resolve())
+    where = store.where
     try:
         keys = None if args.keys is None else Keys.from_file(args.keys)
     except KeysError as exc:
@@ -163,10 +168,13 @@ def export_rows(reader: Trajectories, *, group: str | None, status: str | None) 
 
 
 def _export(args: argparse.Namespace) -> int:
-    path = Path(args.export_store)
-    if not path.is_file():
-        raise UsageError(f"argument --store: no gateway store at {path}")
-    reader = Trajectories(SQLiteStore(path))
+    try:
+        store = open_store(args.export_store)
+    except ValueError as exc:
+        raise UsageError(f"argument --store: {exc}") from None
+    if isinstance(store, SQLiteStore) and not store.path.is_file():
+        raise UsageError(f"argument --store: no gateway store at {store.path}")
+    reader = Trajectories(args.export_store)
     rows = export_rows(reader, group=args.group, status=None if args.status == "all" else args.status)
     count = 0
     if args.format == "jsonl":

@@ -17,7 +17,7 @@ import sqlite3
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import orjson
@@ -26,7 +26,7 @@ from backends_core import MessageSpan, RoutedExperts, WeightVersionSpan
 from backends_gateway.migrations import migrations
 from backends_gateway.sessions import Branch, SessionRecord, TurnRecord
 
-__all__ = ["SQLiteStore", "Store", "open_store"]
+__all__ = ["SQLiteStore", "Store", "SyncReads", "open_store"]
 
 
 class Store(abc.ABC):
@@ -37,6 +37,11 @@ class Store(abc.ABC):
 
     async def aclose(self) -> None:  # noqa: B027
         """Flush and release everything."""
+
+    @property
+    def where(self) -> str:
+        """Where the store is, fit to print or log (a DSN without its password)."""
+        return type(self).__name__
 
     @abc.abstractmethod
     async def create_session(self, session: SessionRecord) -> None:
@@ -74,13 +79,51 @@ class Store(abc.ABC):
     async def turns(self, session: str) -> list[TurnRecord]: ...
 
 
+@runtime_checkable
+class SyncReads(Protocol):
+    """The blocking reads of a store, which the trainer's reader (:class:`~backends_gateway.Trajectories`) and
+    ``backends gateway export`` use while gateways write it."""
+
+    @property
+    def where(self) -> str: ...
+
+    def get_session_sync(self, session: str) -> SessionRecord | None: ...
+
+    def list_sessions_sync(
+        self,
+        *,
+        group: str | None = None,
+        status: str | None = None,
+        owner: str | None = None,
+        limit: int = 1000,
+        after: float | None = None,
+        after_id: str | None = None,
+    ) -> list[SessionRecord]: ...
+
+    def branches_sync(self, session: str) -> list[Branch]: ...
+
+    def turns_sync(self, session: str) -> list[TurnRecord]: ...
+
+
 def open_store(spec: str | os.PathLike[str]) -> Store:
-    """The store a ``--store`` value names: a path (or ``sqlite:///path``) is a SQLite file."""
+    """The store a ``--store`` value names: a path (or ``sqlite:///path``) is a SQLite file; a
+    ``postgresql://`` (or ``postgres://``) URL a PostgreSQL database (:class:`PostgresStore`, the ``postgres``
+    extra), which several gateways can write at once."""
     text = os.fspath(spec)
+    if text.startswith(("postgresql://", "postgres://")):
+        try:
+            from backends_gateway.store_postgres import PostgresStore
+        except ModuleNotFoundError as exc:
+            raise ValueError(
+                f"a PostgreSQL store needs {exc.name}: pip install 'backends-gateway[postgres]' "
+                "(or 'backends[gateway-postgres]')"
+            ) from None
+        return PostgresStore(text)
     if text.startswith("sqlite://"):
         text = text.removeprefix("sqlite://")
     elif "://" in text:
-        raise ValueError(f"unknown store {text!r}: give a SQLite file path")
+        scheme = text.split("://", 1)[0]
+        raise ValueError(f"unknown store scheme {scheme!r}: give a SQLite file path or a postgresql:// URL")
     return SQLiteStore(text)
 
 
@@ -195,6 +238,47 @@ def _branch(row: Sequence[Any]) -> Branch:
     )
 
 
+_BRANCH_COLUMNS = "session, branch, parent_branch, parent_turn, reason, created"
+
+
+def _branch_row(b: Branch) -> tuple[Any, ...]:
+    return (b.session, b.branch, b.parent_branch, b.parent_turn, b.reason, b.created)
+
+
+def _sessions_query(
+    mark: str,
+    *,
+    group: str | None,
+    status: str | None,
+    owner: str | None,
+    limit: int,
+    after: float | None,
+    after_id: str | None,
+) -> tuple[str, list[Any]]:
+    """The query listing sessions (see :meth:`SQLiteStore.list_sessions_sync`) and its parameters; ``mark`` is the
+    driver's placeholder."""
+    where: list[str] = []
+    args: list[Any] = []
+    if group is not None:
+        where.append(f"grp = {mark}")
+        args.append(group)
+    if status is not None:
+        where.append(f"status = {mark}")
+        args.append(status)
+    if owner is not None:
+        where.append(f"owner = {mark}")
+        args.append(owner)
+    order = "closed" if status == "closed" else "created"
+    if after is not None and after_id is not None:
+        where.append(f"({order} > {mark} OR ({order} = {mark} AND id > {mark}))")
+        args += [after, after, after_id]
+    elif after is not None:
+        where.append(f"{order} > {mark}")
+        args.append(after)
+    clause = f"WHERE {' AND '.join(where)}" if where else ""
+    return f"SELECT {_SESSION_COLUMNS} FROM sessions {clause} ORDER BY {order}, id LIMIT {mark}", [*args, limit]
+
+
 class SQLiteStore(Store):
     """Sessions in one SQLite file in write-ahead-log mode.
 
@@ -212,6 +296,10 @@ class SQLiteStore(Store):
         self._writer: threading.Thread | None = None
         self._local = threading.local()
         self._lock = threading.Lock()
+
+    @property
+    def where(self) -> str:
+        return str(self.path.resolve())
 
     # -- connections ---------------------------------------------------------------------------------
 
@@ -354,29 +442,10 @@ class SQLiteStore(Store):
     ) -> list[SessionRecord]:
         """Sessions ordered by creation (closing, for ``status="closed"``) time then id, after ``(after,
         after_id)`` (a page's last session: sessions of the same time are not skipped)."""
-        where: list[str] = []
-        args: list[Any] = []
-        if group is not None:
-            where.append("grp = ?")
-            args.append(group)
-        if status is not None:
-            where.append("status = ?")
-            args.append(status)
-        if owner is not None:
-            where.append("owner = ?")
-            args.append(owner)
-        order = "closed" if status == "closed" else "created"
-        if after is not None and after_id is not None:
-            where.append(f"({order} > ? OR ({order} = ? AND id > ?))")
-            args += [after, after, after_id]
-        elif after is not None:
-            where.append(f"{order} > ?")
-            args.append(after)
-        clause = f"WHERE {' AND '.join(where)}" if where else ""
-        rows = self._reader().execute(
-            f"SELECT {_SESSION_COLUMNS} FROM sessions {clause} ORDER BY {order}, id LIMIT ?", (*args, limit)
+        query, args = _sessions_query(
+            "?", group=group, status=status, owner=owner, limit=limit, after=after, after_id=after_id
         )
-        return [_session(r) for r in rows]
+        return [_session(r) for r in self._reader().execute(query, args)]
 
     def branches_sync(self, session: str) -> list[Branch]:
         rows = self._reader().execute(

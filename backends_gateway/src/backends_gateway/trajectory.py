@@ -2,7 +2,8 @@
 turn's prompt and completion ids) with a loss mask that is 1 exactly on the ids an engine sampled and the
 logprobs of those ids at their positions (0 elsewhere).
 
-:class:`Trajectories` reads them straight from a store file, as numpy arrays, while a gateway may be writing it.
+:class:`Trajectories` reads them straight from a store (a file, or a PostgreSQL database), as numpy arrays, while
+gateways may be writing it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from backends_gateway.sessions import Branch, SessionRecord, TurnRecord
-from backends_gateway.store import SQLiteStore, open_store
+from backends_gateway.store import SQLiteStore, SyncReads, open_store
 
 __all__ = ["Sample", "Trajectories", "Trajectory", "TrajectoryError", "build", "trajectory_json"]
 
@@ -137,18 +138,18 @@ class Trajectories:
             for sample in trajectory.samples:
                 train(sample.input_ids, sample.loss_mask, sample.logprobs, trajectory.reward)
 
-    :param store: the store file the gateway writes (``--store``), or a :class:`SQLiteStore`.
+    :param store: what the gateway was given as ``--store`` (a file, a ``postgresql://`` URL), or a store.
     """
 
-    def __init__(self, store: str | os.PathLike[str] | SQLiteStore) -> None:
-        if isinstance(store, SQLiteStore):
-            self.store = store
-        else:
+    def __init__(self, store: str | os.PathLike[str] | SyncReads) -> None:
+        if isinstance(store, str | os.PathLike):
             opened = open_store(store)
-            assert isinstance(opened, SQLiteStore)
-            if not opened.path.exists():
+            if isinstance(opened, SQLiteStore) and not opened.path.exists():
                 raise FileNotFoundError(f"no gateway store at {opened.path}")
-            self.store = opened
+            if not isinstance(opened, SyncReads):
+                raise TypeError(f"{type(opened).__name__} has no blocking reads for the trainer's reader")
+            store = opened
+        self.store: SyncReads = store
 
     def get(self, session: str) -> Trajectory:
         """One session, whatever its status.
@@ -157,7 +158,7 @@ class Trajectories:
         """
         record = self.store.get_session_sync(session)
         if record is None:
-            raise KeyError(f"no session {session!r} in {self.store.path}")
+            raise KeyError(f"no session {session!r} in {self.store.where}")
         return self._trajectory(record)
 
     def _trajectory(self, record: SessionRecord) -> Trajectory:
