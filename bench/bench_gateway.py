@@ -909,11 +909,13 @@ async def _scale(
 
 
 async def store_main(config: dict[str, Any]) -> dict[str, Any]:
-    """``SQLiteStore.record_turn`` alone: ``rounds`` × concurrency 1 and ``conc``, a fresh file per batch."""
-    import attrs
+    """``record_turn`` alone on each store kind (``sqlite``: a fresh file per batch; ``postgres``: a fresh database
+    per batch on a PostgreSQL server this worker starts, default ``fsync``/``synchronous_commit``): ``rounds`` ×
+    concurrency 1 and ``conc``. The CPU is this process's (the PostgreSQL server's own processes are not in it)."""
 
     from backends_core import Client, ClientConfig, SamplingParams
-    from backends_gateway import Branch, SessionRecord, SQLiteStore, TurnRecord, TurnRequest
+    from backends_gateway import TurnRecord, TurnRequest
+    from backends_testkit.postgres import PostgresServer
 
     fx = load_fixture(config["fixture"])
     sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0)
@@ -945,12 +947,35 @@ async def store_main(config: dict[str, Any]) -> dict[str, Any]:
         },
         "rounds": [],
     }
+    kinds = config.get("kinds", ["sqlite"])
+    server = PostgresServer().start() if "postgres" in kinds else None
+    try:
+        await _store_rounds(config, kinds, server, base, tmp, out)
+    finally:
+        if server is not None:
+            server.stop()
+    return out
+
+
+async def _store_rounds(
+    config: dict[str, Any],
+    kinds: list[str],
+    server: Any,
+    base: Any,
+    tmp: Path,
+    out: dict[str, Any],
+) -> None:
+    import attrs
+
+    from backends_gateway import Branch, SessionRecord, open_store
+
     for r in range(config["rounds"]):
         results = {}
-        for conc in c.shuffled(config["conc"], r):
+        for kind, conc in c.shuffled([(k, n) for k in kinds for n in config["conc"]], r):
             n = config["n"][str(conc)]
             path = tmp / f"store-{r}-{conc}.db"
-            store = SQLiteStore(path)
+            spec = path if kind == "sqlite" else server.create_database(f"bench_{r}_{conc}")
+            store = open_store(spec)
             await store.open()
             sessions = [SessionRecord(id=f"s{i}") for i in range(conc)]
             await asyncio.gather(*(store.create_session(s) for s in sessions))
@@ -968,21 +993,20 @@ async def store_main(config: dict[str, Any]) -> dict[str, Any]:
             await asyncio.gather(*(_record_all(store, *x) for x in zip(sessions, records, branches, strict=True)))
             cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
             await store.aclose()
-            size = path.stat().st_size
+            size = path.stat().st_size if kind == "sqlite" else 0
             for suffix in ("", "-wal", "-shm"):
                 with contextlib.suppress(OSError):
                     os.unlink(f"{path}{suffix}")
             turns = per * conc
-            results[str(conc)] = {
+            results[f"{kind}:{conc}"] = {
                 "turns": turns,
                 "turns_per_s": turns / wall,
                 "cpu_us_per_turn": cpu / turns * 1e6,
                 "wall_s": wall,
                 "file_mb": size / 1e6,
             }
-            print(f"  store c={conc}: {results[str(conc)]}", file=sys.stderr, flush=True)
+            print(f"  store {kind} c={conc}: {results[f'{kind}:{conc}']}", file=sys.stderr, flush=True)
         out["rounds"].append(results)
-    return out
 
 
 async def _record_all(store: Any, session: Any, turns: list[Any], branch: Any) -> None:
@@ -1000,6 +1024,7 @@ def part_store(args: argparse.Namespace, engine: str, fixture: Path, tmp: Path, 
         "rounds": args.store_rounds,
         "conc": [1, args.store_conc],
         "n": {"1": args.store_n1, str(args.store_conc): args.store_nc},
+        "kinds": args.store_kinds.split(","),
     }
     out = subprocess.run(
         [sys.executable, __file__, "--store-worker", json.dumps(config)], stdout=subprocess.PIPE, text=True, check=True
@@ -1148,7 +1173,7 @@ def report(data: dict[str, Any]) -> str:
                     c.summary([rd[conc]["cpu_us_per_turn"] for rd in st["rounds"]]),
                 ]
             )
-        lines += ["", f"store (record {st['record']}):", c.table(["sessions", "turns/s", "CPU µs/turn"], rows)]
+        lines += ["", f"store (record {st['record']}):", c.table(["store:sessions", "turns/s", "CPU µs/turn"], rows)]
     return "\n".join(lines)
 
 
@@ -1239,6 +1264,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--scale-loops", default="uvloop,asyncio", help="the gateway's event loop(s) for scale")
     parser.add_argument("--store-rounds", type=int, default=3)
     parser.add_argument("--store-conc", type=int, default=256)
+    parser.add_argument("--store-kinds", default="sqlite,postgres", help="the stores to measure (sqlite,postgres)")
     parser.add_argument("--store-n1", type=int, default=300, help="turns recorded at concurrency 1")
     parser.add_argument("--store-nc", type=int, default=5120, help="turns recorded at --store-conc")
     parser.add_argument("--tmp", default=None, help="where the store files go (default: the system's temp dir)")
