@@ -18,7 +18,8 @@ from backends_gateway.errors import GatewayError, Overloaded
 from backends_gateway.gateway import Gateway, GatewayLimits, Served, Started, TextDelta
 from backends_gateway.keys import Keys, KeysError, Principal
 from backends_gateway.sessions import Branch, SessionRecord, TurnRecord, TurnRequest
-from backends_gateway.store import SQLiteStore, Store, open_store
+from backends_gateway.store import SQLiteStore, Store
+from backends_gateway.stores import open_store
 from backends_gateway.trajectory import Sample, Trajectories, Trajectory, TrajectoryError, build
 
 __version__ = "0.1.0"

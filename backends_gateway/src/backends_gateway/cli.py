@@ -31,7 +31,8 @@ from backends_core.cli_common import (
 from backends_gateway.app import serve
 from backends_gateway.gateway import Gateway, GatewayLimits
 from backends_gateway.keys import Keys, KeysError
-from backends_gateway.store import SQLiteStore, open_store
+from backends_gateway.store import SQLiteStore
+from backends_gateway.stores import open_store
 from backends_gateway.trajectory import Trajectories
 
 __all__ = ["export_rows", "register"]

@@ -26,7 +26,7 @@ from backends_core import MessageSpan, RoutedExperts, WeightVersionSpan
 from backends_gateway.migrations import migrations
 from backends_gateway.sessions import Branch, SessionRecord, TurnRecord
 
-__all__ = ["SQLiteStore", "Store", "SyncReads", "open_store"]
+__all__ = ["SQLiteStore", "Store", "SyncReads"]
 
 
 class Store(abc.ABC):
@@ -103,28 +103,6 @@ class SyncReads(Protocol):
     def branches_sync(self, session: str) -> list[Branch]: ...
 
     def turns_sync(self, session: str) -> list[TurnRecord]: ...
-
-
-def open_store(spec: str | os.PathLike[str]) -> Store:
-    """The store a ``--store`` value names: a path (or ``sqlite:///path``) is a SQLite file; a
-    ``postgresql://`` (or ``postgres://``) URL a PostgreSQL database (:class:`PostgresStore`, the ``postgres``
-    extra), which several gateways can write at once."""
-    text = os.fspath(spec)
-    if text.startswith(("postgresql://", "postgres://")):
-        try:
-            from backends_gateway.store_postgres import PostgresStore
-        except ModuleNotFoundError as exc:
-            raise ValueError(
-                f"a PostgreSQL store needs {exc.name}: pip install 'backends-gateway[postgres]' "
-                "(or 'backends[gateway-postgres]')"
-            ) from None
-        return PostgresStore(text)
-    if text.startswith("sqlite://"):
-        text = text.removeprefix("sqlite://")
-    elif "://" in text:
-        scheme = text.split("://", 1)[0]
-        raise ValueError(f"unknown store scheme {scheme!r}: give a SQLite file path or a postgresql:// URL")
-    return SQLiteStore(text)
 
 
 _SESSION_COLUMNS = "id, grp, status, reward, reward_info, created, closed, counts, owner"

@@ -17,7 +17,8 @@ import numpy as np
 import numpy.typing as npt
 
 from backends_gateway.sessions import Branch, SessionRecord, TurnRecord
-from backends_gateway.store import SQLiteStore, SyncReads, open_store
+from backends_gateway.store import SQLiteStore, SyncReads
+from backends_gateway.stores import open_store
 
 __all__ = ["Sample", "Trajectories", "Trajectory", "TrajectoryError", "build", "trajectory_json"]
 
