@@ -17,7 +17,7 @@ import sqlite3
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 import orjson
@@ -257,7 +257,56 @@ def _sessions_query(
     return f"SELECT {_SESSION_COLUMNS} FROM sessions {clause} ORDER BY {order}, id LIMIT {mark}", [*args, limit]
 
 
-class SQLiteStore(Store):
+def _session_query(mark: str, session: str) -> tuple[str, tuple[Any, ...]]:
+    return f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE id = {mark}", (session,)
+
+
+def _branches_query(mark: str, session: str) -> tuple[str, tuple[Any, ...]]:
+    return f"SELECT {_BRANCH_COLUMNS} FROM branches WHERE session = {mark} ORDER BY branch", (session,)
+
+
+def _turns_query(mark: str, session: str) -> tuple[str, tuple[Any, ...]]:
+    return f"SELECT {_TURN_COLUMNS} FROM turns WHERE session = {mark} ORDER BY turn", (session,)
+
+
+class _BlockingReads:
+    """The blocking reads (:class:`SyncReads`) of a SQL store, over its one way of running a query: ``_MARK`` is
+    its driver's placeholder, ``_rows_sync`` runs a query on the calling thread's connection."""
+
+    _MARK: ClassVar[str]
+
+    def _rows_sync(self, sql: str, params: Sequence[Any]) -> list[Any]:
+        raise NotImplementedError
+
+    def get_session_sync(self, session: str) -> SessionRecord | None:
+        rows = self._rows_sync(*_session_query(self._MARK, session))
+        return _session(rows[0]) if rows else None
+
+    def list_sessions_sync(
+        self,
+        *,
+        group: str | None = None,
+        status: str | None = None,
+        owner: str | None = None,
+        limit: int = 1000,
+        after: float | None = None,
+        after_id: str | None = None,
+    ) -> list[SessionRecord]:
+        """Sessions ordered by creation (closing, for ``status="closed"``) time then id, after ``(after,
+        after_id)`` (a page's last session: sessions of the same time are not skipped)."""
+        query, args = _sessions_query(
+            self._MARK, group=group, status=status, owner=owner, limit=limit, after=after, after_id=after_id
+        )
+        return [_session(r) for r in self._rows_sync(query, args)]
+
+    def branches_sync(self, session: str) -> list[Branch]:
+        return [_branch(r) for r in self._rows_sync(*_branches_query(self._MARK, session))]
+
+    def turns_sync(self, session: str) -> list[TurnRecord]:
+        return [_turn(r) for r in self._rows_sync(*_turns_query(self._MARK, session))]
+
+
+class SQLiteStore(_BlockingReads, Store):
     """Sessions in one SQLite file in write-ahead-log mode.
 
     One writer thread commits whatever writes are waiting in one transaction (``synchronous=FULL``: durable
@@ -404,38 +453,10 @@ class SQLiteStore(Store):
 
     # -- reads (sync: the trainer's reader and export use them directly) -------------------------------
 
-    def get_session_sync(self, session: str) -> SessionRecord | None:
-        row = self._reader().execute(f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE id = ?", (session,)).fetchone()
-        return None if row is None else _session(row)
+    _MARK = "?"
 
-    def list_sessions_sync(
-        self,
-        *,
-        group: str | None = None,
-        status: str | None = None,
-        owner: str | None = None,
-        limit: int = 1000,
-        after: float | None = None,
-        after_id: str | None = None,
-    ) -> list[SessionRecord]:
-        """Sessions ordered by creation (closing, for ``status="closed"``) time then id, after ``(after,
-        after_id)`` (a page's last session: sessions of the same time are not skipped)."""
-        query, args = _sessions_query(
-            "?", group=group, status=status, owner=owner, limit=limit, after=after, after_id=after_id
-        )
-        return [_session(r) for r in self._reader().execute(query, args)]
-
-    def branches_sync(self, session: str) -> list[Branch]:
-        rows = self._reader().execute(
-            "SELECT session, branch, parent_branch, parent_turn, reason, created FROM branches "
-            "WHERE session = ? ORDER BY branch",
-            (session,),
-        )
-        return [_branch(r) for r in rows]
-
-    def turns_sync(self, session: str) -> list[TurnRecord]:
-        rows = self._reader().execute(f"SELECT {_TURN_COLUMNS} FROM turns WHERE session = ? ORDER BY turn", (session,))
-        return [_turn(r) for r in rows]
+    def _rows_sync(self, sql: str, params: Sequence[Any]) -> list[Any]:
+        return self._reader().execute(sql, params).fetchall()
 
     async def get_session(self, session: str) -> SessionRecord | None:
         return await asyncio.to_thread(self.get_session_sync, session)

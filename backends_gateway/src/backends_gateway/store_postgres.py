@@ -36,13 +36,17 @@ from backends_gateway.store import (
     _SESSION_COLUMNS,
     _TURN_COLUMNS,
     Store,
+    _BlockingReads,
     _branch,
     _branch_row,
+    _branches_query,
     _session,
+    _session_query,
     _session_row,
     _sessions_query,
     _turn,
     _turn_row,
+    _turns_query,
 )
 
 __all__ = ["PostgresStore", "StoreUnavailable", "redact_dsn"]
@@ -80,7 +84,7 @@ def _password(dsn: str) -> str | None:
     return None if value is None else str(value)
 
 
-class PostgresStore(Store):
+class PostgresStore(_BlockingReads, Store):
     """Sessions in a PostgreSQL database, shared by every gateway given the same DSN.
 
     :param dsn: a libpq connection string or ``postgresql://`` URL (never logged or shown with its password).
@@ -250,7 +254,7 @@ class PostgresStore(Store):
             return await cursor.fetchall()
 
     async def get_session(self, session: str) -> SessionRecord | None:
-        rows = await self._rows(f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE id = %s", (session,))
+        rows = await self._rows(*_session_query(self._MARK, session))
         return _session(rows[0]) if rows else None
 
     async def list_sessions(
@@ -263,19 +267,15 @@ class PostgresStore(Store):
         after: float | None = None,
     ) -> list[SessionRecord]:
         query, args = _sessions_query(
-            "%s", group=group, status=status, owner=owner, limit=limit, after=after, after_id=None
+            self._MARK, group=group, status=status, owner=owner, limit=limit, after=after, after_id=None
         )
         return [_session(r) for r in await self._rows(query, args)]
 
     async def branches(self, session: str) -> list[Branch]:
-        rows = await self._rows(
-            f"SELECT {_BRANCH_COLUMNS} FROM branches WHERE session = %s ORDER BY branch", (session,)
-        )
-        return [_branch(r) for r in rows]
+        return [_branch(r) for r in await self._rows(*_branches_query(self._MARK, session))]
 
     async def turns(self, session: str) -> list[TurnRecord]:
-        rows = await self._rows(f"SELECT {_TURN_COLUMNS} FROM turns WHERE session = %s ORDER BY turn", (session,))
-        return [_turn(r) for r in rows]
+        return [_turn(r) for r in await self._rows(*_turns_query(self._MARK, session))]
 
     # -- reads (blocking: the trainer's reader and export use them directly) ---------------------------------
 
@@ -296,37 +296,10 @@ class PostgresStore(Store):
                 self._readers.append(db)
         return db
 
-    def _rows_sync(self, sql: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+    _MARK = "%s"
+
+    def _rows_sync(self, sql: str, params: Sequence[Any]) -> list[Any]:
         return self._reader().execute(sql, params, binary=True).fetchall()
-
-    def get_session_sync(self, session: str) -> SessionRecord | None:
-        rows = self._rows_sync(f"SELECT {_SESSION_COLUMNS} FROM sessions WHERE id = %s", (session,))
-        return _session(rows[0]) if rows else None
-
-    def list_sessions_sync(
-        self,
-        *,
-        group: str | None = None,
-        status: str | None = None,
-        owner: str | None = None,
-        limit: int = 1000,
-        after: float | None = None,
-        after_id: str | None = None,
-    ) -> list[SessionRecord]:
-        """Sessions ordered by creation (closing, for ``status="closed"``) time then id, after ``(after,
-        after_id)`` (a page's last session: sessions of the same time are not skipped)."""
-        query, args = _sessions_query(
-            "%s", group=group, status=status, owner=owner, limit=limit, after=after, after_id=after_id
-        )
-        return [_session(r) for r in self._rows_sync(query, args)]
-
-    def branches_sync(self, session: str) -> list[Branch]:
-        rows = self._rows_sync(f"SELECT {_BRANCH_COLUMNS} FROM branches WHERE session = %s ORDER BY branch", (session,))
-        return [_branch(r) for r in rows]
-
-    def turns_sync(self, session: str) -> list[TurnRecord]:
-        rows = self._rows_sync(f"SELECT {_TURN_COLUMNS} FROM turns WHERE session = %s ORDER BY turn", (session,))
-        return [_turn(r) for r in rows]
 
 
 async def _migrate(conn: psycopg.AsyncConnection[Any]) -> list[int]:
