@@ -1,5 +1,6 @@
-"""An OpenAI Agents SDK agent with a function tool, over its chat-completions model, through the gateway: the
-agent's loop runs unmodified, and the trajectory holds both turns on one branch of exact ids."""
+"""An OpenAI Agents SDK agent with a function tool, over its chat-completions model and over its default Responses
+model, through the gateway: the agent's loop runs unmodified, and the trajectory holds both turns on one branch of
+exact ids."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ import json
 
 import numpy as np
 import openai
-from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+import pytest
+from agents import (
+    Agent,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    OpenAIResponsesModel,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
 
 set_tracing_disabled(True)  # the SDK would otherwise export traces to OpenAI
 
@@ -18,7 +28,8 @@ REPLIES = [
 ]
 
 
-async def test_an_agents_sdk_agent_with_a_function_tool_runs_through_the_gateway(scripted_gateway) -> None:
+@pytest.mark.parametrize("model", [OpenAIChatCompletionsModel, OpenAIResponsesModel])
+async def test_an_agents_sdk_agent_with_a_function_tool_runs_through_the_gateway(scripted_gateway, model) -> None:
     calls: list[str] = []
 
     @function_tool
@@ -34,7 +45,7 @@ async def test_an_agents_sdk_agent_with_a_function_tool_runs_through_the_gateway
                 name="forecaster",
                 instructions="Answer with the weather tool.",
                 tools=[weather],
-                model=OpenAIChatCompletionsModel(model="tiny", openai_client=sdk),
+                model=model(model="tiny", openai_client=sdk),
                 model_settings=ModelSettings(max_tokens=64),
             )
             if stream:
@@ -51,7 +62,8 @@ async def test_an_agents_sdk_agent_with_a_function_tool_runs_through_the_gateway
             assert [m["role"] for m in second["messages"]] == ["system", "user", "assistant", "tool"]
             assert json.loads(second["messages"][2]["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
             ids = first["prompt_ids"] + first["completion_ids"]
-            assert second["prompt_ids"][: len(ids)] == ids and second["branch"] == 0
+            assert second["prompt_ids"][: len(ids)] == ids and second["reused_ids"] == len(ids)
+            assert second["branch"] == 0 and traj["bridged"] == 1 and traj["branched"] == 0
             (branch,) = traj["branches"]
             mask = np.asarray(branch["loss_mask"], bool)
             assert mask.sum() == len(first["completion_ids"]) + len(second["completion_ids"])

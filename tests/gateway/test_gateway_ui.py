@@ -29,6 +29,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions as ec
 from selenium.webdriver.support.ui import WebDriverWait
+from test_openai_sdk import TOOLS
 
 from backends_core import Client, ClientConfig, GenerateRequest, GenerateResult, WeightVersionSpan
 from backends_core.config import StatelessPolicy
@@ -45,20 +46,6 @@ KEYS = Keys(trainer={"trainer": KEY}, harness={"runner": HARNESS})
 WIDTH, HEIGHT = 1200, 800
 DEADLINE = 30.0  # seconds any one page state may take to appear
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "add",
-            "description": "a + b",
-            "parameters": {
-                "type": "object",
-                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                "required": ["a", "b"],
-            },
-        },
-    }
-]
 REPLIES = [
     '<think>\nadd 2 and 3 first\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n'
     "</tool_call><|im_end|>",

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+from agents import set_tracing_disabled
 from test_openai_sdk import TOOL_REPLIES, assert_exact_chain, trajectory
 
 from backends_gateway import Keys
@@ -202,48 +202,6 @@ async def test_instructions_are_not_carried_over_from_the_previous_response(scri
     ]
     assert turns[2]["messages"][0]["content"] == "Be terse." and third.instructions == "Be terse."
     assert second.previous_response_id == first.id and turns[1]["branch"] == 1  # the instructions were dropped
-
-
-async def test_an_agents_sdk_agent_on_its_default_responses_model(scripted_gateway) -> None:
-    calls: list[str] = []
-
-    @function_tool
-    def weather(city: str) -> str:
-        """The weather in a city."""
-        calls.append(city)
-        return f"sunny in {city}"
-
-    replies = [
-        "<think>\nlook it up\n</think>\n\n" + _call("weather", '{"city": "Oslo"}') + "<|im_end|>",
-        "<think>\ngot it\n</think>\n\nIt is sunny in Oslo.<|im_end|>",
-    ]
-    for stream in (False, True):
-        async with scripted_gateway(list(replies), name=f"agents-{stream}") as served:
-            sdk = openai.AsyncOpenAI(base_url=f"{served.url}/s/agent/v1", api_key="unused", max_retries=0)
-            agent = Agent(
-                name="forecaster",
-                instructions="Answer with the weather tool.",
-                tools=[weather],
-                model=OpenAIResponsesModel(model="tiny", openai_client=sdk),
-                model_settings=ModelSettings(max_tokens=64),
-            )
-            if stream:
-                run = Runner.run_streamed(agent, "What is the weather in Oslo?")
-                async for _ in run.stream_events():
-                    pass
-                output = run.final_output
-            else:
-                output = (await Runner.run(agent, "What is the weather in Oslo?")).final_output
-            await sdk.close()
-            assert output == "It is sunny in Oslo."
-            traj = await trajectory(served.url, "agent")
-            first, second = traj["turns"]
-            assert [m["role"] for m in second["messages"]] == ["system", "user", "assistant", "tool"]
-            assert second["messages"][3]["content"] == "sunny in Oslo"
-            ids = first["prompt_ids"] + first["completion_ids"]
-            assert second["prompt_ids"][: len(ids)] == ids and second["reused_ids"] == len(ids)
-            assert traj["bridged"] == 1 and traj["branched"] == 0
-    assert calls == ["Oslo", "Oslo"]
 
 
 USER = [{"role": "user", "content": "hi"}]
