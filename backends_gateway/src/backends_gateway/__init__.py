@@ -1,13 +1,15 @@
-"""backends-gateway: an OpenAI-compatible capture gateway over backends.
+"""backends-gateway: a capture gateway over backends.
 
-Unmodified agent harnesses (the OpenAI SDK, OpenAI Agents, LangChain, Codex-style CLIs) talk to it as to any
-OpenAI-compatible server; every turn is rendered with the chat template, sent token-in to the engines through a
-:class:`backends_core.Client` (any backend, fleet or router front), extended from the previous turn's exact ids,
-kept durably, and read back by the trainer as exact token trajectories.
+Unmodified agent harnesses (the OpenAI and Anthropic SDKs, OpenAI Agents, LangChain, Claude Code-style CLIs) talk
+to it as to OpenAI's chat completions or Responses API or Anthropic's Messages API; every turn is rendered with the
+chat template, sent token-in to the engines through a :class:`backends_core.Client` (any backend, fleet or router
+front), extended from the previous turn's exact ids, kept durably, and read back by the trainer as exact token
+trajectories.
 
 * :class:`Gateway` (the core, independent of any wire), :func:`create_app` / :func:`serve` (its HTTP routes),
   :class:`GatewayLimits`, :class:`Keys` (who may call it).
-* :class:`Store` and :class:`SQLiteStore` (the embedded default, write-ahead log).
+* :class:`Store`, :class:`SQLiteStore` (the embedded default, write-ahead log) and, with the ``postgres`` extra,
+  ``backends_gateway.store_postgres.PostgresStore`` (several replicas, one database); :func:`open_store`.
 * :class:`Trajectories`: a trainer's reader of a store, closed sessions as numpy arrays.
 """
 

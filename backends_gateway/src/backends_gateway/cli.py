@@ -46,8 +46,9 @@ def register(sub: Any) -> None:
     """Add ``gateway`` (and its ``export``) to the ``backends`` command's subparsers."""
     p = sub.add_parser(
         "gateway",
-        help="an OpenAI-compatible gateway over a client config: harnesses in, exact token trajectories out",
-        description="Serve OpenAI's chat completions over the configured backend; every turn is kept in --store. "
+        help="a capture gateway over a client config: harnesses in, exact token trajectories out",
+        description="Serve OpenAI's chat completions and Responses API and Anthropic's Messages API over the "
+        "configured backend; every turn is kept in --store. "
         "'backends gateway export' writes a store's trajectories as JSONL or Parquet.",
     )
     add_client_flags(p)
