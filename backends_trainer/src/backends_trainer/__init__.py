@@ -1,0 +1,1 @@
+"""The trainer's half of a weight update."""
