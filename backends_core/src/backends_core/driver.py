@@ -46,6 +46,7 @@ from backends_core.types import (
     TeacherLogprobs,
     TeacherRequest,
     TensorSpec,
+    TransferPlan,
 )
 
 __all__ = ["BackendDriver"]
@@ -432,7 +433,13 @@ class BackendDriver:
         return await self._admin(server, self.pm.hook.admin_destroy_weight_transfer, bool, group_name=group_name)
 
     async def admin_update_weights_distributed(
-        self, server: Server, *, group_name: str, tensors: Sequence[TensorSpec], version: str | None
+        self,
+        server: Server,
+        *,
+        group_name: str,
+        tensors: Sequence[TensorSpec],
+        version: str | None,
+        plan: TransferPlan | None = None,
     ) -> bool:
         return await self._admin(
             server,
@@ -441,7 +448,28 @@ class BackendDriver:
             group_name=group_name,
             tensors=tensors,
             version=version,
+            plan=plan,
         )
+
+    def weight_transfer_plan(self, tensors: Sequence[TensorSpec], *, bucket_bytes: int | None) -> TransferPlan:
+        """The backend's plan for receiving ``tensors``; it must hold every tensor once, nothing else."""
+        self.require("weight_transfer_plan")
+        plan = self.pm.hook.weight_transfer_plan(
+            tensors=list(tensors), bucket_bytes=bucket_bytes, config=self.config, options=self.options
+        )
+        if not isinstance(plan, TransferPlan):
+            raise ResponseParseError(
+                f"backend {self.backend!r} returned {type(plan).__name__} from weight_transfer_plan, "
+                "expected TransferPlan",
+                url=None,
+            )
+        if sorted(t.name for t in plan.tensors) != sorted(t.name for t in tensors) or not all(plan.buckets):
+            raise ResponseParseError(
+                f"backend {self.backend!r} planned a weight transfer that does not hold every tensor once "
+                "in non-empty buckets",
+                url=None,
+            )
+        return plan
 
     async def admin_load_lora(self, server: Server, *, adapter: LoraAdapter) -> bool:
         return await self._admin(server, self.pm.hook.admin_load_lora, bool, adapter=adapter)

@@ -75,6 +75,7 @@ __all__ = [
     "ServerRefusedError",
     "ServerStatusError",
     "StaleServerError",
+    "TransferError",
     "TransportError",
     "UnsupportedOperationError",
     "WeightVersionMismatch",
@@ -318,6 +319,11 @@ class AdminError(BackendError):
     def succeeded(self) -> list[str]:
         """Servers where the operation took effect."""
         return [r.server for r in self.results if r.error is None]
+
+
+class TransferError(BackendError):
+    """The trainer's half of a distributed weight update failed: its broadcast, or what it was asked to send
+    (a tensor the plan does not hold, a dtype or shape that disagrees with the announced spec)."""
 
 
 class FrontError(BackendError):

@@ -30,10 +30,20 @@ from backends_core.errors import (
     InvalidRequestError,
     MembershipError,
     RequestTimeout,
+    TransferError,
     WeightVersionMismatch,
 )
 from backends_core.server import idempotent_requests
-from backends_core.types import PAUSE_MODES, DistributedGroup, LoraAdapter, PauseMode, ServerState, TensorSpec, text
+from backends_core.types import (
+    PAUSE_MODES,
+    DistributedGroup,
+    LoraAdapter,
+    PauseMode,
+    ServerState,
+    TensorSpec,
+    TransferPlan,
+    text,
+)
 
 if TYPE_CHECKING:
     from backends_core.driver import BackendDriver
@@ -449,13 +459,34 @@ class Admin:
         await self._refresh_members()
         return self._values("destroy_weight_transfer", await self.outcomes().destroy_weight_transfer(group_name))
 
+    def transfer_plan(self, tensors: Sequence[TensorSpec], *, bucket_bytes: int | None = None) -> TransferPlan:
+        """How the engines receive ``tensors`` over a transfer group joined with ``bucket_bytes``
+        (``DistributedGroup.bucket_bytes``): the order and buckets a trainer broadcasts them in. Sends nothing.
+
+        :raises InvalidRequestError: ``tensors`` is empty or holds something other than :class:`TensorSpec`,
+            ``bucket_bytes`` is not a positive int, or the engine cannot receive them so.
+        :raises UnsupportedOperationError: the backend does not receive distributed updates.
+        """
+        tensors = _tensor_list(tensors)
+        if bucket_bytes is not None and (
+            not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 1
+        ):
+            raise InvalidRequestError(f"bucket_bytes must be a positive int or None, got {bucket_bytes!r}")
+        return self._driver.weight_transfer_plan(tensors, bucket_bytes=bucket_bytes)
+
     async def update_weights_distributed(
-        self, group_name: str, tensors: Sequence[TensorSpec], *, version: str | None = None
+        self,
+        group_name: str,
+        tensors: Sequence[TensorSpec],
+        *,
+        version: str | None = None,
+        plan: TransferPlan | None = None,
     ) -> list[bool]:
         """Receive ``tensors`` broadcast by the trainer over ``group_name`` on every server.
 
-        :raises InvalidRequestError: ``group_name`` or ``version`` is blank, or ``tensors`` is empty or holds
-            something other than :class:`TensorSpec` (nothing is sent).
+        :param plan: the buckets the trainer sends (:meth:`transfer_plan`); ``None``: one broadcast per tensor.
+        :raises InvalidRequestError: ``group_name`` or ``version`` is blank, ``tensors`` is empty or holds
+            something other than :class:`TensorSpec`, or ``plan`` does not hold them (nothing is sent).
         :raises AdminError: a server failed; the message names the servers now on the new weights.
         """
         self._driver.require("admin_update_weights_distributed")
@@ -463,9 +494,10 @@ class Admin:
         if version is not None:
             text(version, "version")
         tensors = _tensor_list(tensors)
+        _check_plan(plan, tensors)
         await self._refresh_members()
         async with self.changes:
-            outcomes = await self.outcomes().update_weights_distributed(group_name, tensors, version=version)
+            outcomes = await self.outcomes().update_weights_distributed(group_name, tensors, version=version, plan=plan)
             self.record.updated(outcomes, WeightsRecord(version=version, group_name=group_name))
         values = self._values(
             "update_weights_distributed", outcomes, _mixed_weights(f"the tensors broadcast over {group_name!r}")
@@ -596,6 +628,8 @@ class Admin:
         path: str | None = None,
         group_name: str | None = None,
         tensors: Sequence[TensorSpec] = (),
+        plan: TransferPlan | None = None,
+        sender: Callable[[], Awaitable[None]] | None = None,
         mode: PauseMode = "wait",
         flush_cache: bool = True,
     ) -> SyncReport:
@@ -609,6 +643,11 @@ class Admin:
         :param path: checkpoint directory on the servers (exclusive with ``group_name``).
         :param group_name: a transfer group set up with :meth:`init_weight_transfer`; ``tensors`` lists what
             the trainer broadcasts.
+        :param plan: with ``group_name``: the buckets the trainer broadcasts in (:meth:`transfer_plan`);
+            ``None``: one broadcast per tensor.
+        :param sender: with ``group_name``: the trainer's half, started once every server paused and run
+            concurrently with the servers' receive; the update phase fails on every server if it fails (a
+            server waiting on a broadcast that will not come is released by its group's timeout).
         :param mode: pause mode for in-flight requests.
         :param flush_cache: flush the prefix cache while paused (with ``"keep"`` the cache is not flushed:
             kept requests need it; re-salting isolates new requests instead).
@@ -621,20 +660,24 @@ class Admin:
         if path is not None:
             text(path, "path")
             source = path
+            if plan is not None or sender is not None:
+                raise InvalidRequestError("plan= and sender= go with group_name=, not with path=")
         else:
             text(group_name, "group_name")
             tensors = _tensor_list(tensors)
+            _check_plan(plan, tensors)
             source = f"the tensors broadcast over {group_name!r}"
         await self._refresh_members()
         async with self.changes:
-            return await self._sync(version, path, group_name, tensors, source, mode, flush_cache)
+            return await self._sync(
+                version, path, _Broadcast(group_name, tensors, plan, sender), source, mode, flush_cache
+            )
 
     async def _sync(
         self,
         version: str,
         path: str | None,
-        group_name: str | None,
-        tensors: Sequence[TensorSpec],
+        broadcast: _Broadcast,
         source: str,
         mode: PauseMode,
         flush_cache: bool,
@@ -661,9 +704,7 @@ class Admin:
             if len(paused) < len(servers):
                 failure = ("pause", phases["pause"], "nothing was updated; the paused servers were resumed")
             else:
-                failure = await self._apply(
-                    servers, phases, run, version, path, group_name, tensors, source, mode, flush_cache
-                )
+                failure = await self._apply(servers, phases, run, version, path, broadcast, source, mode, flush_cache)
         finally:
             if paused:
                 rest = [s for s in paused if id(s) not in run.resumed]
@@ -696,21 +737,19 @@ class Admin:
         run: _SyncRun,
         version: str,
         path: str | None,
-        group_name: str | None,
-        tensors: Sequence[TensorSpec],
+        broadcast: _Broadcast,
         source: str,
         mode: PauseMode,
         flush_cache: bool,
     ) -> _Failure | None:
         """The paused part of :meth:`weight_sync`: update, record the version, then per server flush, resume
         and check (into ``run``). Returns what failed before the resume."""
+        group_name = broadcast.group_name
         if path is not None:
             phases["update"] = await self.outcomes(servers).update_weights(path, version=version)
         else:
             assert group_name is not None
-            phases["update"] = await self.outcomes(servers).update_weights_distributed(
-                group_name, tensors, version=version
-            )
+            phases["update"] = await self._receive(servers, broadcast, version)
         _log_phase(version, "update", phases["update"])
         self.record.updated(phases["update"], WeightsRecord(version=version, path=path, group_name=group_name))
         done = [o.server for o in phases["update"] if o.ok]
@@ -747,10 +786,65 @@ class Admin:
                 )
         return None
 
+    async def _receive(self, servers: list[Server], broadcast: _Broadcast, version: str) -> list[ServerOutcome[Any]]:
+        """The update phase of a broadcast weight sync: every server receives while the trainer's ``sender``
+        (if any) sends. A sender that fails abandons the servers' receive (they are waiting on a broadcast
+        that will not come); a failed receive abandons the sender (it may be waiting on that server)."""
+        assert broadcast.group_name is not None
+        receiving = asyncio.ensure_future(
+            self.outcomes(servers).update_weights_distributed(
+                broadcast.group_name, broadcast.tensors, version=version, plan=broadcast.plan
+            )
+        )
+        if broadcast.sender is None:
+            return await receiving
+        started = time.perf_counter()
+        sending = asyncio.ensure_future(broadcast.sender())
+        try:
+            await asyncio.wait({receiving, sending}, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for task in (receiving, sending):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(receiving, sending, return_exceptions=True)
+        if sending.cancelled() or sending.exception() is None:
+            if receiving.cancelled():
+                raise asyncio.CancelledError
+            outcomes = receiving.result()
+            if sending.cancelled() and all(o.ok for o in outcomes):  # cannot happen: a receive needs the send
+                raise RuntimeError("the servers received a broadcast the trainer did not finish")
+            return outcomes
+        error = sending.exception()
+        duration = time.perf_counter() - started
+        for server in servers:
+            self.versions.forget(server)
+        return [
+            ServerOutcome(
+                server=server.base_url,
+                error=TransferError(
+                    f"the trainer's broadcast failed ({type(error).__name__}: {error}): this server's receive "
+                    "was abandoned and it may hold part of the new tensors until the next update"
+                ),
+                duration_s=duration,
+            )
+            for server in servers
+        ]
+
 
 #: What a weight sync's check reads of each server's state: the version, which proves the update (the resume
 #: is proven by its own answer).
 _SYNC_FIELDS = frozenset({"weight_version"})
+
+
+@attrs.frozen
+class _Broadcast:
+    """A weight sync's broadcast source: the group, what goes through it, in which buckets, and the trainer's
+    half (``None``: the trainer sends by itself)."""
+
+    group_name: str | None
+    tensors: Sequence[TensorSpec]
+    plan: TransferPlan | None
+    sender: Callable[[], Awaitable[None]] | None
 
 
 @attrs.define
@@ -805,14 +899,14 @@ class AdminOutcomes:
         )
 
     async def update_weights_distributed(
-        self, group_name: str, tensors: Sequence[TensorSpec], *, version: str | None
+        self, group_name: str, tensors: Sequence[TensorSpec], *, version: str | None, plan: TransferPlan | None = None
     ) -> list[ServerOutcome[bool]]:
         update = self._driver.admin_update_weights_distributed
         items = list(tensors)
         return await self._admin._fan(
             "update_weights_distributed",
             self._servers,
-            lambda s: update(s, group_name=group_name, tensors=items, version=version),
+            lambda s: update(s, group_name=group_name, tensors=items, version=version, plan=plan),
             version,
         )
 
@@ -890,6 +984,15 @@ def _tensor_list(tensors: Sequence[TensorSpec]) -> list[TensorSpec]:
         if not isinstance(item, TensorSpec):
             raise InvalidRequestError(f"tensors must hold TensorSpec objects, got {type(item).__name__}")
     return items
+
+
+def _check_plan(plan: TransferPlan | None, tensors: Sequence[TensorSpec]) -> None:
+    if plan is None:
+        return
+    if not isinstance(plan, TransferPlan):
+        raise InvalidRequestError(f"plan must be a TransferPlan, got {type(plan).__name__}")
+    if plan.tensors != list(tensors):
+        raise InvalidRequestError("plan must hold the tensors announced, in the same order")
 
 
 def _check_mode(mode: str) -> None:

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
         TeacherLogprobs,
         TeacherRequest,
         TensorSpec,
+        TransferPlan,
     )
 
 #: pluggy project name; implementation markers are stored as ``backends_core_impl`` on functions.
@@ -65,6 +66,7 @@ INFRASTRUCTURE_HOOKS = frozenset(
         "observe",
         "validate_backend_options",
         "tool_parsers",
+        "weight_transfer_plan",
         "reasoning_parsers",
         "sampling_features",
         "fronts",
@@ -102,6 +104,7 @@ __all__ = [
     "tokenize_messages",
     "tool_parsers",
     "validate_backend_options",
+    "weight_transfer_plan",
 ]
 
 
@@ -520,11 +523,33 @@ async def admin_destroy_weight_transfer(
 
 
 @hookspec(firstresult=True)
+def weight_transfer_plan(
+    tensors: Sequence[TensorSpec], bucket_bytes: int | None, config: ClientConfig, options: Any
+) -> TransferPlan | None:
+    """How this backend's engine receives ``tensors`` through a weight-transfer group: their broadcast order,
+    their buckets, packed or not. This is what a trainer (``backends-trainer``) follows to send; it never
+    imports torch.
+
+    :param tensors: what the trainer will send, in the trainer's order.
+    :param bucket_bytes: the packed bucket size the group was joined with (``DistributedGroup.bucket_bytes``),
+        or ``None`` for one broadcast per tensor.
+    :param config: the client's configuration.
+    :param options: the validated backend options.
+    :returns: the plan, or ``None`` when the backend does not receive distributed updates.
+    Raises: :class:`~backends_core.errors.InvalidRequestError` for what the engine cannot receive (a dtype it
+        has no name for, a packing it does not do).
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
 async def admin_update_weights_distributed(
     server: Server,
     group_name: str,
     tensors: Sequence[TensorSpec],
     version: str | None,
+    plan: TransferPlan | None,
     config: ClientConfig,
     options: Any,
 ) -> bool | None:
@@ -534,6 +559,8 @@ async def admin_update_weights_distributed(
     :param group_name: the group to receive on.
     :param tensors: name, dtype and shape of each tensor, in broadcast order.
     :param version: weight version to report afterwards, or ``None``.
+    :param plan: the buckets the trainer sends (:func:`weight_transfer_plan`), or ``None``: one broadcast per
+        tensor of ``tensors``, announced at once.
     :param config: the client's configuration.
     :param options: the validated backend options.
     :returns: ``True`` once the server applied them.

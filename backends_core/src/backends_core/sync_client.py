@@ -42,7 +42,7 @@ from backends_core.errors import ClientClosedError, RunningEventLoopError
 from backends_core.fleet import Admin
 from backends_core.membership import Fleet
 from backends_core.multiturn import BridgeStats, Conversation
-from backends_core.types import GenerateResult, Message, SamplingParams, StreamDelta
+from backends_core.types import GenerateResult, Message, SamplingParams, StreamDelta, TensorSpec, TransferPlan
 
 __all__ = ["SyncAdmin", "SyncClient", "SyncConversation", "SyncFleet", "SyncGenerateStream"]
 
@@ -272,6 +272,10 @@ class SyncAdmin(_Mirror[Admin]):
         """Seconds one server gets for ``operation``, retries included (``None``: no limit)."""
         return self._target.deadline(operation)
 
+    def transfer_plan(self, tensors: Sequence[TensorSpec], *, bucket_bytes: int | None = None) -> TransferPlan:
+        """How the engines receive ``tensors`` (see :meth:`Admin.transfer_plan`); sends nothing."""
+        return self._target.transfer_plan(tensors, bucket_bytes=bucket_bytes)
+
     health = _blocking(Admin.health)
     ready = _blocking(Admin.ready)
     pause = _blocking(Admin.pause)
@@ -444,6 +448,13 @@ class SyncClient(_Mirror[Client]):
         self.admin = SyncAdmin(portal, client.admin)
         #: Servers joining and leaving at run time, blocking (see :class:`SyncFleet`).
         self.fleet = SyncFleet(portal, client.fleet)
+
+    def run(self, function: Callable[[Client], Awaitable[T]]) -> T:
+        """``await function(client)`` with the async :class:`~backends_core.client.Client` behind this one, on
+        this client's loop, blocking: how an extension built on the async API offers a blocking form."""
+        _refuse_running_loop("run")
+        target = self._target
+        return self._portal.run("run", lambda: function(target))
 
     def __enter__(self) -> SyncClient:
         return self

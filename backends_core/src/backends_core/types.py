@@ -624,6 +624,8 @@ class DistributedGroup:
     :param rank_offset: this server's first rank in the group.
     :param group_name: name both sides use.
     :param backend: collective backend, e.g. ``"nccl"``.
+    :param bucket_bytes: the size of the packed buckets the trainer broadcasts, for engines that fix it when they
+        join (vLLM's packed transfer); ``None``: one broadcast per tensor.
     """
 
     master_address: str = attrs.field(validator=_text)
@@ -632,6 +634,7 @@ class DistributedGroup:
     rank_offset: int
     group_name: str = attrs.field(default="weight_sync", validator=_text)
     backend: str = attrs.field(default="nccl", validator=_text)
+    bucket_bytes: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -641,6 +644,63 @@ class TensorSpec:
     name: str = attrs.field(validator=_text)
     dtype: str = attrs.field(validator=_text)
     shape: tuple[int, ...] = attrs.field(converter=_int_tuple)
+
+    @property
+    def nbytes(self) -> int:
+        """Its size in bytes.
+
+        :raises InvalidRequestError: a dtype name outside :data:`DTYPE_BYTES`.
+        """
+        size = DTYPE_BYTES.get(self.dtype.removeprefix("torch."))
+        if size is None:
+            raise InvalidRequestError(
+                f"tensor {self.name!r}: dtype {self.dtype!r} cannot be sent (known: {', '.join(DTYPE_BYTES)})"
+            )
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count * size
+
+
+#: Bytes per element of the dtypes a weight transfer carries, by torch's name.
+DTYPE_BYTES: Mapping[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+
+def _buckets(value: Iterable[Iterable[TensorSpec]]) -> tuple[tuple[TensorSpec, ...], ...]:
+    return tuple(tuple(bucket) for bucket in value)
+
+
+@attrs.frozen(kw_only=True)
+class TransferPlan:
+    """How an engine receives a distributed weight update, as its backend plans it: the tensors in broadcast
+    order, cut into buckets.
+
+    :param buckets: the tensors, in the order the trainer broadcasts them, in consecutive buckets.
+    :param packed: each bucket travels as one ``uint8`` broadcast of its tensors' bytes concatenated in order;
+        otherwise every tensor is its own broadcast in its own dtype (the buckets then only group the engine's
+        calls).
+    """
+
+    buckets: tuple[tuple[TensorSpec, ...], ...] = attrs.field(converter=_buckets)
+    packed: bool
+
+    @property
+    def tensors(self) -> list[TensorSpec]:
+        """Every tensor in broadcast order."""
+        return [t for bucket in self.buckets for t in bucket]
 
 
 @attrs.frozen(kw_only=True)

@@ -84,7 +84,8 @@ from backends_core.errors import (
 from backends_core.errors import UnsupportedOperationError as Unsupported
 from backends_core.fleet import ServerOutcome
 from backends_core.jsonnode import Node
-from backends_core.types import DistributedGroup, LoraAdapter, PauseMode, ServerState, TensorSpec
+from backends_core.transfer import one_by_one
+from backends_core.types import DistributedGroup, LoraAdapter, PauseMode, ServerState, TensorSpec, TransferPlan
 from backends_dynamo.options import DynamoOptions
 
 __all__ = [
@@ -132,6 +133,7 @@ __all__ = [
     "weight_version",
     "worker_ready",
     "worker_urls",
+    "weight_transfer_plan",
 ]
 
 
@@ -880,6 +882,17 @@ async def admin_destroy_weight_transfer(server: Server, group_name: str, options
         state = f"{names(left)} left group {group_name!r}, {names(others)} did not"
     raise_for("admin_destroy_weight_transfer", server, outcomes, state)
     return True
+
+
+@hookimpl
+def weight_transfer_plan(tensors: Sequence[TensorSpec], bucket_bytes: int | None) -> TransferPlan:
+    """One broadcast per tensor, announced at once: the frontend forwards the announcement to each worker's
+    ``update_weights_from_distributed`` as it is, with no packed form."""
+    if bucket_bytes is not None:
+        raise InvalidRequestError(
+            "Dynamo 1.6.1 forwards weight updates one broadcast per tensor: join the group without bucket_bytes"
+        )
+    return one_by_one(tensors)
 
 
 @hookimpl

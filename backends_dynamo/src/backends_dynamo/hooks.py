@@ -46,6 +46,7 @@ from backends_dynamo.admin import (
     admin_wake,
     dynamo_request_id,
     tracker,
+    weight_transfer_plan,
 )
 from backends_dynamo.front import DynamoFront
 from backends_dynamo.options import DynamoOptions, parse_options
@@ -71,6 +72,7 @@ __all__ = [
     "teacher_logprobs",
     "tokenize_messages",
     "validate_backend_options",
+    "weight_transfer_plan",
 ]
 
 

@@ -33,6 +33,7 @@ import attrs
 from backends_core import Server, StatusHint, hookimpl
 from backends_core.config import ClientConfig
 from backends_core.errors import ConfigError, InvalidRequestError, ServerStatusError, TransportError
+from backends_core.transfer import capped_buckets, one_by_one
 from backends_core.types import (
     SAMPLING_FEATURES,
     DistributedGroup,
@@ -45,6 +46,7 @@ from backends_core.types import (
     TeacherLogprobs,
     TeacherRequest,
     TensorSpec,
+    TransferPlan,
 )
 from backends_sglang import control, wire
 from backends_sglang.options import SglangOptions, parse_options
@@ -409,26 +411,46 @@ def _dtype(name: str) -> str:
 
 
 @hookimpl
+def weight_transfer_plan(tensors: Sequence[TensorSpec], bucket_bytes: int | None) -> TransferPlan:
+    """One broadcast per tensor, or flattened buckets of at most ``bucket_bytes`` (``load_format:
+    "flattened_bucket"``: one ``uint8`` broadcast per bucket, each announced by its own call)."""
+    return one_by_one(tensors) if bucket_bytes is None else capped_buckets(tensors, bucket_bytes)
+
+
+@hookimpl
 async def admin_update_weights_distributed(
-    server: Server, group_name: str, tensors: Sequence[TensorSpec], version: str | None, options: SglangOptions
+    server: Server,
+    group_name: str,
+    tensors: Sequence[TensorSpec],
+    version: str | None,
+    plan: TransferPlan | None,
+    options: SglangOptions,
 ) -> bool:
-    """``/begin_weight_update`` -> ``/update_weights_from_distributed`` -> ``/end_weight_update`` (SGLang 0.5.23
-    refuses the update outside such a session); the session is closed even when the update fails."""
-    body: dict[str, Any] = {
-        "names": [t.name for t in tensors],
-        "dtypes": [_dtype(t.dtype) for t in tensors],
-        "shapes": [list(t.shape) for t in tensors],
-        "group_name": group_name,
-        "abort_all_requests": False,
-        "flush_cache": await _flush_with_update(server),
-    }
-    if version is not None:
-        body["weight_version"] = version
+    """``/begin_weight_update`` -> ``/update_weights_from_distributed`` per bucket -> ``/end_weight_update``
+    (SGLang 0.5.23 refuses the update outside such a session); the session is closed even when the update
+    fails. The version and the cache flush go with the last bucket, so a failure part-way leaves the version
+    as it was."""
+    buckets = [list(tensors)] if plan is None else [list(bucket) for bucket in plan.buckets]
+    flush = await _flush_with_update(server)
     begun = await control.call(server, options, "POST", "/begin_weight_update", {})
     control.require_success(server, "/begin_weight_update", begun)
     try:
-        raw = await control.call(server, options, "POST", "/update_weights_from_distributed", body)
-        control.require_success(server, "/update_weights_from_distributed", raw)
+        for index, bucket in enumerate(buckets):
+            last = index == len(buckets) - 1
+            body: dict[str, Any] = {
+                "names": [t.name for t in bucket],
+                "dtypes": [_dtype(t.dtype) for t in bucket],
+                "shapes": [list(t.shape) for t in bucket],
+                "group_name": group_name,
+                "abort_all_requests": False,
+                "flush_cache": flush and last,
+            }
+            if plan is not None and plan.packed:
+                body["load_format"] = "flattened_bucket"
+            if version is not None and last:
+                body["weight_version"] = version
+            raw = await control.call(server, options, "POST", "/update_weights_from_distributed", body)
+            control.require_success(server, "/update_weights_from_distributed", raw)
     except BaseException:
         try:
             await control.call(server, options, "POST", "/end_weight_update", {})

@@ -18,6 +18,7 @@ from backends_core.errors import (
     ServerStatusError,
     TransportError,
 )
+from backends_core.transfer import one_by_one, overflow_buckets
 from backends_core.types import (
     SAMPLING_FEATURES,
     DistributedGroup,
@@ -30,6 +31,7 @@ from backends_core.types import (
     TeacherLogprobs,
     TeacherRequest,
     TensorSpec,
+    TransferPlan,
 )
 from backends_vllm import wire
 from backends_vllm.options import VllmOptions, parse_options
@@ -377,10 +379,23 @@ async def admin_init_weight_transfer(server: Server, group: DistributedGroup) ->
                 "master_port": group.master_port,
                 "rank_offset": group.rank_offset,
                 "world_size": group.world_size,
+                # the packing is fixed when the engine joins: it re-derives every update's buckets from it
+                **(
+                    {"packed": False}
+                    if group.bucket_bytes is None
+                    else {"packed": True, "packed_buffer_size_bytes": group.bucket_bytes}
+                ),
             }
         },
     )
     return True
+
+
+@hookimpl
+def weight_transfer_plan(tensors: Sequence[TensorSpec], bucket_bytes: int | None) -> TransferPlan:
+    """vLLM's transfer engine: one broadcast per tensor, or (joined with ``bucket_bytes``) packed buckets it
+    cuts itself from the announced list, each closed by the tensor that takes it past the size."""
+    return one_by_one(tensors) if bucket_bytes is None else overflow_buckets(tensors, bucket_bytes)
 
 
 @hookimpl
@@ -394,6 +409,8 @@ async def admin_destroy_weight_transfer(server: Server) -> bool:
 
 @hookimpl
 async def admin_update_weights_distributed(server: Server, tensors: Sequence[TensorSpec], version: str | None) -> bool:
+    """One announcement of every tensor, whatever the plan: vLLM cuts packed buckets itself (see
+    :func:`weight_transfer_plan`)."""
     await _admin(server, "POST", "/start_weight_update", body={})
     await _admin(
         server,

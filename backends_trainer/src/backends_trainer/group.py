@@ -1,0 +1,80 @@
+"""The trainer's end of a weight-transfer group: rank 0, host of the rendezvous, and the broadcasts a
+:class:`~backends_core.types.TransferPlan` asks for.
+
+The group is built as the engines build theirs (SGLang's ``init_weights_update_group``, the OpenRLHF-style
+helper most trainers copy): a rendezvous on ``tcp://<master>:<port>``, the store under a prefix of the group's
+name, then a process group beside any default group the trainer has, so a trainer already running
+``torch.distributed`` (FSDP, DDP) keeps its own group untouched. torch offers no public call for a second group
+on its own store; ``_new_process_group_helper`` is the one the engines use, and the two sides' store keys must
+match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import Backend, GroupName, PrefixStore, _new_process_group_helper
+from torch.distributed.rendezvous import rendezvous
+
+from backends_core.types import DistributedGroup, TransferPlan
+
+__all__ = ["broadcast_plan", "join_as_trainer", "leave"]
+
+
+def join_as_trainer(group: DistributedGroup, *, timeout_s: float) -> dist.ProcessGroup:
+    """Host the rendezvous and join ``group`` as rank 0; returns once every rank joined (or raises after
+    ``timeout_s``)."""
+    timeout = timedelta(seconds=timeout_s)
+    url = f"tcp://{group.master_address}:{group.master_port}"
+    store, rank, world_size = next(rendezvous(url, 0, group.world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    process_group, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(group.backend),
+        PrefixStore(group.group_name, store),
+        group_name=GroupName(group.group_name),
+        backend_options=None,
+        timeout=timeout,
+    )
+    assert isinstance(process_group, dist.ProcessGroup)
+    return process_group
+
+
+def leave(process_group: dist.ProcessGroup) -> None:
+    """Free the trainer's side of the group."""
+    dist.destroy_process_group(process_group)
+
+
+def broadcast_plan(
+    process_group: dist.ProcessGroup, plan: TransferPlan, tensors: Mapping[str, torch.Tensor], *, device: str
+) -> int:
+    """Send ``tensors`` as ``plan`` says, from rank 0: a packed bucket is one ``uint8`` broadcast of its tensors'
+    bytes in order, otherwise one broadcast per tensor. Returns the bytes sent.
+
+    :param device: where the group's backend takes tensors from (``"cpu"`` for gloo).
+    """
+    sent = 0
+    for bucket in plan.buckets:
+        parts = [_wire(tensors[spec.name], device) for spec in bucket]
+        if plan.packed:
+            flat = parts[0].reshape(-1).view(torch.uint8) if len(parts) == 1 else _pack(parts)
+            dist.broadcast(flat, group=process_group, group_src=0)
+            sent += flat.numel()
+        else:
+            for part in parts:
+                dist.broadcast(part, group=process_group, group_src=0)
+                sent += part.numel() * part.element_size()
+    return sent
+
+
+def _wire(tensor: torch.Tensor, device: str) -> torch.Tensor:
+    return tensor.detach().to(device).contiguous()
+
+
+def _pack(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([part.reshape(-1).view(torch.uint8) for part in parts])
