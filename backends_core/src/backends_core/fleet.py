@@ -801,19 +801,20 @@ class Admin:
         started = time.perf_counter()
         sending = asyncio.ensure_future(broadcast.sender())
         try:
-            await asyncio.wait({receiving, sending}, return_when=asyncio.FIRST_EXCEPTION)
+            await asyncio.wait({receiving, sending}, return_when=asyncio.FIRST_COMPLETED)
+            if receiving.done() and all(o.ok for o in receiving.result()):
+                await asyncio.wait({sending})  # every server has it: the trainer's side is finishing
+            elif sending.done() and sending.exception() is None:
+                await asyncio.wait({receiving})
         finally:
             for task in (receiving, sending):
                 if not task.done():
                     task.cancel()
             await asyncio.gather(receiving, sending, return_exceptions=True)
+        if receiving.cancelled() and sending.cancelled():  # this sync was cancelled
+            raise asyncio.CancelledError
         if sending.cancelled() or sending.exception() is None:
-            if receiving.cancelled():
-                raise asyncio.CancelledError
-            outcomes = receiving.result()
-            if sending.cancelled() and all(o.ok for o in outcomes):  # cannot happen: a receive needs the send
-                raise RuntimeError("the servers received a broadcast the trainer did not finish")
-            return outcomes
+            return receiving.result()  # a failed receive (the sender abandoned), or every server received
         error = sending.exception()
         duration = time.perf_counter() - started
         for server in servers:
