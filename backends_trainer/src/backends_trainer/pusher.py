@@ -127,7 +127,7 @@ class WeightPusher:
             raise InvalidRequestError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
         if group is not None:
             _check_group(group)
-            _require(client, "weight_transfer_plan", "admin_init_weight_transfer", "admin_update_weights_distributed")
+            _require(client, "admin_init_weight_transfer", "admin_update_weights_distributed")
         else:
             _require(client, "admin_update_weights")
         self.client = client
