@@ -16,12 +16,12 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import Backend, GroupName, PrefixStore, _new_process_group_helper
+from torch.distributed.distributed_c10d import Backend, GroupName, PrefixStore, _new_process_group_helper, _world
 from torch.distributed.rendezvous import rendezvous
 
 from backends_core.types import DistributedGroup, TransferPlan
 
-__all__ = ["broadcast_plan", "join_as_trainer", "leave"]
+__all__ = ["Staging", "broadcast_plan", "join_as_trainer", "leave"]
 
 
 def join_as_trainer(group: DistributedGroup, *, timeout_s: float) -> dist.ProcessGroup:
@@ -42,6 +42,9 @@ def join_as_trainer(group: DistributedGroup, *, timeout_s: float) -> dist.Proces
         timeout=timeout,
     )
     assert isinstance(process_group, dist.ProcessGroup)
+    # registered as the engines register theirs (SGLang's init_custom_process_group): without it
+    # dist.destroy_process_group(process_group) fails (KeyError in _world.pg_group_ranks) and the group leaks
+    _world.pg_group_ranks[process_group] = {rank: rank for rank in range(world_size)}
     return process_group
 
 
@@ -50,19 +53,49 @@ def leave(process_group: dist.ProcessGroup) -> None:
     dist.destroy_process_group(process_group)
 
 
+class Staging:
+    """One buffer that packed buckets are copied into, kept from push to push (host memory, for gloo).
+
+    Packing into a fresh ``torch.cat`` result costs a page fault per 4 KiB page on every push: the allocator
+    hands blocks of this size back to the kernel when they are freed. Packing into memory already mapped is a
+    plain copy (``bench/bench_push.py``: 256 MiB buckets of a 200 M-parameter model). It holds the largest packed
+    bucket sent so far (at most ``bucket_bytes``; a tensor alone in its bucket is sent as it is, never copied).
+    """
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, size: int) -> torch.Tensor:
+        """``size`` bytes of the buffer, grown first if it is smaller."""
+        if self._buffer is None or self._buffer.numel() < size:
+            self._buffer = None  # the old one is freed before the new one is allocated
+            self._buffer = torch.empty(size, dtype=torch.uint8)
+        return self._buffer[:size]
+
+    def release(self) -> None:
+        self._buffer = None
+
+
 def broadcast_plan(
-    process_group: dist.ProcessGroup, plan: TransferPlan, tensors: Mapping[str, torch.Tensor], *, device: str
+    process_group: dist.ProcessGroup,
+    plan: TransferPlan,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    device: str,
+    staging: Staging | None = None,
 ) -> int:
     """Send ``tensors`` as ``plan`` says, from rank 0: a packed bucket is one ``uint8`` broadcast of its tensors'
     bytes in order, otherwise one broadcast per tensor. Returns the bytes sent.
 
     :param device: where the group's backend takes tensors from (``"cpu"`` for gloo).
+    :param staging: pack buckets into this buffer (host memory) instead of a new tensor each; every broadcast
+        returns before the next bucket is packed, so one buffer serves them all.
     """
     sent = 0
     for bucket in plan.buckets:
         parts = [_wire(tensors[spec.name], device) for spec in bucket]
         if plan.packed:
-            flat = parts[0].reshape(-1).view(torch.uint8) if len(parts) == 1 else _pack(parts)
+            flat = parts[0].reshape(-1).view(torch.uint8) if len(parts) == 1 else _pack(parts, staging)
             dist.broadcast(flat, group=process_group, group_src=0)
             sent += flat.numel()
         else:
@@ -76,5 +109,8 @@ def _wire(tensor: torch.Tensor, device: str) -> torch.Tensor:
     return tensor.detach().to(device).contiguous()
 
 
-def _pack(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([part.reshape(-1).view(torch.uint8) for part in parts])
+def _pack(parts: list[torch.Tensor], staging: Staging | None = None) -> torch.Tensor:
+    flat = [part.reshape(-1).view(torch.uint8) for part in parts]
+    if staging is None:
+        return torch.cat(flat)
+    return torch.cat(flat, out=staging.take(sum(part.numel() for part in flat)))
