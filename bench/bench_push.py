@@ -172,6 +172,25 @@ def join_group(body: dict[str, Any]) -> dist.ProcessGroup:
     return group
 
 
+def checksums(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Exact and order-free: the sum of each tensor's bytes as integers (weighted by position mod 251)."""
+    out = {}
+    for name, t in tensors.items():
+        raw = t.contiguous().reshape(-1).view(torch.uint8).to(torch.int64)
+        out[name] = int((raw * (torch.arange(raw.numel()) % 251 + 1)).sum())
+    return out
+
+
+async def verify(http: Any, urls: list[str], tensors: dict[str, torch.Tensor]) -> None:
+    """Every stand-in holds exactly the pushed tensors (sum and last element of each)."""
+    expected = checksums(tensors)
+    for url in urls:
+        held = (await http.get(f"{url}/bench/checksum")).json()
+        wrong = [name for name, value in expected.items() if held.get(name) != value]
+        if wrong:
+            raise SystemExit(f"{url} does not hold the pushed tensors: {wrong[:5]}")
+
+
 def trim() -> None:
     """Give freed heap memory back to the kernel (between measurements: five processes holding 0.8 GB models
     and their freed receive buffers otherwise outgrow the machine)."""
@@ -224,6 +243,7 @@ def run_standin(url_file: Path) -> None:
             routes["/bench/floor"] = Route(self.floor, methods=POST, level="open")
             routes["/bench/stats"] = Route(self.take_stats, methods=GET, level="open")
             routes["/bench/mode"] = Route(self.set_mode, methods=POST, level="open")
+            routes["/bench/checksum"] = Route(self.checksum, methods=GET, level="open")
             return routes
 
         def add(self, key: str, value: float) -> None:
@@ -344,6 +364,9 @@ def run_standin(url_file: Path) -> None:
             body = json.loads(request.content)
             threading.Thread(target=self.floor_receive, args=(body,), daemon=True).start()
             return ok("floor receive started")
+
+        async def checksum(self, request: httpx.Request) -> httpx.Response:
+            return httpx.Response(200, json=checksums(self.params))
 
         async def set_mode(self, request: httpx.Request) -> httpx.Response:
             body = json.loads(request.content)
@@ -515,7 +538,7 @@ def pack_seconds(pusher: Any, tensors: dict[str, torch.Tensor], *, staging: bool
     """The trainer's packing alone (``group.py``'s ``_pack`` of every bucket, into a new tensor each or into a
     kept staging buffer; 0 per tensor), median of ``repeats``, no network."""
     from backends_core.types import TensorSpec
-    from backends_trainer.group import Staging, _pack, _wire
+    from backends_trainer.group import Staging, _pack, _size, _wire
 
     buffer = Staging() if staging else None
 
@@ -530,7 +553,9 @@ def pack_seconds(pusher: Any, tensors: dict[str, torch.Tensor], *, staging: bool
         started = time.perf_counter()
         for bucket in plan.buckets:
             parts = [_wire(tensors[s.name], "cpu") for s in bucket]
-            flat = parts[0].reshape(-1).view(torch.uint8) if len(parts) == 1 else _pack(parts, buffer)
+            if len(parts) == 1:
+                continue
+            flat = _pack(parts, None if buffer is None else buffer.take(_size(parts)))
             del flat
         times.append(time.perf_counter() - started)
     return statistics.median(times)
@@ -608,6 +633,7 @@ async def measure_point(
 
         await set_reuse(http, urls, True, clear=True)
         await push_once(pusher, tensors, f"{key}-warm")  # the stand-ins allocate their params and kept buffers
+        await verify(http, urls, tensors)
         await set_reuse(http, urls, False)
         await floor_once(pusher, http, urls, tensors)
         await standin_stats(http, urls)
@@ -617,6 +643,8 @@ async def measure_point(
             for kind in kinds[r % 4 :] + kinds[: r % 4]:
                 await kind(r)
             trim()
+        await push_once(pusher, tensors, f"{key}-check")
+        await verify(http, urls, tensors)
     await set_reuse(http, urls, False, clear=True)
     point["buckets"] = point["ours"][0]["buckets"]
     return point
@@ -710,20 +738,24 @@ async def checkpoint_part(args: argparse.Namespace, standins: StandIns, results:
 
 
 @contextlib.contextmanager
-def real_sglang(logs: Path) -> Iterator[tuple[str, int]]:
+def real_sglang(logs: Path, n: int) -> Iterator[list[tuple[str, int]]]:
+    """``n`` real SGLang 0.5.23 servers on the tiny model, as the live tests start them (started together)."""
     sys.path.insert(0, str(c.HERE.parent / "tests" / "live" / "sglang"))
     import sglang_server  # type: ignore[import-not-found]
 
     venv = sglang_server.ensure_sglang_venv()
-    server = sglang_server.sglang_server(venv, tiny_model_dir(), log_path=logs / "sglang.log", name="sglang-bench")
-    server.start()
-    try:
-        server.wait_ready(sglang_server.READY_PATH, timeout=sglang_server.START_TIMEOUT_S)
-        print(f"real SGLang ready at {server.url} after {server.ready_after:.0f} s", flush=True)
-        assert server.pid is not None
-        yield server.url, server.pid
-    finally:
-        server.stop(timeout=sglang_server.STOP_TIMEOUT_S)
+    servers = [
+        sglang_server.sglang_server(venv, tiny_model_dir(), log_path=logs / f"sglang-{i}.log", name=f"sglang-bench-{i}")
+        for i in range(n)
+    ]
+    with contextlib.ExitStack() as stack:
+        for server in servers:
+            server.start()
+            stack.callback(server.stop, timeout=sglang_server.STOP_TIMEOUT_S)
+        for server in servers:
+            server.wait_ready(sglang_server.READY_PATH, timeout=sglang_server.START_TIMEOUT_S)
+            print(f"real SGLang ready at {server.url} after {server.ready_after:.0f} s", flush=True)
+        yield [(server.url, server.pid) for server in servers]
 
 
 def ms(runs: list[dict[str, float]], field: str = "wall_s") -> str:
@@ -744,8 +776,8 @@ def rss_tree_mb(pid: int) -> float:
 
 
 async def sglang_part(args: argparse.Namespace, standins: StandIns, results: dict[str, Any], logs: Path) -> None:
-    """The tiny model pushed to one real SGLang 0.5.23 server (group: per tensor and packed buckets; checkpoint);
-    the same tensors pushed to one stand-in and broadcast raw to it, in the same run."""
+    """The tiny model pushed to ``--sglang`` real SGLang 0.5.23 servers (group: per tensor and packed buckets;
+    checkpoint); the same tensors pushed to as many stand-ins and broadcast raw to them, in the same run."""
     import httpx
 
     tensors = tiny()
@@ -753,26 +785,30 @@ async def sglang_part(args: argparse.Namespace, standins: StandIns, results: dic
     buckets = [None, MIB, 64 * MIB]  # the tiny model is 1.6 MB: per tensor, 2 buckets, 1 bucket
     ckpt_root = Path(args.ckpt_dir)
     out: dict[str, Any] = {"bytes": nbytes(tensors), "tensors": len(tensors), "points": {}}
-    with real_sglang(logs) as (url, pid):
-        out["rss_mb_tree"] = rss_tree_mb(pid)
+    n = args.sglang
+    urls = standins.urls[:n]
+    with real_sglang(logs, n) as started:
+        out["rss_mb_tree"] = [rss_tree_mb(pid) for _, pid in started]
+        out["servers"] = n
+        print(f"real SGLang RSS (each server's process tree): {out['rss_mb_tree']} MB", flush=True)
         async with (
             httpx.AsyncClient(timeout=600) as http,
-            make_client([url]) as real,
-            make_client(standins.urls[:1]) as standin,
+            make_client([url for url, _ in started]) as real,
+            make_client(urls) as standin,
         ):
             for bucket in buckets:
                 point: dict[str, Any] = {"bucket": bucket, "real": [], "standin": [], "floor_s": []}
                 async with (
-                    group_pusher(real, 1, bucket, reference=model_dir) as p_real,
-                    group_pusher(standin, 1, bucket, reference=model_dir) as p_standin,
+                    group_pusher(real, n, bucket, reference=model_dir) as p_real,
+                    group_pusher(standin, n, bucket, reference=model_dir) as p_standin,
                 ):
                     await push_once(p_real, tensors, "warm")
                     await push_once(p_standin, tensors, "warm")
                     for r in range(args.rounds):
-                        point["floor_s"].append(await floor_once(p_standin, http, standins.urls[:1], tensors))
+                        point["floor_s"].append(await floor_once(p_standin, http, urls, tensors))
                         point["real"].append(await push_once(p_real, tensors, f"sglang-{r}"))
                         point["standin"].append(await push_once(p_standin, tensors, f"standin-{r}"))
-                        await standin_stats(http, standins.urls[:1])
+                        await standin_stats(http, urls)
                 out["points"][bucket_label(bucket)] = point
                 print(
                     f"real SGLang tiny {bucket_label(bucket):10s} ours {ms(point['real'])} ms"
@@ -788,7 +824,7 @@ async def sglang_part(args: argparse.Namespace, standins: StandIns, results: dic
             out["checkpoint"] = runs
             print(f"real SGLang tiny checkpoint {ms(runs['real'])} ms  stand-in {ms(runs['standin'])} ms", flush=True)
             # leave the server as it started: the original tensors are what was pushed; the version is ours
-    results["sglang"] = out
+    results[f"sglang{n}"] = out
     c.save(results["args"]["out"], results)
 
 
@@ -804,7 +840,7 @@ def main() -> None:
     parser.add_argument("--servers", default="1,4")
     parser.add_argument("--buckets", default="none,1,16,64,256", help="MiB, or none (one broadcast per tensor)")
     parser.add_argument("--parts", default="sweep,checkpoint")
-    parser.add_argument("--sglang", action="store_true", help="also the tiny model on one real SGLang 0.5.23")
+    parser.add_argument("--sglang", type=int, default=0, help="also the tiny model on this many real SGLang 0.5.23")
     parser.add_argument("--ckpt-dir", default=str(Path(tempfile.gettempdir()) / "bench-push-ckpt"))
     parser.add_argument("--out", default="push")
     args = parser.parse_args()
@@ -819,7 +855,7 @@ def main() -> None:
     }
     Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="bench-push-"))
-    n = max(int(s) for s in args.servers.split(","))
+    n = max([int(s) for s in args.servers.split(",")] + [args.sglang])
     standins = StandIns(n, logs)
     print(f"{n} stand-ins up ({logs}); machine {results['machine']}", flush=True)
 

@@ -54,26 +54,28 @@ def leave(process_group: dist.ProcessGroup) -> None:
 
 
 class Staging:
-    """One buffer that packed buckets are copied into, kept from push to push (host memory, for gloo).
+    """Two buffers that packed buckets are copied into, kept from push to push (host memory, for gloo).
 
-    Packing into a fresh ``torch.cat`` result costs a page fault per 4 KiB page on every push: the allocator
-    hands blocks of this size back to the kernel when they are freed. Packing into memory already mapped is a
-    plain copy (``bench/bench_push.py``: 256 MiB buckets of a 200 M-parameter model). It holds the largest packed
-    bucket sent so far (at most ``bucket_bytes``; a tensor alone in its bucket is sent as it is, never copied).
+    Packing into a fresh ``torch.cat`` result costs a page fault per 4 KiB page on every push (the allocator
+    hands blocks this large back to the kernel when they are freed); packing into memory already mapped is a
+    plain copy. Two, so that a bucket is packed while the one before it is on the wire. Each holds the largest
+    packed bucket sent so far (at most ``bucket_bytes``; a tensor alone in its bucket is sent as it is, never
+    copied). ``bench/bench_push.py`` measures both effects.
     """
 
     def __init__(self) -> None:
-        self._buffer: torch.Tensor | None = None
+        self._buffers: list[torch.Tensor | None] = [None, None]
 
-    def take(self, size: int) -> torch.Tensor:
-        """``size`` bytes of the buffer, grown first if it is smaller."""
-        if self._buffer is None or self._buffer.numel() < size:
-            self._buffer = None  # the old one is freed before the new one is allocated
-            self._buffer = torch.empty(size, dtype=torch.uint8)
-        return self._buffer[:size]
+    def take(self, size: int, slot: int = 0) -> torch.Tensor:
+        """``size`` bytes of buffer ``slot`` (0 or 1), grown first if it is smaller."""
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.numel() < size:
+            self._buffers[slot] = None  # the old one is freed before the new one is allocated
+            self._buffers[slot] = buffer = torch.empty(size, dtype=torch.uint8)
+        return buffer[:size]
 
     def release(self) -> None:
-        self._buffer = None
+        self._buffers = [None, None]
 
 
 def broadcast_plan(
@@ -88,20 +90,32 @@ def broadcast_plan(
     bytes in order, otherwise one broadcast per tensor. Returns the bytes sent.
 
     :param device: where the group's backend takes tensors from (``"cpu"`` for gloo).
-    :param staging: pack buckets into this buffer (host memory) instead of a new tensor each; every broadcast
-        returns before the next bucket is packed, so one buffer serves them all.
+    :param staging: pack buckets into these buffers (host memory) instead of a new tensor each, the next bucket
+        while the one before it is sent (its broadcast is waited for before its buffer is packed again).
     """
     sent = 0
-    for bucket in plan.buckets:
+    pending: dist.Work | None = None
+    for index, bucket in enumerate(plan.buckets):
         parts = [_wire(tensors[spec.name], device) for spec in bucket]
         if plan.packed:
-            flat = parts[0].reshape(-1).view(torch.uint8) if len(parts) == 1 else _pack(parts, staging)
-            dist.broadcast(flat, group=process_group, group_src=0)
+            if len(parts) == 1:
+                flat = parts[0].reshape(-1).view(torch.uint8)
+            else:
+                flat = _pack(parts, None if staging is None else staging.take(_size(parts), index % 2))
+            if pending is not None:
+                pending.wait()
+                pending = None
+            if staging is None:
+                dist.broadcast(flat, group=process_group, group_src=0)
+            else:
+                pending = dist.broadcast(flat, group=process_group, group_src=0, async_op=True)
             sent += flat.numel()
         else:
             for part in parts:
                 dist.broadcast(part, group=process_group, group_src=0)
                 sent += part.numel() * part.element_size()
+    if pending is not None:
+        pending.wait()
     return sent
 
 
@@ -109,8 +123,10 @@ def _wire(tensor: torch.Tensor, device: str) -> torch.Tensor:
     return tensor.detach().to(device).contiguous()
 
 
-def _pack(parts: list[torch.Tensor], staging: Staging | None = None) -> torch.Tensor:
+def _size(parts: list[torch.Tensor]) -> int:
+    return sum(part.numel() * part.element_size() for part in parts)
+
+
+def _pack(parts: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     flat = [part.reshape(-1).view(torch.uint8) for part in parts]
-    if staging is None:
-        return torch.cat(flat)
-    return torch.cat(flat, out=staging.take(sum(part.numel() for part in flat)))
+    return torch.cat(flat) if out is None else torch.cat(flat, out=out)
