@@ -18,11 +18,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from backends_core import Client, ClientConfig, DistributedGroup, TensorSpec
+from backends_core import Client, ClientConfig, DistributedGroup, SyncClient, TensorSpec
 from backends_core.errors import AdminError
 from backends_testkit.engine import ReferenceEngine
 from backends_testkit.tinymodel import TOKENIZER_SIZE, write_perturbed_weights
-from backends_trainer import CheckpointDir, WeightPusher
+from backends_trainer import CheckpointDir, SyncWeightPusher, WeightPusher
 from backends_vllm_testing import VllmEmulator
 
 DEADLINE_S = 120.0
@@ -207,3 +207,23 @@ async def test_a_tensor_the_server_refuses_fails_the_push_and_leaves_the_group_i
             report = await pusher.push({"model.norm.weight": noisy["model.norm.weight"]}, version="good")
     assert report.version == "good"
     assert float(np.max(np.abs(await served_logprobs(client) - before))) > 0
+
+
+def test_a_synchronous_trainer_pushes_through_a_sync_client(tiny_models, perturbed: Path) -> None:
+    engine = ReferenceEngine(tiny_models.dense)
+    emulator = VllmEmulator(
+        engine, receive_weights=True, transfer_group_name="sync", transfer_timeout_s=GROUP_TIMEOUT_S
+    )
+    config = ClientConfig(backend="vllm", base_url="http://vllm", model="tiny-qwen3", tokenizer=str(tiny_models.dense))
+    with SyncClient(config, transport=emulator.transport()) as client:
+        try:
+            with SyncWeightPusher(
+                client, group=group("sync", 1 << 16), reference=tiny_models.dense, group_timeout_s=GROUP_TIMEOUT_S
+            ) as pusher:
+                report = pusher.push(load_file(str(perturbed / "model.safetensors")), version="sync-1")
+            assert report.version == "sync-1" and report.buckets > 2
+            (state,) = client.admin.state()
+            assert state.weight_version == "sync-1"
+            assert not emulator.weight_transfer.initialized  # the pusher's close() made the server leave
+        finally:
+            client.run(lambda _client: emulator.aclose())
