@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import shutil
 import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -227,3 +229,9 @@ def test_a_synchronous_trainer_pushes_through_a_sync_client(tiny_models, perturb
             assert not emulator.weight_transfer.initialized  # the pusher's close() made the server leave
         finally:
             client.run(lambda _client: emulator.aclose())
+
+
+def test_the_emulator_imports_torch_only_to_receive() -> None:
+    probe = "import sys, backends_core, backends_vllm, backends_vllm_testing.emulator; print('torch' in sys.modules)"
+    answer = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    assert answer.stdout.strip() == "False"
