@@ -113,7 +113,7 @@ def group(name: str, bucket_bytes: int | None) -> DistributedGroup:
     ids=["one-per-tensor", "packed-1MiB", "packed-smaller-than-the-largest-tensor", "packed-4KiB"],
 )
 async def test_a_group_push_is_served_exactly(
-    served: Served, perturbed: Path, tiny_models, group_name: str, bucket_bytes: int | None
+    served: Served, perturbed: Path, tiny_models, group_name: str, bucket_bytes: int | None, record_property
 ) -> None:
     client, emulator = served.client, served.emulator
     before = await served_logprobs(client)
@@ -146,6 +146,8 @@ async def test_a_group_push_is_served_exactly(
     served_after = await served_logprobs(client)
     assert np.max(np.abs(served_after - before)) > 1e-2, "the push did not change the logprobs"
     delta = float(np.max(np.abs(served_after - await engine_logprobs(perturbed))))
+    record_property("max_abs_delta_vs_engine", delta)
+    record_property("push_seconds", report.duration_s)
     assert delta <= TOLERANCE, f"emulator vs engine on the pushed weights: max |Δ logprob| {delta:.3g}"
 
 
