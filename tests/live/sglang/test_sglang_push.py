@@ -177,3 +177,42 @@ async def test_a_push_from_the_trainer_process_is_served_exactly_then_the_origin
     assert not pusher.started
     with pytest.raises(AdminError, match="does not exist"):  # close() made the server leave the group
         await client.admin.destroy_weight_transfer(name)
+
+
+async def test_a_push_sglang_refuses_is_a_typed_error_and_the_group_stays_usable(
+    client: Client, original_version: str, tiny_models: TinyModels, sglang_dense_url: str
+) -> None:
+    before = await _served(client)
+    norm = _tensors(tiny_models.dense)["model.norm.weight"]
+    name = "backends-push-refused"
+    group = DistributedGroup(
+        master_address="127.0.0.1",
+        master_port=_free_port(),
+        world_size=2,
+        rank_offset=1,
+        backend="gloo",
+        group_name=name,
+    )
+    # no reference: nothing is checked on the trainer's side, the server is the one to refuse
+    pusher = WeightPusher(client, group=group, group_timeout_s=GROUP_TIMEOUT_S)
+    try:
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            await pusher.start()
+        with pytest.raises(AdminError) as caught:
+            await _push(pusher, {"model.norm.weight": norm[:32].clone()}, "live-push-refused")
+        message = str(caught.value)
+        sys.stderr.write(f"\n[push refused] {message[:400]}\n")
+        assert "weight_sync: update" in message and sglang_dense_url in message
+        assert "Failed to update parameter online" in message, message
+        assert await _version(client) == original_version
+        (state,) = await client.admin.state()
+        assert state.paused is False  # resumed in the sync's finally
+        assert _max_delta(await _served(client), before) == 0.0
+        # the broadcast completed before SGLang refused: the group is in step and the next push goes through
+        report = await _push(pusher, {"model.norm.weight": norm}, original_version)
+        assert report.version == original_version
+    finally:
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            await pusher.close()
+    assert await _version(client) == original_version
+    assert _max_delta(await _served(client), before) == 0.0
