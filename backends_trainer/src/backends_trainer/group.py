@@ -42,8 +42,8 @@ def join_as_trainer(group: DistributedGroup, *, timeout_s: float) -> dist.Proces
         timeout=timeout,
     )
     assert isinstance(process_group, dist.ProcessGroup)
-    # registered as the engines register theirs (SGLang's init_custom_process_group): without it
-    # dist.destroy_process_group(process_group) fails (KeyError in _world.pg_group_ranks) and the group leaks
+    # what torch's new_group records beside the helper (SGLang's init_custom_process_group too): the group's
+    # ranks by global rank, which destroy_process_group removes (and fails on when they are missing)
     _world.pg_group_ranks[process_group] = {rank: rank for rank in range(world_size)}
     return process_group
 
