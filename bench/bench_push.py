@@ -831,9 +831,150 @@ async def sglang_part(args: argparse.Namespace, standins: StandIns, results: dic
 # -- main -------------------------------------------------------------------------------------------------
 
 
+# -- the report (markdown tables from the saved results) -------------------------------------------------
+
+
+def _ms(values: list[float]) -> str:
+    return c.summary([v * 1e3 for v in values])
+
+
+def _paired(ours: list[dict[str, Any]], floor: list[float]) -> str:
+    return c.ratio_summary([o["wall_s"] / f for o, f in zip(ours, floor, strict=True)])
+
+
+def _standin(point: dict[str, Any], field: str) -> float:
+    """Median over rounds of the slowest stand-in's ``field`` (ms)."""
+    return statistics.median(max(s.get(field, 0.0) for s in stands) for stands in point["standins"]) * 1e3
+
+
+def report(results: dict[str, Any]) -> str:
+    out = []
+    sweep = results.get("sweep", {})
+    if sweep:
+        best: dict[tuple[str, int], float] = {}
+        for point in sweep.values():
+            k = (point["size"], point["servers"])
+            best[k] = min(best.get(k, float("inf")), statistics.median(point["floor_s"]))
+        rows = []
+        for point in sweep.values():
+            ours = point["ours"]
+            rows.append(
+                [
+                    f"{point['size']} ({point['bytes'] / 1e6:.0f} MB)",
+                    point["servers"],
+                    bucket_label(point["bucket"]),
+                    point["buckets"],
+                    _ms(point["floor_s"]),
+                    _ms([o["wall_s"] for o in ours]),
+                    f"**{_paired(ours, point['floor_s'])}**",
+                    f"{statistics.median(o['wall_s'] for o in ours) / best[(point['size'], point['servers'])]:.2f}",
+                    _paired(point["ours_fresh_pack"], point["floor_s"]),
+                    _paired(point["ours_reuse"], point["floor_s"]),
+                    _ms([o["send_s"] for o in ours]),
+                    _ms([o["admin_s"] for o in ours]),
+                    " / ".join(f"{_standin(point, field):.0f}" for field in ("alloc_s", "recv_s", "load_s")),
+                    f"{point['pack_s'] * 1e3:.0f} / {point['pack_staging_s'] * 1e3:.0f}",
+                ]
+            )
+        out.append(
+            c.table(
+                [
+                    "model",
+                    "servers",
+                    "bucket",
+                    "broadcasts",
+                    "floor ms",
+                    "ours ms",
+                    "ours ÷ floor",
+                    "÷ best floor",
+                    "before ÷ floor",
+                    "warm receivers ÷ floor",
+                    "send ms",
+                    "admin ms",
+                    "stand-in alloc / recv / load ms",
+                    "pack alone ms (new / staging)",
+                ],
+                rows,
+            )
+        )
+    checkpoint = results.get("checkpoint", {})
+    if checkpoint:
+        rows = []
+        for key, point in checkpoint.items():
+            size, servers = key.split("/")
+            group = [p for p in sweep.values() if p["size"] == size and p["servers"] == int(servers)]
+            push = min((statistics.median(o["wall_s"] for o in p["ours"]) for p in group), default=float("nan"))
+            floor = min((statistics.median(p["floor_s"]) for p in group), default=float("nan"))
+            walls = [r["wall_s"] for r in point["runs"]]
+            rows.append(
+                [
+                    f"{size} ({point['bytes'] / 1e6:.0f} MB)",
+                    servers,
+                    _ms([r["write_s"] for r in point["runs"]]),
+                    _ms([r["sync_s"] for r in point["runs"]]),
+                    _ms(walls),
+                    f"{statistics.median(walls) / push:.2f}",
+                    f"{statistics.median(walls) / floor:.2f}",
+                ]
+            )
+        out.append(
+            c.table(
+                ["model", "servers", "write ms", "weight_sync ms", "total ms", "÷ best group push", "÷ best floor"],
+                rows,
+            )
+        )
+    for key in sorted(k for k in results if k.startswith("sglang")):
+        real = results[key]
+        rows = []
+        for label, point in real["points"].items():
+            rows.append(
+                [
+                    real["servers"],
+                    label,
+                    _ms([o["wall_s"] for o in point["real"]]),
+                    _ms([o["send_s"] for o in point["real"]]),
+                    _ms([o["admin_s"] for o in point["real"]]),
+                    _ms([o["wall_s"] for o in point["standin"]]),
+                    c.summary([f * 1e3 for f in point["floor_s"]], "{:.1f}"),
+                    _paired(point["real"], point["floor_s"]),
+                ]
+            )
+        ckpt = real.get("checkpoint", {})
+        if ckpt:
+            rows.append(
+                [
+                    real["servers"],
+                    "checkpoint (write + weight_sync(path=))",
+                    _ms([o["wall_s"] for o in ckpt["real"]]),
+                    _ms([o["write_s"] for o in ckpt["real"]]),
+                    _ms([o["sync_s"] for o in ckpt["real"]]),
+                    _ms([o["wall_s"] for o in ckpt["standin"]]),
+                    "",
+                    "",
+                ]
+            )
+        out.append(
+            c.table(
+                [
+                    "real SGLang servers",
+                    "push",
+                    "ours ms",
+                    "send (write) ms",
+                    "admin (sync) ms",
+                    "same push to stand-ins ms",
+                    "floor ms",
+                    "ours ÷ floor",
+                ],
+                rows,
+            )
+        )
+    return "\n\n".join(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", nargs="?", default="bench", choices=["bench", "standin"])
+    parser.add_argument("mode", nargs="?", default="bench", choices=["bench", "standin", "report"])
+    parser.add_argument("results", nargs="*", type=Path, help="report: results files (bench/results/push*.json)")
     parser.add_argument("--url-file", type=Path)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--sizes", default="tiny,50m,200m")
@@ -846,6 +987,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.mode == "standin":
         run_standin(args.url_file)
+        return
+    if args.mode == "report":
+        for path in args.results:
+            print(f"## {path}\n\n{report(json.loads(path.read_text()))}\n")
         return
     results: dict[str, Any] = {
         "machine": c.machine() | {"torch": torch.__version__, "load_at_start": os.getloadavg()},
