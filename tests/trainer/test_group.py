@@ -6,6 +6,7 @@ and the trainer leaves the group cleanly (``dist.destroy_process_group`` knows i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import socket
 import subprocess
@@ -23,7 +24,7 @@ from backends_trainer.group import Staging, broadcast_plan, join_as_trainer, lea
 
 RECEIVER = textwrap.dedent(
     """
-    import json, sys
+    import hashlib, json, os, sys
     from datetime import timedelta
     import torch, torch.distributed as dist
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
@@ -53,9 +54,9 @@ RECEIVER = textwrap.dedent(
                 for tensor_name, nbytes in bucket:
                     got[tensor_name] = torch.empty(nbytes, dtype=torch.uint8)
                     dist.broadcast(got[tensor_name], src=0, group=group)
-        out.append({n: t.tolist() for n, t in got.items()})
-    print(json.dumps(out))
-    dist.destroy_process_group(group)
+        out.append({n: hashlib.sha256(t.numpy().tobytes()).hexdigest() for n, t in got.items()})
+    print(json.dumps(out), flush=True)
+    os._exit(0)  # at once: gloo's threads can abort an orderly interpreter exit ("terminate called ...")
     """
 )
 
@@ -67,16 +68,21 @@ def _free_port() -> int:
         return port
 
 
+BUCKET_BYTES = 12 << 20
+"""Buckets of three 4 MiB tensors: far more than a socket buffer, so a bucket is still on the wire while the next is
+packed (a buffer packed again too early would corrupt what is being sent)."""
+
+
 def _tensors(seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    shapes = {"a": (300,), "b": (7, 11), "c": (1000,), "d": (5,), "e": (64, 4), "f": (3,)}
+    shapes = {f"big.{i}": (1 << 20,) for i in range(12)} | {"b": (7, 11), "c": (1000,), "d": (5,), "e": (64, 4)}
     out = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
     out["g"] = torch.arange(9, dtype=torch.int64)
     return out
 
 
-def _bytes(tensor: torch.Tensor) -> list[int]:
-    return tensor.contiguous().reshape(-1).view(torch.uint8).tolist()
+def _digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 @pytest.mark.parametrize("mode", ["per tensor", "packed", "packed with staging"])
@@ -86,9 +92,9 @@ def test_broadcast_plan_reaches_an_sglang_style_receiver(mode: str, tmp_path: Pa
         TensorSpec(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape))
         for n, t in pushes[0].items()
     ]
-    plan = one_by_one(specs) if mode == "per tensor" else capped_buckets(specs, 2048)
+    plan = one_by_one(specs) if mode == "per tensor" else capped_buckets(specs, BUCKET_BYTES)
     if plan.packed:
-        assert len(plan.buckets) >= 3 and any(len(b) > 1 for b in plan.buckets)  # both staging buffers used
+        assert len(plan.buckets) >= 4 and all(len(b) > 1 for b in plan.buckets)  # both staging buffers, reused
     announced = [
         {"packed": plan.packed, "buckets": [[(s.name, s.nbytes) for s in bucket] for bucket in plan.buckets]}
         for _ in pushes
@@ -128,7 +134,7 @@ def test_broadcast_plan_reaches_an_sglang_style_receiver(mode: str, tmp_path: Pa
         assert receiver.returncode == 0, stderr.decode()[-2000:]
         received = json.loads(stdout)
         for tensors, got in zip(pushes, received, strict=True):
-            assert got == {n: _bytes(t) for n, t in tensors.items()}
+            assert got == {n: _digest(t) for n, t in tensors.items()}
         leave(group)  # raised KeyError before the group was registered
     finally:
         if receiver.poll() is None:
