@@ -169,6 +169,7 @@ def join_group(body: dict[str, Any]) -> dist.ProcessGroup:
         timeout=timeout,
     )
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    assert isinstance(group, dist.ProcessGroup)
     return group
 
 
@@ -640,8 +641,8 @@ async def measure_point(
         kinds = [floor, ours, ours_fresh_pack, ours_reuse]
         for r in range(rounds):
             point["pressure"].append(c.cpu_pressure())
-            for kind in kinds[r % 4 :] + kinds[: r % 4]:
-                await kind(r)
+            for measure in kinds[r % 4 :] + kinds[: r % 4]:
+                await measure(r)
             trim()
         await push_once(pusher, tensors, f"{key}-check")
         await verify(http, urls, tensors)
@@ -724,7 +725,7 @@ async def checkpoint_part(args: argparse.Namespace, standins: StandIns, results:
                     await checkpoint_once(client, ckpt_root, tensors, f"{key}-ckpt-warm")
                     await standin_stats(http, urls)
                     for r in range(args.rounds):
-                        run = await checkpoint_once(client, ckpt_root, tensors, f"{key}-ckpt-{r}")
+                        run: dict[str, Any] = dict(await checkpoint_once(client, ckpt_root, tensors, f"{key}-ckpt-{r}"))
                         run["standins"] = await standin_stats(http, urls)
                         point["runs"].append(run)
                 results["checkpoint"][key] = point
@@ -844,7 +845,7 @@ def _paired(ours: list[dict[str, Any]], floor: list[float]) -> str:
 
 def _standin(point: dict[str, Any], field: str) -> float:
     """Median over rounds of the slowest stand-in's ``field`` (ms)."""
-    return statistics.median(max(s.get(field, 0.0) for s in stands) for stands in point["standins"]) * 1e3
+    return float(statistics.median(max(s.get(field, 0.0) for s in stands) for stands in point["standins"])) * 1e3
 
 
 def report(results: dict[str, Any]) -> str:
