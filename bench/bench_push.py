@@ -2,7 +2,8 @@
 same group, and vs the checkpoint path (write safetensors + ``weight_sync(path=)``).
 
     uv run python bench/bench_push.py [--rounds 5] [--sizes tiny,50m,200m] [--servers 1,4]
-                                      [--buckets none,1,16,64,256] [--sglang] [--parts sweep,checkpoint]
+                                      [--buckets none,1,16,64,256] [--sglang N] [--parts sweep,checkpoint]
+    uv run python bench/bench_push.py report bench/results/push.json     # the README's tables
 
 Receivers (``--servers`` of them, each its own process, one rank each; the trainer is rank 0 in this process):
 
@@ -19,10 +20,12 @@ Receivers (``--servers`` of them, each its own process, one rank each; the train
   name (what ``default_weight_loader`` does; SGLang's Qwen3 loader also fuses q/k/v and gate/up by slice copies);
   ``/update_weights_from_disk`` reads every ``*.safetensors`` of the directory (``safetensors.torch.load_file``)
   and copies the same way. No scheduler process, no ZMQ hop, no model forward.
-* **real SGLang 0.5.23** (``--sglang``: 1 server, the tiny model of ``backends_testkit.tinymodel``, started as the
-  live tests start it): ``WeightPusher.push`` over a gloo group and over a checkpoint directory.
+* **real SGLang 0.5.23** (``--sglang N``: N servers, the tiny model of ``backends_testkit.tinymodel``, started as
+  the live tests start them, ~1.84 GB RSS each): ``WeightPusher.push`` over a gloo group (per tensor, 1 MiB, 64 MiB)
+  and over a checkpoint directory, beside the same pushes to N stand-ins and the floor on the stand-ins' group.
 
-Per point and round (the order of floor and ours alternates by round; ratios are per round):
+Per point and round (floor, ours, before and warm receivers, in an order rotated by round; ratios are per round;
+each stand-in's parameters are checked byte for byte against the pushed tensors after the first and last push):
 
 * **floor**: on the pusher's own process group, every receiver first preallocates and touches its buffers (per
   tensor, or one ``uint8`` buffer per bucket) and the trainer pre-packs its buckets (untimed); then one
@@ -34,6 +37,10 @@ Per point and round (the order of floor and ours alternates by round; ratios are
   ``/update_weights_from_distributed`` (one per bucket) → ``/end_weight_update``, flush, resume, version check.
   Split: ``send_s`` (the trainer's broadcasts) and ``duration_s - send_s`` (the admin part); the stand-ins report
   their own allocation, receive and load times.
+* **before**: the same push with the packing before the staging buffers (every packed bucket a new ``torch.cat``
+  result, sent synchronously): ``pusher._staging = None``.
+* **warm receivers**: the same push with the stand-ins receiving into buffers kept from the previous push instead
+  of SGLang's fresh ``torch.empty`` (``/bench/mode``): what the engine's allocation costs on a CPU.
 * **checkpoint** (``--parts checkpoint``): ``WeightPusher(checkpoint=...)``: ``write_checkpoint`` (safetensors in
   a fresh directory under ``--ckpt-dir``) + ``weight_sync(path=)``.
 
