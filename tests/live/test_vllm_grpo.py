@@ -27,11 +27,7 @@ from backends_testkit.tinymodel import TOKENIZER_SIZE, TinyModels
 from backends_trainer import CheckpointDir, SyncWeightPusher
 from backends_trainer.trl import BackendsRollout, WeightSyncCallback, grpo_kwargs
 
-pytestmark = [
-    pytest.mark.live,
-    pytest.mark.filterwarnings("ignore:You are using 'rollout_func':UserWarning"),
-    pytest.mark.filterwarnings("ignore:`.*gradient_checkpointing.*` is deprecated:FutureWarning"),
-]
+pytestmark = pytest.mark.live
 
 STEPS = 3
 GENERATIONS = 4
@@ -58,7 +54,7 @@ def served_logprobs(client: SyncClient) -> npt.NDArray[np.float64]:
     return client.teacher_logprobs(sequence()).logprobs[1:].astype(np.float64)
 
 
-class ServedEqualsTrained(TrainerCallback):  # type: ignore[misc]
+class ServedEqualsTrained(TrainerCallback):
     """After each step's push (the callback before this one): vLLM's logprobs on the fixed sequence vs the model's."""
 
     def __init__(self, client: SyncClient) -> None:

@@ -24,13 +24,7 @@ from backends_trainer import CheckpointDir, SyncWeightPusher
 from backends_trainer.trl import BackendsRollout, WeightSyncCallback, grpo_kwargs
 from backends_vllm_testing import VllmEmulator
 
-pytestmark = [
-    pytest.mark.slow,
-    # TRL's own notices: rollout_func is experimental; transformers 5.23 renamed gradient checkpointing, which TRL
-    # 1.16 still calls by the old names
-    pytest.mark.filterwarnings("ignore:You are using 'rollout_func':UserWarning"),
-    pytest.mark.filterwarnings("ignore:`.*gradient_checkpointing.*` is deprecated:FutureWarning"),
-]
+pytestmark = pytest.mark.slow
 
 STEPS = 2
 GENERATIONS = 4

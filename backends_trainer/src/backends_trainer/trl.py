@@ -32,6 +32,7 @@ import attrs
 from backends_core import Client, ClientConfig, SamplingParams, SyncClient
 from backends_core.errors import InvalidRequestError
 from backends_core.types import GenerateResult
+from backends_trainer.checkpoint import CheckpointDir
 from backends_trainer.pusher import PushReport, WeightPusher
 from backends_trainer.sync import SyncWeightPusher
 
@@ -41,7 +42,8 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only where transformers is missing
     raise ImportError('backends_trainer.trl needs TRL and transformers: pip install "backends-trainer[trl]"') from exc
 
-__all__ = ["BackendsRollout", "WeightSyncCallback", "grpo_kwargs"]
+# CheckpointDir and SyncWeightPusher are re-exported: a TRL script imports everything it needs from here
+__all__ = ["BackendsRollout", "CheckpointDir", "SyncWeightPusher", "WeightSyncCallback", "grpo_kwargs"]
 
 #: Seeds of different training processes lie this far apart, so their groups never share a seed.
 _PROCESS_SEED_STRIDE = 1 << 24
