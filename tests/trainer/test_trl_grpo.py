@@ -177,7 +177,7 @@ def test_grpo_trains_on_the_emulator_and_every_step_is_served(
     assert [p.name for p in (tmp_path / "ckpt").iterdir() if p.is_dir()] == [f"step-{STEPS}"]  # keep=1
 
 
-def test_push_at_start_and_every_other_step(served: Served, tiny_models: Any, tmp_path: Path) -> None:
+def test_push_at_start_and_every_other_step_with_the_off_policy_mask(served: Served, tiny_models: Any, tmp_path: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(str(tiny_models.dense))
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_models.dense))
     pusher = SyncWeightPusher(
@@ -187,7 +187,8 @@ def test_push_at_start_and_every_other_step(served: Served, tiny_models: Any, tm
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=id_reward,
-        args=config(tmp_path, max_steps=3),
+        # the off-policy sequence mask is what TRL does with the sampling logprobs under use_vllm=False
+        args=config(tmp_path, max_steps=3, off_policy_mask_threshold=0.5),
         train_dataset=dataset(),
         processing_class=tokenizer,
         **kwargs,
