@@ -177,7 +177,9 @@ def test_grpo_trains_on_the_emulator_and_every_step_is_served(
     assert [p.name for p in (tmp_path / "ckpt").iterdir() if p.is_dir()] == [f"step-{STEPS}"]  # keep=1
 
 
-def test_push_at_start_and_every_other_step_with_the_off_policy_mask(served: Served, tiny_models: Any, tmp_path: Path) -> None:
+def test_push_at_start_and_every_other_step_with_the_off_policy_mask(
+    served: Served, tiny_models: Any, tmp_path: Path
+) -> None:
     model = AutoModelForCausalLM.from_pretrained(str(tiny_models.dense))
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_models.dense))
     pusher = SyncWeightPusher(
