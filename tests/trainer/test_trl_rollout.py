@@ -125,6 +125,20 @@ def test_a_seeded_run_draws_new_seeds_for_every_batch_and_repeats_from_the_same_
     assert again(batch, trainer(tokenizer))["completion_ids"] == one["completion_ids"]
 
 
+def test_each_training_process_draws_its_own_seeds(served: Served, tokenizer: Any) -> None:
+    # a group split over two processes (each holding 2 of its 4 samples) must not draw the same samples twice
+    for process in (0, 1):
+        BackendsRollout(served.client, seed=5)(
+            [QUESTION] * 2, trainer(tokenizer, accelerator=SimpleNamespace(process_index=process))
+        )
+    seeds = [
+        httpx.Response(200, content=r.content).json()["sampling_params"]["seed"]
+        for r in served.sent
+        if r.url.path == "/inference/v1/generate"
+    ]
+    assert seeds == [5, 5 + (1 << 24)]
+
+
 def test_token_id_and_text_prompts(served: Served, tokenizer: Any) -> None:
     rollout = BackendsRollout(served.client)
     ids = [5, 17, 230, 9]

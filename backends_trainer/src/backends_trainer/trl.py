@@ -237,10 +237,12 @@ class WeightSyncCallback(TrainerCallback):
     ``pusher``: ``pusher.push(model.state_dict(), version=f"step-{global_step}")``.
 
     The pusher decides the path: a :class:`~backends_trainer.sync.SyncWeightPusher` built with ``group=`` joins
-    the group when training begins (unless started already) and leaves it when training ends; one built with
-    ``checkpoint=`` writes a directory per version. Only the main process pushes; other processes wait for it
-    (when ``torch.distributed`` is initialized), so no process generates the next batch from old weights. A push
-    that fails raises its :class:`~backends_core.errors.AdminError` out of ``trainer.train()``.
+    the group when training begins (unless started already) and leaves it when training ends (a ``Trainer`` that
+    raises never calls ``on_train_end``: to leave the group whatever happens, run ``trainer.train()`` inside
+    ``with pusher:``); one built with ``checkpoint=`` writes a directory per version. Only the main process
+    pushes; other processes wait for it (when ``torch.distributed`` is initialized), so no process generates the
+    next batch from old weights. A push that fails raises its :class:`~backends_core.errors.AdminError` out of
+    ``trainer.train()``.
 
     :param pusher: the pusher (a :class:`SyncWeightPusher`; an async :class:`WeightPusher` is refused).
     :param every: push after every ``every``-th optimizer step (the last step always pushes).
