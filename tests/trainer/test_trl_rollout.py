@@ -5,6 +5,8 @@ stand-in holding the attributes TRL 1.16's ``GRPOTrainer`` reads; the server is 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -257,3 +259,17 @@ def test_the_callback_refuses_an_async_pusher_and_grpo_kwargs_a_pusher_for_other
     assert isinstance(kwargs["rollout_func"], BackendsRollout)
     assert [type(c) for c in kwargs["callbacks"]] == [WeightSyncCallback]
     assert kwargs["rollout_func"].client is served.client
+
+
+def test_backends_trainer_imports_without_trl_and_the_trl_module_names_the_extra() -> None:
+    script = (
+        "import sys\n"
+        "sys.modules['trl'] = sys.modules['transformers'] = None  # as if neither were installed\n"
+        "import backends_trainer\n"
+        "try:\n"
+        "    import backends_trainer.trl\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == 'backends_trainer.trl needs TRL and transformers: pip install "backends-trainer[trl]"'
