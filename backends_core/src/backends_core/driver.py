@@ -452,11 +452,17 @@ class BackendDriver:
         )
 
     def weight_transfer_plan(self, tensors: Sequence[TensorSpec], *, bucket_bytes: int | None) -> TransferPlan:
-        """The backend's plan for receiving ``tensors``; it must hold every tensor once, nothing else."""
-        self.require("weight_transfer_plan")
+        """The backend's plan for receiving ``tensors``; it must hold every tensor once, nothing else.
+
+        ``weight_transfer_plan`` is an infrastructure hook, never a capability: a backend that receives
+        distributed updates (``admin_update_weights_distributed``) plans them, and one without a plan refuses.
+        """
+        self.require("admin_update_weights_distributed")
         plan = self.pm.hook.weight_transfer_plan(
             tensors=list(tensors), bucket_bytes=bucket_bytes, config=self.config, options=self.options
         )
+        if plan is None:
+            raise UnsupportedOperationError(self.backend, "weight_transfer_plan")
         if not isinstance(plan, TransferPlan):
             raise ResponseParseError(
                 f"backend {self.backend!r} returned {type(plan).__name__} from weight_transfer_plan, "

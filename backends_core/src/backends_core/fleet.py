@@ -647,7 +647,8 @@ class Admin:
             ``None``: one broadcast per tensor.
         :param sender: with ``group_name``: the trainer's half, started once every server paused and run
             concurrently with the servers' receive; the update phase fails on every server if it fails (a
-            server waiting on a broadcast that will not come is released by its group's timeout).
+            server waiting on a broadcast that will not come is released by its group's timeout), and a server
+            whose receive fails cancels it and abandons the other servers' receive.
         :param mode: pause mode for in-flight requests.
         :param flush_cache: flush the prefix cache while paused (with ``"keep"`` the cache is not flushed:
             kept requests need it; re-salting isolates new requests instead).
@@ -789,47 +790,74 @@ class Admin:
     async def _receive(self, servers: list[Server], broadcast: _Broadcast, version: str) -> list[ServerOutcome[Any]]:
         """The update phase of a broadcast weight sync: every server receives while the trainer's ``sender``
         (if any) sends. A sender that fails abandons the servers' receive (they are waiting on a broadcast
-        that will not come); a failed receive abandons the sender (it may be waiting on that server)."""
-        assert broadcast.group_name is not None
-        receiving = asyncio.ensure_future(
-            self.outcomes(servers).update_weights_distributed(
-                broadcast.group_name, broadcast.tensors, version=version, plan=broadcast.plan
+        that will not come); a server whose receive fails abandons the sender and the other servers' receive
+        at once (a collective cannot complete without one of its ranks, so they would wait for the group's
+        timeout)."""
+        group_name = broadcast.group_name
+        assert group_name is not None
+
+        async def receive(server: Server) -> ServerOutcome[Any]:
+            (outcome,) = await self.outcomes([server]).update_weights_distributed(
+                group_name, broadcast.tensors, version=version, plan=broadcast.plan
             )
-        )
+            return outcome
+
         if broadcast.sender is None:
-            return await receiving
+            return list(await asyncio.gather(*(receive(s) for s in servers)))
         started = time.perf_counter()
+        receiving = [asyncio.ensure_future(receive(s)) for s in servers]
         sending = asyncio.ensure_future(broadcast.sender())
         try:
-            await asyncio.wait({receiving, sending}, return_when=asyncio.FIRST_COMPLETED)
-            if receiving.done() and all(o.ok for o in receiving.result()):
-                await asyncio.wait({sending})  # every server has it: the trainer's side is finishing
-            elif sending.done() and sending.exception() is None:
-                await asyncio.wait({receiving})
+            pending: set[asyncio.Future[Any]] = {*receiving, sending}
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if sending in done and (sending.cancelled() or sending.exception() is not None):
+                    break
+                if any(not task.result().ok for task in done if task is not sending):
+                    break
         finally:
-            for task in (receiving, sending):
+            for task in (*receiving, sending):
                 if not task.done():
                     task.cancel()
-            await asyncio.gather(receiving, sending, return_exceptions=True)
-        if receiving.cancelled() and sending.cancelled():  # this sync was cancelled
-            raise asyncio.CancelledError
-        if sending.cancelled() or sending.exception() is None:
-            return receiving.result()  # a failed receive (the sender abandoned), or every server received
-        error = sending.exception()
+            await asyncio.gather(*receiving, sending, return_exceptions=True)
         duration = time.perf_counter() - started
-        for server in servers:
+        if sending.done() and not sending.cancelled() and sending.exception() is not None:
+            error = sending.exception()
+            for server in servers:
+                self.versions.forget(server)
+            return [
+                ServerOutcome(
+                    server=server.base_url,
+                    error=TransferError(
+                        f"the trainer's broadcast failed ({type(error).__name__}: {error}): this server's receive "
+                        "was abandoned and it may hold part of the new tensors until the next update"
+                    ),
+                    duration_s=duration,
+                )
+                for server in servers
+            ]
+        failed = [task.result().server for task in receiving if not task.cancelled() and not task.result().ok]
+        reason = (
+            f"{', '.join(failed)} failed to receive, so the broadcast cannot complete"
+            if failed
+            else "the trainer's sender was cancelled"
+        )
+        outcomes: list[ServerOutcome[Any]] = []
+        for server, task in zip(servers, receiving, strict=True):
+            if not task.cancelled():
+                outcomes.append(task.result())
+                continue
             self.versions.forget(server)
-        return [
-            ServerOutcome(
-                server=server.base_url,
-                error=TransferError(
-                    f"the trainer's broadcast failed ({type(error).__name__}: {error}): this server's receive "
-                    "was abandoned and it may hold part of the new tensors until the next update"
-                ),
-                duration_s=duration,
+            outcomes.append(
+                ServerOutcome(
+                    server=server.base_url,
+                    error=TransferError(
+                        f"abandoned: {reason}; this server may hold part of the new tensors until the next update"
+                    ),
+                    duration_s=duration,
+                )
             )
-            for server in servers
-        ]
+        return outcomes
 
 
 #: What a weight sync's check reads of each server's state: the version, which proves the update (the resume

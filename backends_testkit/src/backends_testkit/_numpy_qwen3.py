@@ -274,6 +274,23 @@ class Qwen3Model:
         """Return one weight by HF name (compute dtype)."""
         return self._tensors[name]
 
+    def with_tensors(self, updates: Mapping[str, npt.NDArray[Any]]) -> Qwen3Model:
+        """A model with ``updates`` in place of the weights of the same names, the others shared with this one.
+
+        :raises ValueError: a name this model has no weight for, or a shape its weight does not have.
+        """
+        unknown = sorted(name for name in updates if name not in self._tensors)
+        if unknown:
+            raise ValueError(f"the model has no tensor(s) {', '.join(unknown)}")
+        tensors = dict(self._tensors)
+        if (
+            tensors.get("lm_head.weight") is tensors.get("model.embed_tokens.weight")
+            and "lm_head.weight" not in updates
+        ):
+            del tensors["lm_head.weight"]  # tied: follows the embedding it is
+        tensors.update(updates)
+        return Qwen3Model(self.config, tensors, dtype=self.dtype)
+
     def new_cache(self) -> KVCache:
         """Return an empty KV cache for this model."""
         return KVCache(self.config, dtype=self.dtype)

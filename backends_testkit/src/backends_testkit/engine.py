@@ -366,6 +366,23 @@ class ReferenceEngine:
         if weight_version is not None:
             self._weight_version = weight_version
 
+    def update_tensors(self, tensors: Mapping[str, npt.NDArray[Any]], *, flush_cache: bool = True) -> None:
+        """Replace some base weights by HF name (what a distributed weight update delivers); the others stay.
+
+        Applies between two ticks, like :meth:`load_weights`.
+
+        :param flush_cache: also drop the prefix cache.
+        :raises EngineRequestError: a name the model has no weight for, or a shape that does not fit it (nothing
+            changes).
+        """
+        try:
+            model = self._model.with_tensors(tensors)
+        except ValueError as exc:
+            raise EngineRequestError(f"cannot update the weights: {exc}") from exc
+        self._model = model
+        if flush_cache:
+            self._prefix_cache.clear()
+
     def update_weight_version(self, version: str) -> None:
         """Set the weight version label reported by later outputs."""
         self._weight_version = version

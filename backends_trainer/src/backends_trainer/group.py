@@ -16,7 +16,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import Backend, GroupName, PrefixStore, _new_process_group_helper
+from torch.distributed.distributed_c10d import Backend, GroupName, PrefixStore, _new_process_group_helper, _world
 from torch.distributed.rendezvous import rendezvous
 
 from backends_core.types import DistributedGroup, TransferPlan
@@ -42,6 +42,9 @@ def join_as_trainer(group: DistributedGroup, *, timeout_s: float) -> dist.Proces
         timeout=timeout,
     )
     assert isinstance(process_group, dist.ProcessGroup)
+    # what torch's new_group records beside the helper (SGLang's init_custom_process_group too): the group's
+    # ranks by global rank, which destroy_process_group removes (and fails on when they are missing)
+    _world.pg_group_ranks[process_group] = {rank: rank for rank in range(world_size)}
     return process_group
 
 

@@ -46,6 +46,10 @@ log = logging.getLogger("backends_trainer")
 
 #: How long the rendezvous and every broadcast may wait on the servers before the group gives up.
 DEFAULT_GROUP_TIMEOUT_S = 600.0
+#: How long a broadcast thread abandoned by its push gets to end before the group counts as blocked: one whose
+#: servers received everything (and refused it afterwards) ends within milliseconds; one waiting on a server that
+#: never posted its receive waits for the group's timeout.
+_ABANDONED_GRACE_S = 5.0
 
 
 @attrs.frozen(kw_only=True)
@@ -127,7 +131,7 @@ class WeightPusher:
             raise InvalidRequestError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
         if group is not None:
             _check_group(group)
-            _require(client, "weight_transfer_plan", "admin_init_weight_transfer", "admin_update_weights_distributed")
+            _require(client, "admin_init_weight_transfer", "admin_update_weights_distributed")
         else:
             _require(client, "admin_update_weights")
         self.client = client
@@ -210,7 +214,7 @@ class WeightPusher:
             await self._leave_servers(self._joined)
         finally:
             self._joined = []
-            if self._stuck is None or not self._stuck.is_alive():
+            if not await self._blocked():
                 leave(process_group)
 
     # -- pushing ------------------------------------------------------------------------------------
@@ -231,15 +235,15 @@ class WeightPusher:
             raise InvalidRequestError(f"version must be a non-empty string, got {version!r}")
         if self._pushing is not None:
             raise InvalidRequestError(f"a push is running (version {self._pushing!r}): one push at a time")
-        if self._stuck is not None and self._stuck.is_alive():
-            raise TransferError(
-                "a broadcast of an earlier push is still blocked on the group: close() this pusher and start "
-                "a new group"
-            )
         if not self.started:
             raise InvalidRequestError("the group is not formed: call start() (or use the pusher as a context manager)")
         self._pushing = version
         try:
+            if await self._blocked():
+                raise TransferError(
+                    "a broadcast of an earlier push is still blocked on the group: close() this pusher and start "
+                    "a new group"
+                )
             tensors = _named(named_tensors)
             specs = [_spec(name, tensor) for name, tensor in tensors.items()]
             if self.reference is not None:
@@ -310,6 +314,19 @@ class WeightPusher:
             send_s=sent["seconds"],
             duration_s=time.perf_counter() - started,
         )
+
+    async def _blocked(self) -> bool:
+        """A broadcast thread of an earlier push, abandoned when that push failed, is still blocked on the group
+        (given :data:`_ABANDONED_GRACE_S` to end)."""
+        thread = self._stuck
+        if thread is None:
+            return False
+        if thread.is_alive():
+            await asyncio.to_thread(thread.join, _ABANDONED_GRACE_S)
+        if thread.is_alive():
+            return True
+        self._stuck = None
+        return False
 
     def _plan(self, specs: list[TensorSpec]) -> TransferPlan:
         """The backend's plan for these tensors (the same tensors plan the same way: kept)."""

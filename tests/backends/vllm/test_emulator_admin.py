@@ -264,14 +264,18 @@ async def test_weight_transfer_protocol(client: httpx.AsyncClient, emulator: Vll
     assert (await client.post("/start_weight_update")).status_code == 200
     assert (await client.post("/update_weights", json={"update_info": info})).status_code == 200
     assert (await client.post("/update_weights", json={"update_info": [info, info]})).status_code == 200
+    invalid = await client.post("/update_weights", json={"update_info": 5})
+    assert invalid.status_code == 400 and invalid.json()["error"]["param"] == "body.update_info"
     mismatched = {**info, "shapes": [[64], [2]]}
     bad = await client.post("/update_weights", json={"update_info": mismatched})
     assert bad.status_code == 500 and "same size" in bad.json()["error"]["message"]
-    invalid = await client.post("/update_weights", json={"update_info": 5})
-    assert invalid.status_code == 400 and invalid.json()["error"]["param"] == "body.update_info"
+    assert not emulator.weight_transfer.updating  # the worker's failure ended the session
+    assert (await client.post("/finish_weight_update", json={})).status_code == 500
+    assert (await client.post("/start_weight_update")).status_code == 200
+    assert (await client.post("/update_weights", json={"update_info": [info, info]})).status_code == 200
     finish = await client.post("/finish_weight_update", json={"weight_version": "step-7"})
     assert finish.json()["weight_version"] == "step-7"
-    assert emulator.weight_transfer.updates == [info, info, info]
+    assert emulator.weight_transfer.updates == [info, info]  # the session after the failure
     assert emulator.weight_transfer.finished == ["step-7"] and not emulator.weight_transfer.updating
     assert (await client.get("/weight_info")).json() == {"weight_version": "step-7"}
     generated = await client.post(

