@@ -21,7 +21,7 @@ from torch.distributed.rendezvous import rendezvous
 
 from backends_core.types import DistributedGroup, TransferPlan
 
-__all__ = ["broadcast_plan", "join_as_trainer", "leave"]
+__all__ = ["Staging", "broadcast_plan", "join_as_trainer", "leave"]
 
 
 def join_as_trainer(group: DistributedGroup, *, timeout_s: float) -> dist.ProcessGroup:
@@ -53,25 +53,69 @@ def leave(process_group: dist.ProcessGroup) -> None:
     dist.destroy_process_group(process_group)
 
 
+class Staging:
+    """Two buffers that packed buckets are copied into, kept from push to push (host memory, for gloo).
+
+    Packing into a fresh ``torch.cat`` result costs a page fault per 4 KiB page on every push (the allocator
+    hands blocks this large back to the kernel when they are freed); packing into memory already mapped is a
+    plain copy. Two, so that a bucket is packed while the one before it is on the wire. Each holds the largest
+    packed bucket sent so far (at most ``bucket_bytes``; a tensor alone in its bucket is sent as it is, never
+    copied). ``bench/bench_push.py`` measures both effects.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor | None] = [None, None]
+
+    def take(self, size: int, slot: int = 0) -> torch.Tensor:
+        """``size`` bytes of buffer ``slot`` (0 or 1), grown first if it is smaller."""
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.numel() < size:
+            self._buffers[slot] = None  # the old one is freed before the new one is allocated
+            self._buffers[slot] = buffer = torch.empty(size, dtype=torch.uint8)
+        return buffer[:size]
+
+    def release(self) -> None:
+        self._buffers = [None, None]
+
+
 def broadcast_plan(
-    process_group: dist.ProcessGroup, plan: TransferPlan, tensors: Mapping[str, torch.Tensor], *, device: str
+    process_group: dist.ProcessGroup,
+    plan: TransferPlan,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    device: str,
+    staging: Staging | None = None,
 ) -> int:
     """Send ``tensors`` as ``plan`` says, from rank 0: a packed bucket is one ``uint8`` broadcast of its tensors'
     bytes in order, otherwise one broadcast per tensor. Returns the bytes sent.
 
     :param device: where the group's backend takes tensors from (``"cpu"`` for gloo).
+    :param staging: pack buckets into these buffers (host memory) instead of a new tensor each, the next bucket
+        while the one before it is sent (its broadcast is waited for before its buffer is packed again).
     """
     sent = 0
-    for bucket in plan.buckets:
+    pending: dist.Work | None = None
+    for index, bucket in enumerate(plan.buckets):
         parts = [_wire(tensors[spec.name], device) for spec in bucket]
         if plan.packed:
-            flat = parts[0].reshape(-1).view(torch.uint8) if len(parts) == 1 else _pack(parts)
-            dist.broadcast(flat, group=process_group, group_src=0)
+            if len(parts) == 1:
+                flat = parts[0].reshape(-1).view(torch.uint8)
+            else:
+                flat = _pack(parts, None if staging is None else staging.take(_size(parts), index % 2))
+            if pending is not None:
+                pending.wait()
+                pending = None
+            if staging is None:
+                dist.broadcast(flat, group=process_group, group_src=0)
+            else:
+                pending = dist.broadcast(flat, group=process_group, group_src=0, async_op=True)
             sent += flat.numel()
         else:
             for part in parts:
                 dist.broadcast(part, group=process_group, group_src=0)
                 sent += part.numel() * part.element_size()
+    if pending is not None:
+        pending.wait()
     return sent
 
 
@@ -79,5 +123,10 @@ def _wire(tensor: torch.Tensor, device: str) -> torch.Tensor:
     return tensor.detach().to(device).contiguous()
 
 
-def _pack(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([part.reshape(-1).view(torch.uint8) for part in parts])
+def _size(parts: list[torch.Tensor]) -> int:
+    return sum(part.numel() * part.element_size() for part in parts)
+
+
+def _pack(parts: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    flat = [part.reshape(-1).view(torch.uint8) for part in parts]
+    return torch.cat(flat) if out is None else torch.cat(flat, out=out)

@@ -37,7 +37,7 @@ from backends_core.fleet import ServerOutcome, SyncReport
 from backends_core.server import Server
 from backends_core.types import PAUSE_MODES, DistributedGroup, PauseMode, TensorSpec, TransferPlan
 from backends_trainer.checkpoint import CheckpointDir, write_checkpoint
-from backends_trainer.group import broadcast_plan, join_as_trainer, leave
+from backends_trainer.group import Staging, broadcast_plan, join_as_trainer, leave
 from backends_trainer.reference import Reference, TensorShapes, reference_shapes
 
 __all__ = ["PushReport", "WeightPusher"]
@@ -147,6 +147,8 @@ class WeightPusher:
         self._pushing: str | None = None
         self._stuck: threading.Thread | None = None
         self._plans: dict[tuple[TensorSpec, ...], TransferPlan] = {}
+        #: the host buffer gloo pushes pack their buckets into (CUDA's caching allocator already reuses memory)
+        self._staging: Staging | None = Staging() if group is not None and group.backend == "gloo" else None
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -214,6 +216,8 @@ class WeightPusher:
             await self._leave_servers(self._joined)
         finally:
             self._joined = []
+            if self._staging is not None:
+                self._staging.release()  # a broadcast still blocked keeps its own view alive
             if not await self._blocked():
                 leave(process_group)
 
@@ -284,7 +288,8 @@ class WeightPusher:
 
         def send() -> None:
             began = time.perf_counter()
-            sent["bytes"] = broadcast_plan(process_group, plan, tensors, device=device)
+            staging = self._staging if device == "cpu" else None
+            sent["bytes"] = broadcast_plan(process_group, plan, tensors, device=device, staging=staging)
             sent["seconds"] = time.perf_counter() - began
 
         async def sender() -> None:
