@@ -14,7 +14,6 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -59,10 +58,11 @@ async def served_logprobs(client: Client) -> np.ndarray:
 
 
 class Served:
-    def __init__(self, emulator: VllmEmulator, client: Client, sent: list[httpx.Request]) -> None:
+    """The emulator (receiving through the group) and a client of it, in-process."""
+
+    def __init__(self, emulator: VllmEmulator, client: Client) -> None:
         self.emulator = emulator
         self.client = client
-        self.sent = sent
 
 
 @pytest.fixture
@@ -76,16 +76,10 @@ async def served(tiny_models, group_name: str) -> AsyncIterator[Served]:
     emulator = VllmEmulator(
         engine, receive_weights=True, transfer_group_name=group_name, transfer_timeout_s=GROUP_TIMEOUT_S
     )
-    sent: list[httpx.Request] = []
-
-    async def handle(request: httpx.Request) -> httpx.Response:
-        sent.append(request)
-        return await emulator.handle(request)
-
     config = ClientConfig(backend="vllm", base_url="http://vllm", model="tiny-qwen3", tokenizer=str(tiny_models.dense))
     try:
-        async with Client(config, transport=httpx.MockTransport(handle)) as client:
-            yield Served(emulator, client, sent)
+        async with Client(config, transport=emulator.transport()) as client:
+            yield Served(emulator, client)
     finally:
         await emulator.aclose()
 

@@ -647,7 +647,8 @@ class Admin:
             ``None``: one broadcast per tensor.
         :param sender: with ``group_name``: the trainer's half, started once every server paused and run
             concurrently with the servers' receive; the update phase fails on every server if it fails (a
-            server waiting on a broadcast that will not come is released by its group's timeout).
+            server waiting on a broadcast that will not come is released by its group's timeout), and a server
+            whose receive fails cancels it and abandons the other servers' receive.
         :param mode: pause mode for in-flight requests.
         :param flush_cache: flush the prefix cache while paused (with ``"keep"`` the cache is not flushed:
             kept requests need it; re-salting isolates new requests instead).

@@ -37,11 +37,14 @@ Wire shapes. The admin answers of Dynamo 1.6.1, read by pure functions (no I/O).
 
 Frontend (``base_url``)::
 
-    GET /health                  200 {"status": "healthy", "endpoints": [...], "instances": [...]}
+    GET /health                  200 {"status": "healthy", "endpoints": [...],
+                                      "instances": [{"endpoint": "generate", "instance_id": u64, ...}, ...]}
     GET /v1/models               {"object": "list", "data": [{"id", "object", "created", "owned_by", ...}]}
                                  (loaded LoRA adapters are listed as models; a sleeping worker's are not)
     GET /v1/models/{id}/ready    {"model", "ready": bool, "namespaces": {...}}
     GET /metrics                 Prometheus text; dynamo_request_plane_inflight_requests is the in-flight gauge
+    POST /v1/completions {"model", "prompt": [0], "max_tokens": 1, "nvext": {"backend_instance_id": u64}}
+                                 200 | 503 (the instance is not routable yet) | 400 (an unknown instance)
 
 Worker system port (``DYN_SYSTEM_PORT``)::
 
@@ -118,6 +121,7 @@ __all__ = [
     "frontend_healthy",
     "gather_all",
     "gauge",
+    "generate_instances",
     "is_frontend_404",
     "lora_not_found",
     "lora_uri",
@@ -130,6 +134,7 @@ __all__ = [
     "raise_for",
     "refused",
     "tracker",
+    "wake_probe",
     "weight_version",
     "worker_ready",
     "worker_urls",
@@ -227,6 +232,12 @@ def model_ready(raw: Any, url: str) -> bool:
 def model_ids(raw: Any, url: str) -> list[str]:
     """Every served name in ``/v1/models`` (base models and LoRA adapters alike)."""
     return [entry.get("id").string() for entry in Node(raw, "$", url).get("data").items()]
+
+
+def generate_instances(raw: Any, url: str) -> list[int]:
+    """Instance ids of the ``generate`` endpoints the frontend's ``/health`` lists (one per serving worker)."""
+    instances = Node(raw, "$", url).get("instances").items()
+    return [i.get("instance_id").integer() for i in instances if i.get("endpoint").string() == "generate"]
 
 
 def gauge(text: str, name: str, url: str | None = None) -> float | None:
@@ -538,6 +549,63 @@ async def _model_ready(server: Server, model: str | None) -> bool:
         if exc.status_code == 404:  # not registered (a sleeping worker leaves discovery)
             return False
         raise
+
+
+#: The prompt of the request :func:`_unroutable` routes to each instance: one id that every vocabulary has.
+WAKE_PROBE_PROMPT = (0,)
+
+
+def wake_probe(model: str, instance_id: int) -> dict[str, Any]:
+    """The ``/v1/completions`` body :func:`_unroutable` sends: one token of :data:`WAKE_PROBE_PROMPT`, pinned to
+    the instance."""
+    return {
+        "model": model,
+        "prompt": list(WAKE_PROBE_PROMPT),
+        "max_tokens": 1,
+        "nvext": {"backend_instance_id": instance_id},
+    }
+
+
+async def _unroutable(server: Server, model: str | None, routed: set[int]) -> str | None:
+    """What keeps the frontend from routing to ``model`` after a wake (``None``: nothing); ``routed`` collects the
+    instances a request already reached.
+
+    ``/v1/models/{id}/ready`` counts the instances in the router's discovery view. Dynamo 1.6.1's request plane
+    also marks an instance that left discovery (the worker went to sleep) as removed, and a separate discovery
+    consumer clears that mark when the instance comes back (or after 5 s). Until then a request routed to the
+    woken instance fails at once and the frontend answers 503, while ``/ready`` already says ready and ``/health``
+    already lists the instance. No route reports the mark, so a routed request is the only observation of it:
+    one token of a one-token prompt, pinned (``nvext.backend_instance_id``) to each ``generate`` instance the
+    frontend lists. It answers 503 while the mark holds, 400 while the router does not know the instance yet.
+    """
+    if not await _model_ready(server, model):
+        return f"the frontend did not say {model!r} ready"
+    front = frontend(server)
+    try:
+        listed = generate_instances(await front.request("GET", "/health", plane="admin"), front.admin_url)
+    except ServerStatusError as exc:
+        if exc.status_code == 503:
+            return "the frontend's /health said not ready"
+        raise
+    if not listed:
+        return "the frontend's /health listed no generate instance"
+    name = model if model is not None else (await _served_names(server))[0]
+    refused: list[str] = []
+    for instance in listed:
+        if instance in routed:
+            continue
+        try:
+            body = wake_probe(name, instance)
+            await front.request("POST", "/v1/completions", json_body=body, plane="admin", retry=False)
+        except ServerStatusError as exc:
+            if exc.status_code not in (400, 503):
+                raise
+            refused.append(f"{instance} ({exc.status_code})")
+            continue
+        routed.add(instance)
+    if refused:
+        return f"the frontend did not route a request for {name!r} to instance {names(refused)}"
+    return None
 
 
 @hookimpl
@@ -1113,7 +1181,8 @@ async def admin_sleep(server: Server, level: int, options: DynamoOptions) -> boo
 @hookimpl
 async def admin_wake(server: Server, config: ClientConfig, options: DynamoOptions) -> bool:
     """Wake every worker, then wait until the frontend routes to the model again (a sleeping worker leaves
-    discovery, and requests get 503 until it is back)."""
+    discovery, and requests get 503 until it is back): ``/v1/models/{id}/ready`` says ready and a one-token request
+    pinned to each ``generate`` instance the frontend lists is answered (see :func:`_unroutable`)."""
     track = tracker(server)
     outcomes = await each_worker(
         worker_urls(server, options),
@@ -1127,12 +1196,12 @@ async def admin_wake(server: Server, config: ClientConfig, options: DynamoOption
         state = f"{names(awake)} woke, {names(asleep)} may still be asleep; retry wake"
     raise_for("admin_wake", server, outcomes, state)
     track.sleeping = False
+    routed: set[int] = set()
     deadline = time.monotonic() + WAKE_READY_TIMEOUT_S
-    while not await _model_ready(server, config.model):
+    while (missing := await _unroutable(server, config.model, routed)) is not None:
         if time.monotonic() > deadline:
             raise ServerRefusedError(
-                f"wake_up (the workers woke but the frontend did not route to {config.model!r} "
-                f"within {WAKE_READY_TIMEOUT_S:.0f} s)",
+                f"wake_up (the workers woke but {missing} within {WAKE_READY_TIMEOUT_S:.0f} s)",
                 method="GET",
                 url=server.url("/v1/models", plane="data"),
                 body=None,

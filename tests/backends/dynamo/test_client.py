@@ -20,12 +20,13 @@ from backends_core import (
     DistributedGroup,
     InvalidRequestError,
     LoraAdapter,
+    RetryPolicy,
     SamplingParams,
     ServerRefusedError,
     ServerStatusError,
     UnsupportedOperationError,
 )
-from backends_dynamo.admin import REQUEST_ID_HEADER, dynamo_request_id
+from backends_dynamo.admin import REQUEST_ID_HEADER, dynamo_request_id, generate_instances, wake_probe
 from backends_dynamo_testing import WORKER_URL, DynamoEmulator
 from backends_testkit.engine import ReferenceEngine
 from backends_testkit.tinymodel import TinyModels
@@ -391,6 +392,8 @@ async def test_health_checks_frontend_and_each_worker_system_port(deployment: De
 async def test_ready_and_wake_follow_the_frontend(deployment: Deployment) -> None:
     on_workers(deployment, "control/wake_up", "engine_control_wake_up", workers=(W1,))
     ready = capture("get_v1_models_tiny-qwen3_ready")["response"]
+    health = capture("get_health")["response"]
+    (instance,) = generate_instances(health, FRONTEND)
     deployment.add(
         FRONTEND,
         "GET",
@@ -399,10 +402,36 @@ async def test_ready_and_wake_follow_the_frontend(deployment: Deployment) -> Non
         status=404,
     )
     deployment.add(FRONTEND, "GET", "/v1/models/tiny-qwen3/ready", json_body=ready)
+    deployment.add(FRONTEND, "GET", "/health", json_body=health)
+    unavailable = {"message": "Service temporarily unavailable", "type": "Service Unavailable", "code": 503}
+    deployment.add(FRONTEND, "POST", "/v1/completions", json_body=unavailable, status=503)
+    deployment.add(FRONTEND, "POST", "/v1/completions", json_body=vllm("completions_token_prompt_greedy")["response"])
     async with client(deployment, backend_options={"worker_urls": [W1]}) as c:
-        assert await c.admin.wake() == [True]  # polled the frontend until the model was back
+        assert await c.admin.wake() == [True]  # polled the frontend until the model was back and routed to
         assert await c.admin.ready() == [True]
     assert len(deployment.to(FRONTEND, "/v1/models/tiny-qwen3/ready")) == 3
+    probes = deployment.to(FRONTEND, "/v1/completions")
+    assert [p.body for p in probes] == [wake_probe("tiny-qwen3", instance)] * 2
+
+
+async def test_wake_returns_once_the_frontend_routes_to_the_woken_worker(tiny_models: TinyModels) -> None:
+    # the emulated frontend says ready and lists the worker at once, but answers 503 for a while (wake_lag)
+    emulator = DynamoEmulator(ReferenceEngine(tiny_models.dense), wake_lag=0.3)
+    config = ClientConfig(
+        backend="dynamo",
+        base_url=FRONTEND,
+        model="tiny-qwen3",
+        retry=RetryPolicy(attempts=1),
+        backend_options={"worker_urls": [WORKER_URL]},
+    )
+    try:
+        async with Client(config, transport=emulator.transport()) as c:
+            await c.admin.sleep(1)
+            await c.admin.wake()
+            result = await c.generate(prompt_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=2))
+    finally:
+        await emulator.aclose()
+    assert len(result.completion_ids) >= 1
 
 
 async def test_abort_sends_the_bare_uuid_to_every_worker(deployment: Deployment) -> None:

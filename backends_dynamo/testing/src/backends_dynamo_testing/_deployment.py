@@ -21,6 +21,10 @@ class Deployment:
 
     :ivar loras: loaded adapters: name -> (source URI, lora id).
     :ivar declared_version: the weight version set through the admin routes (``None`` until one is).
+    :ivar wake_lag: seconds after ``control/wake_up`` during which the frontend already says the model is ready
+        and lists the worker, but answers a routed request 503 (its request plane still holds the worker as
+        removed from discovery, as Dynamo 1.6.1's does until a separate discovery consumer sees it back).
+    :ivar unroutable_until: the ``time.monotonic()`` at which that lag ends.
     """
 
     engine: ReferenceEngine
@@ -36,6 +40,8 @@ class Deployment:
     requests: set[str] = attrs.field(factory=set)
     sleeping: bool = False
     declared_version: str | None = None
+    wake_lag: float = 0.0
+    unroutable_until: float = 0.0
     started: float = attrs.field(factory=time.monotonic)
 
     def served_names(self) -> list[str]:
@@ -56,6 +62,11 @@ class Deployment:
                 "not fully provisioned. Please retry shortly.",
             )
         return None if name == self.model_name else str(name)
+
+    def check_routable(self) -> None:
+        """:raises HttpError: 503 while the woken worker is not routable yet (:attr:`wake_lag`)."""
+        if time.monotonic() < self.unroutable_until:
+            raise HttpError(503, "Service temporarily unavailable")
 
     def in_flight(self) -> int:
         state = self.engine.state()

@@ -2,7 +2,8 @@
 
 Validation order and messages follow the frontend: ``nvext`` deserialization (deny-unknown), unknown top-level
 fields, empty messages / prompt, more than 32 stop token ids, ``max_tokens`` 0, ``n > 1`` with completion ids,
-the model (404; 503 while the worker sleeps), out-of-vocabulary ids ("Invalid request"). The request id is the
+the model (404; 503 while the worker sleeps, and "Service temporarily unavailable" for the deployment's
+``wake_lag`` after it woke), out-of-vocabulary ids ("Invalid request"). The request id is the
 ``x-dynamo-request-id`` header when it is a UUID (else a new one): answers are ``chatcmpl-<uuid>`` /
 ``cmpl-<uuid>`` and the worker's ``abort_request`` takes the bare UUID. Aborted requests finish with ``stop``.
 A streamed request of one prompt and one sample streams each token's chunk as the engine produces it (the last
@@ -153,6 +154,7 @@ class Generation:
         if instance is not None and instance != self.d.worker_id:
             raise HttpError(400, "Invalid request")
         lora = self.d.resolve(body["model"])
+        self.d.check_routable()
         if chat:
             logprobs = _typed(body, "top_logprobs", (int,), 0) if _typed(body, "logprobs", (bool,), False) else None
         else:

@@ -253,6 +253,7 @@ class WorkerRoutes:
             return _ok("Engine already awake")
         await self.d.engine.wake()
         self.d.sleeping = False
+        self.d.unroutable_until = time.monotonic() + self.d.wake_lag
         return _ok("Engine woke")
 
     async def _profile(self, body: Body) -> dict[str, Any]:

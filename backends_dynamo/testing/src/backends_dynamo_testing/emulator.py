@@ -75,6 +75,8 @@ class DynamoEmulator(EmulatorBase):
     :param enable_rl: register the RL admin routes (``--enable-rl``); without them only ``control/*`` exist.
     :param enable_lora: register ``load_lora`` / ``unload_lora`` (``--enable-lora``).
     :param lora_hot_swap: reload an adapter loaded under the same name (``DYN_LORA_HOTSWAP_ENABLED``).
+    :param wake_lag: seconds after ``control/wake_up`` during which the model is ready and listed but routed
+        requests get 503 (see :class:`~backends_dynamo_testing._deployment.Deployment`).
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class DynamoEmulator(EmulatorBase):
         enable_rl: bool = True,
         enable_lora: bool = True,
         lora_hot_swap: bool = False,
+        wake_lag: float = 0.0,
     ) -> None:
         super().__init__(engine)
         self.deployment = Deployment(
@@ -98,6 +101,7 @@ class DynamoEmulator(EmulatorBase):
             enable_rl=enable_rl,
             enable_lora=enable_lora,
             lora_hot_swap=lora_hot_swap,
+            wake_lag=wake_lag,
         )
         self.worker = WorkerRoutes(self.deployment)
         self.generation = Generation(self.deployment)
