@@ -114,7 +114,7 @@ def test_a_template_that_iterates_over_content_gets_the_text_parts(tokenizer) ->
 @pytest.mark.parametrize(
     ("part", "message"),
     [
-        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}, "part of type 'image_url'"),
+        ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}, "not an encoded image"),
         ({"type": "input_audio", "input_audio": {"data": "AA==", "format": "wav"}}, "part of type 'input_audio'"),
         ({"type": "video_url", "video_url": {"url": "x"}}, "part of type 'video_url'"),
         ({"text": "no type"}, "has no string 'type'"),
@@ -126,7 +126,7 @@ async def test_parts_that_cannot_reach_the_template_as_text_are_refused_before_s
     client: Client, part: Any, message: str
 ) -> None:
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]
-    with pytest.raises(InvalidRequestError, match=rf"messages\[1\]\.content\[1\] .*{message}"):
+    with pytest.raises(InvalidRequestError, match=rf"messages\[1\]\.content\[1\][ .].*{message}"):
         await client.generate(messages=messages, sampling=SamplingParams(max_tokens=2))
     with pytest.raises(InvalidRequestError, match=r"messages\[1\]\.content\[1\]"):
         await client.check_tokenizer(messages)
@@ -147,7 +147,9 @@ def test_the_normal_form_of_text_parts_is_one_canonical_part_list() -> None:
     a = normalize_message({"role": "user", "content": [{"type": "input_text", "text": "x"}, "y"]})
     b = normalize_message({"role": "user", "content": ({"text": "x", "type": "text"}, {"type": "text", "text": "y"})})
     assert a == b == {"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "text", "text": "y"}]}
-    with pytest.raises(InvalidRequestError, match="part of type 'image_url'"):
+    with pytest.raises(InvalidRequestError, match="part of type 'input_audio'"):
+        normalize_message({"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AA=="}}]})
+    with pytest.raises(InvalidRequestError, match=r"content\[0\]\.image_url\.url has an image URL that is not"):
         normalize_message({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]})
 
 

@@ -51,6 +51,7 @@ from backends_core.errors import (
 from backends_core.events import Event
 from backends_core.fleet import FleetState, ServerOutcome, ServerReport, SyncReport
 from backends_core.hookspecs import hookimpl
+from backends_core.images import Image, ImageSpan
 from backends_core.membership import Fleet, Member
 from backends_core.multiturn import BridgeStats, Conversation, extend_prompt
 from backends_core.multiturn.spans import loss_mask
@@ -118,6 +119,8 @@ __all__ = [
     "GenerateResult",
     "GenerateStream",
     "Grammar",
+    "Image",
+    "ImageSpan",
     "InvalidRequestError",
     "JsonSchema",
     "Limits",

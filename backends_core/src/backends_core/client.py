@@ -24,12 +24,15 @@ from backends_core.errors import (
     BridgeError,
     ConfigError,
     InvalidRequestError,
+    RenderError,
     RequestError,
     StaleServerError,
     TransportError,
+    UnsupportedOperationError,
 )
 from backends_core.fleet import Admin, ServedVersions
 from backends_core.fronts import Front, FrontFleet
+from backends_core.images import IMAGE_PART_TYPES, Image, ImageSpan, collapse, image_token_id, widen_position
 from backends_core.membership import Fleet
 from backends_core.multiturn import BridgeStats, Conversation
 from backends_core.multiturn.extension import Extension, end_of_turn_ids, end_of_turn_stop_ids
@@ -418,7 +421,9 @@ class Client:
         attribute = None
         if messages is not None:
             plain = [as_plain(m) for m in messages]
-            check_content_parts(plain)
+            images = check_content_parts(plain)
+            if images:
+                self._check_images(plain)
             reused: Extension | None = None
             if previous is not None:
                 reused = self._extend_previous(
@@ -438,10 +443,16 @@ class Client:
                 )
             if reused is None:
                 ids: Sequence[int] = self.render(plain, tools=tools, chat_template_kwargs=chat_template_kwargs)
-                attribute = _attribution(self._spans_of(plain, ids, tools, chat_template_kwargs), 0)
+                message_spans: MessageSpans = self._spans_of(plain, ids, tools, chat_template_kwargs)
             else:
                 ids = reused.ids
-                attribute = _attribution(reused.spans or (), reused.reused)
+                message_spans = reused.spans or ()
+            known = 0
+            if images or (reused is not None and reused.images):
+                fields["images"] = images
+                fields["image_spans"] = self._image_placement(ids, images, reused)
+                known = len(fields["image_spans"])
+            attribute = _attribution(message_spans, reused.reused if reused is not None else 0, known)
             fields["messages"] = tuple(plain)
             fields["tools"] = tuple(tools) if tools else None
             sampling = self.template_stop(sampling, chat_template_kwargs=chat_template_kwargs)
@@ -454,6 +465,56 @@ class Client:
             ids = prompt_ids  # checked by GenerateRequest, which keeps the caller's tuple as it is
         request = GenerateRequest(prompt_ids=ids, sampling=_required(sampling), **fields)
         return self.driver.prepare_request(request), attribute
+
+    def _check_images(self, messages: list[dict[str, Any]]) -> None:
+        """Refuse images this backend, transport or model cannot take, naming the first image part.
+
+        :raises UnsupportedOperationError: the backend or its transport sends no images.
+        :raises InvalidRequestError: the model declares no image placeholder.
+        """
+        where = next(
+            f"messages[{i}].content[{j}]"
+            for i, m in enumerate(messages)
+            if isinstance(m.get("content"), list | tuple)
+            for j, part in enumerate(m["content"])
+            if isinstance(part, Mapping) and part.get("type") in IMAGE_PART_TYPES
+        )
+        if self.driver.image_refusal is not None:
+            raise UnsupportedOperationError(self.backend, f"images ({where})", hint=self.driver.image_refusal)
+        if self._image_token() is None:
+            raise InvalidRequestError(
+                f"{where} is an image, but the model of tokenizer {self.config.tokenizer!r} takes none: its "
+                "config.json names no image placeholder (image_token_id)"
+            )
+
+    def _image_token(self) -> int | None:
+        return image_token_id(self.config.tokenizer) if self.config.tokenizer else None
+
+    def _image_placement(
+        self, ids: Sequence[int], images: tuple[Image, ...], reused: Extension | None
+    ) -> tuple[ImageSpan, ...]:
+        """The spans of the images ``ids`` already hold widened (those of the turn being extended), after checking
+        that the messages' images are that turn's images followed by new ones, each new one one placeholder.
+
+        :raises BridgeError: the history's images are not the images of the turn being extended.
+        :raises RenderError: the template did not write exactly one placeholder per new image.
+        """
+        known = reused.image_spans if reused is not None else ()
+        if reused is not None and tuple(images[: len(reused.images)]) != reused.images:
+            raise BridgeError(
+                "image_changed",
+                f"the history holds {len(images)} images whose first {len(reused.images)} are not the images of "
+                "the turn being extended: its ids hold those images' expansion",
+            )
+        pad = self._image_token()
+        wire = collapse(ids, known)
+        found = sum(1 for t in wire if t == pad)
+        if found != len(images):
+            raise RenderError(
+                f"the chat template wrote {found} image placeholders (id {pad}) for {len(images)} images: it must "
+                "write exactly one per image part"
+            )
+        return known
 
     def _spans_of(
         self,
@@ -1020,13 +1081,27 @@ class Client:
         lora: str | None = None,
         model: str | None = None,
         server: int | str | None = None,
+        images: Sequence[Image] = (),
+        image_spans: Sequence[ImageSpan] = (),
     ) -> TeacherLogprobs:
         """Score ``token_ids``: float32 logprob of every token given its prefix; position 0 holds NaN.
 
-        :raises UnsupportedOperationError: the backend cannot score.
+        A sequence with images is scored with them: give a result's ``images`` and ``image_spans`` (every image
+        widened in ``token_ids`` as the engine widened it; the engine must widen them the same way again).
+
+        :raises UnsupportedOperationError: the backend cannot score, or cannot send images.
         """
         self.driver.require("teacher_logprobs")
-        request = TeacherRequest(token_ids=list(token_ids), top_logprobs=top_logprobs, lora=lora, model=model)
+        if images and self.driver.image_refusal is not None:
+            raise UnsupportedOperationError(self.backend, "images (teacher_logprobs)", hint=self.driver.image_refusal)
+        request = TeacherRequest(
+            token_ids=list(token_ids),
+            top_logprobs=top_logprobs,
+            lora=lora,
+            model=model,
+            images=images,
+            image_spans=image_spans,
+        )
         return await self.driver.teacher_logprobs(self.server(server), request)
 
     async def check_tokenizer(
@@ -1044,7 +1119,10 @@ class Client:
         :raises UnsupportedOperationError: the backend's server has no tokenize route.
         """
         plain = [as_plain(m) for m in messages]
-        check_content_parts(plain)
+        if check_content_parts(plain):
+            raise InvalidRequestError(
+                "check_tokenizer compares the client's and the server's text rendering: give messages without images"
+            )
         kwargs = dict(chat_template_kwargs or {})
         local = self.render(
             plain, tools=tools, chat_template_kwargs=kwargs, add_generation_prompt=add_generation_prompt
@@ -1254,10 +1332,27 @@ def _previous_result(previous: Previous) -> GenerateResult:
     )
 
 
-def _attribution(
-    spans: tuple[MessageSpan, ...] | Callable[[], tuple[MessageSpan, ...]], reused: int
-) -> Callable[[GenerateResult], GenerateResult]:
+MessageSpans = tuple[MessageSpan, ...] | Callable[[], tuple[MessageSpan, ...]]
+
+
+def _attribution(spans: MessageSpans, reused: int, known: int) -> Callable[[GenerateResult], GenerateResult]:
+    """What each result of a rendered prompt gets: its message spans and how many leading ids were reused.
+
+    The spans were found on the ids sent, where every image after the first ``known`` was one placeholder; the
+    result holds the engine's ids, so they move past each such image's whole span.
+    """
+
     def attribute(result: GenerateResult) -> GenerateResult:
-        return attrs.evolve(result, message_spans=spans, reused_ids=reused)
+        new = result.image_spans[known:]
+        if not new:
+            return attrs.evolve(result, message_spans=spans, reused_ids=reused)
+
+        def widened() -> tuple[MessageSpan, ...]:
+            found = spans() if callable(spans) else spans
+            return tuple(
+                attrs.evolve(s, start=widen_position(s.start, new), end=widen_position(s.end, new)) for s in found
+            )
+
+        return attrs.evolve(result, message_spans=widened, reused_ids=reused)
 
     return attribute

@@ -29,6 +29,7 @@ from backends_core.errors import (
 )
 from backends_core.events import Event, EventKind
 from backends_core.fronts import Front, merge_fronts
+from backends_core.images import check_expansion
 from backends_core.parsing import ReasoningParserFactory, ToolParserFactory, chosen_parser, merge_parsers
 from backends_core.plugins import HookCall, implemented_hooks, make_plugin_manager
 from backends_core.server import Server
@@ -97,6 +98,8 @@ class BackendDriver:
         chosen_parser("reasoning", config.reasoning_parser, self.reasoning_parsers, "")
         #: Optional sampling features the backend's engine honours (``sampling_features`` hook).
         self.sampling_features: frozenset[str] = self._sampling_features()
+        #: Why images cannot be sent through this backend as configured (``image_refusal`` hook), ``None`` if they can.
+        self.image_refusal: str | None = self._image_refusal()
         #: Router front kinds by ``FrontConfig.kind``, from every plugin's ``fronts`` hook.
         self.fronts: dict[str, type[Front]] = merge_fronts(self.pm.hook.fronts())
         self.front_kind()  # an unknown kind fails when the client is built
@@ -130,6 +133,16 @@ class BackendDriver:
                 f"sampling_features declares unknown features {unknown}; known: {sorted(SAMPLING_FEATURES)}",
             )
         return features
+
+    def _image_refusal(self) -> str | None:
+        if not self.pm.hook.image_refusal.get_hookimpls():
+            return f"backend {self.backend!r} does not send images"
+        reason = self.pm.hook.image_refusal(config=self.config, options=self.options)
+        if reason is not None and not isinstance(reason, str):
+            raise BackendValidationError(
+                self.backend, f"image_refusal returned {type(reason).__name__}, not str | None"
+            )
+        return reason
 
     def check_sampling(self, sampling: SamplingParams) -> None:
         """Refuse, before anything is sent, a sampling feature this backend's engine does not honour.
@@ -274,8 +287,7 @@ class BackendDriver:
                     yield event
                 elif isinstance(event, GenerateResult):
                     check_result(event, where="stream result", url=url)
-                    if event.prompt_ids != request.prompt_ids:
-                        raise ResponseParseError("stream result: the prompt ids are not the ones sent", url=url)
+                    check_prompt(request, event, where="stream result", url=url)
                     result = event
                 else:
                     raise ResponseParseError(
@@ -339,8 +351,7 @@ class BackendDriver:
             raise ResponseParseError(f"expected {request.sampling.n} sample(s), got {got}", url=server.base_url)
         for i, result in enumerate(results):
             check_result(result, where=f"sample {i}", url=server.base_url)
-            if result.prompt_ids != request.prompt_ids:
-                raise ResponseParseError(f"sample {i}: the prompt ids are not the ones sent", url=server.base_url)
+            check_prompt(request, result, where=f"sample {i}", url=server.base_url)
         return results
 
     async def teacher_logprobs(self, server: Server, request: TeacherRequest) -> TeacherLogprobs:
@@ -561,3 +572,26 @@ def check_teacher(result: TeacherLogprobs, request: TeacherRequest, *, url: str 
         )
     if not np.isnan(lp[0]) or not np.isfinite(lp[1:]).all():
         raise ResponseParseError("teacher logprobs must be NaN at position 0 and finite elsewhere", url=url)
+
+
+def check_prompt(request: GenerateRequest, result: GenerateResult, *, where: str, url: str) -> None:
+    """The result's prompt is the one sent: the same ids, or for a prompt with images the ids sent with each new
+    image widened once by the engine and every known image at its known span (:func:`check_expansion`).
+
+    :raises ResponseParseError: it is not.
+    """
+    if not request.images:
+        if result.prompt_ids != request.prompt_ids:
+            raise ResponseParseError(f"{where}: the prompt ids are not the ones sent", url=url)
+        return
+    if result.images != request.images:
+        raise ResponseParseError(f"{where}: the result does not carry the request's images", url=url)
+    check_expansion(
+        request.prompt_ids,
+        request.image_spans,
+        result.prompt_ids,
+        result.image_spans,
+        images=len(request.images),
+        where=where,
+        server_url=url,
+    )

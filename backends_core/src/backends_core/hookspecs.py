@@ -69,6 +69,7 @@ INFRASTRUCTURE_HOOKS = frozenset(
         "weight_transfer_plan",
         "reasoning_parsers",
         "sampling_features",
+        "image_refusal",
         "fronts",
     }
 )
@@ -92,6 +93,7 @@ __all__ = [
     "admin_update_weights_distributed",
     "admin_wake",
     "fronts",
+    "image_refusal",
     "observe",
     "parse_response",
     "post_generate",
@@ -214,6 +216,30 @@ def sampling_features(config: ClientConfig, options: Any) -> Collection[str] | N
     :returns: feature names.
     Raises: nothing; a name outside :data:`~backends_core.types.SAMPLING_FEATURES` makes the client refuse the
         backend (:class:`~backends_core.errors.BackendValidationError`).
+
+    .. versionadded:: 0.1
+    """
+
+
+@hookspec(firstresult=True)
+def image_refusal(config: ClientConfig, options: Any) -> str | None:
+    """Why this backend, configured so, cannot send images, or ``None`` when it can.
+
+    A backend that sends images puts ``GenerateRequest.images`` on the wire with the prompt collapsed to one
+    placeholder per image (:func:`backends_core.images.collapse` of ``prompt_ids`` over ``image_spans``), and its
+    :func:`parse_response` reports the prompt ids the engine ran (each image widened) with each image's span,
+    proven by :func:`backends_core.images.check_expansion`. Whether the *model* takes images is the core's check
+    (its ``config.json`` names an image placeholder id).
+
+    Called once when the client opens. Mode: sync, pure. Required: no; without it every image part is refused.
+    A request with an image is refused before anything is sent with
+    :class:`~backends_core.errors.UnsupportedOperationError` carrying this reason.
+
+    :param config: the client's configuration.
+    :param options: the validated backend options (a transport may carry images, another not).
+    :returns: the reason, naming the route or engine version, or ``None``.
+    Raises: nothing; an answer that is neither a string nor ``None`` makes the client refuse the backend
+        (:class:`~backends_core.errors.BackendValidationError`).
 
     .. versionadded:: 0.1
     """

@@ -18,6 +18,7 @@ import numpy.typing as npt
 import orjson
 
 from backends_core.errors import InvalidRequestError
+from backends_core.images import Image, ImageSpan
 
 __all__ = [
     "SAMPLING_FEATURES",
@@ -364,6 +365,19 @@ def _resolved_sampling(value: SamplingParams) -> SamplingParams:
     return value
 
 
+def _check_images(images: tuple[Image, ...], spans: tuple[ImageSpan, ...], length: int) -> None:
+    for k, image in enumerate(images):
+        _check(isinstance(image, Image), f"images[{k}] must be a backends_core.Image, got {type(image).__name__}")
+    _check(len(spans) <= len(images), f"{len(spans)} image spans for {len(images)} images")
+    end = 0
+    for k, span in enumerate(spans):
+        _check(
+            isinstance(span, ImageSpan) and end <= span.start < span.end <= length,
+            f"image_spans[{k}] must be an ImageSpan after the previous one and inside the {length} ids, got {span!r}",
+        )
+        end = span.end
+
+
 @attrs.frozen(kw_only=True)
 class GenerateRequest:
     """One generation call after rendering: what a backend's ``post_generate`` turns into a wire payload.
@@ -381,6 +395,10 @@ class GenerateRequest:
     :param routed_experts_start: first absolute token position whose routing is wanted (multi-turn delta
         replay). The result is trimmed to it even where the server cannot.
     :param model: served model name; ``None`` uses ``ClientConfig.model``.
+    :param images: the images of the prompt, in prompt order (see :mod:`backends_core.images`): the first
+        ``len(image_spans)`` are already widened in ``prompt_ids`` (reused from an earlier turn), every other one
+        is one placeholder id.
+    :param image_spans: the spans of the already-widened images in ``prompt_ids``.
     """
 
     prompt_ids: tuple[int, ...] = attrs.field(converter=_id_sequence)
@@ -394,9 +412,12 @@ class GenerateRequest:
     return_routed_experts: bool = False
     routed_experts_start: int = 0
     model: str | None = None
+    images: tuple[Image, ...] = attrs.field(default=(), converter=tuple)
+    image_spans: tuple[ImageSpan, ...] = attrs.field(default=(), converter=tuple)
 
     def __attrs_post_init__(self) -> None:
         _check(len(self.prompt_ids) > 0, "prompt_ids is empty: a prompt needs at least one token")
+        _check_images(self.images, self.image_spans, len(self.prompt_ids))
         ids = _token_ids(self.prompt_ids, "prompt_ids")
         if ids is not self.prompt_ids:
             object.__setattr__(self, "prompt_ids", ids)
@@ -491,6 +512,9 @@ class GenerateResult:
     :ivar message_spans: for a prompt rendered from messages, which prompt ids belong to which message:
         :class:`MessageSpan` s covering ``prompt_ids`` contiguously and in order (empty for ``prompt_ids=``).
     :ivar reused_ids: how many leading prompt ids were reused from the previous turn (0 when rendered whole).
+    :ivar images: the prompt's images, in order (empty for a text prompt).
+    :ivar image_spans: where each image lies in ``prompt_ids``, as the engine widened it: ``prompt_ids`` are the
+        ids the engine ran, so a next turn extending ``token_ids`` reuses these exact spans.
     """
 
     prompt_ids: tuple[int, ...]
@@ -512,6 +536,8 @@ class GenerateResult:
         default=(), alias="message_spans", eq=False, repr=False
     )
     reused_ids: int = 0
+    images: tuple[Image, ...] = ()
+    image_spans: tuple[ImageSpan, ...] = ()
 
     @property
     def message_spans(self) -> tuple[MessageSpan, ...]:
@@ -548,6 +574,8 @@ class TeacherRequest:
     :param top_logprobs: alternatives per position to return (0 = none).
     :param lora: adapter to score with, ``None`` for the base model.
     :param model: served model name; ``None`` uses ``ClientConfig.model``.
+    :param images: the sequence's images in order, each already widened at its span in ``image_spans`` (a
+        result's ``images`` and ``image_spans``).
     """
 
     token_ids: tuple[int, ...] = attrs.field(converter=_id_sequence)
@@ -555,8 +583,15 @@ class TeacherRequest:
     lora: str | None = None
     model: str | None = None
     request_id: str | None = None
+    images: tuple[Image, ...] = attrs.field(default=(), converter=tuple)
+    image_spans: tuple[ImageSpan, ...] = attrs.field(default=(), converter=tuple)
 
     def __attrs_post_init__(self) -> None:
+        _check_images(self.images, self.image_spans, len(self.token_ids))
+        _check(
+            len(self.image_spans) == len(self.images),
+            f"teacher scoring needs the span of every image: {len(self.images)} images, {len(self.image_spans)} spans",
+        )
         _check(len(self.token_ids) >= 2, "teacher scoring needs at least two token ids (position 0 has no logprob)")
         ids = _token_ids(self.token_ids, "token_ids")
         if ids is not self.token_ids:

@@ -186,6 +186,17 @@ def sampling_features(options: DynamoOptions) -> frozenset[str]:
 
 
 @hookimpl
+def image_refusal() -> str:
+    # Dynamo 1.6.1's frontend forwards chat image parts to workers started with --enable-multimodal only, its
+    # /v1/completions has no field for an image, and its /inference/v1/generate takes vLLM-rendered features only
+    # (it refuses raw content_parts): no route here both takes the client's ids and reports the widened prompt.
+    return (
+        "Dynamo 1.6.1 has no token-in route that takes raw images and reports the prompt ids its worker ran "
+        "(its /v1/completions takes no images; /inference/v1/generate refuses content_parts)"
+    )
+
+
+@hookimpl
 async def post_generate(
     server: Server, request: GenerateRequest, config: ClientConfig, options: DynamoOptions
 ) -> wire.Exchange:

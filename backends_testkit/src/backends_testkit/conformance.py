@@ -58,6 +58,7 @@ from backends_core import (
 from backends_core.client import GenerateStream
 from backends_core.driver import CAPABILITY_HOOKS, BackendDriver
 from backends_core.hookspecs import REQUIRED_HOOKS
+from backends_core.images import collapse, image_token_id
 from backends_core.multiturn.rendering import encode, render_text
 from backends_core.plugins import implemented_hooks, make_plugin_manager
 from backends_testkit.emulators import make_emulator
@@ -1217,13 +1218,45 @@ class BackendConformance:
         assert "colors" in client.tokenizer.decode(list(check.server_ids))
 
     @pytest.mark.asyncio
-    async def test_a_media_part_is_refused_before_sending(self, client: Client) -> None:
+    async def test_an_unreadable_image_is_refused_before_sending(
+        self, counted_client: tuple[Client, list[httpx.Request]]
+    ) -> None:
+        client, sent = counted_client
         image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
         messages = [*self.JOINED[:1], {"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]
-        with pytest.raises(InvalidRequestError, match=r"messages\[1\]\.content\[1\] is a part of type 'image_url'"):
+        with pytest.raises(
+            InvalidRequestError, match=r"messages\[1\]\.content\[1\]\.image_url\.url is not an encoded image"
+        ):
             await client.generate(messages=messages, sampling=SamplingParams(max_tokens=2))
         with pytest.raises(InvalidRequestError, match=r"messages\[1\]\.content\[1\]"):
             await client.generate_group(messages=messages, n=2, sampling=SamplingParams(max_tokens=2))
+        assert sent == []
+
+    @pytest.mark.asyncio
+    async def test_an_image_is_refused_before_sending_or_run_exactly_once_expanded(
+        self, counted_client: tuple[Client, list[httpx.Request]]
+    ) -> None:
+        """The rule for images on every backend: refused before anything is sent, naming the part, or the result's
+        prompt ids are the rendered ids with the image's one placeholder widened by the engine, and nothing else."""
+        client, sent = counted_client
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + TINY_PNG}}
+        messages = [*self.JOINED[:1], {"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}]
+        if client.driver.image_refusal is not None or image_token_id(client.config.tokenizer or "") is None:
+            with pytest.raises((UnsupportedOperationError, InvalidRequestError), match=r"messages\[1\]\.content\[1\]"):
+                await client.generate(messages=messages, sampling=SamplingParams(max_tokens=2))
+            assert sent == []
+            return
+        rendered = client.render(messages)
+        result = await client.generate(messages=messages, sampling=SamplingParams(max_tokens=2))
+        (span,) = result.image_spans
+        assert collapse(result.prompt_ids, result.image_spans) == tuple(rendered)
+        assert set(result.prompt_ids[span.start : span.end]) == {rendered[span.start]}
+
+
+#: A 2x2 RGB PNG (red, green, blue, white), base64.
+TINY_PNG = (
+    "iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGP4z8DA8J+BkYHh////DAAe9gT9Ce00PgAAAABJRU5ErkJggg=="
+)
 
 
 class _Counting(httpx.AsyncBaseTransport):

@@ -173,6 +173,16 @@ async def post_generate_stream(
 
 
 @hookimpl
+def image_refusal(options: VllmOptions) -> str | None:
+    if options.transport == "completions":
+        return (
+            "vLLM's /v1/completions takes a text or token-id prompt and no images; send images with "
+            "backend_options.transport 'generate' (/inference/v1/generate, which takes content_parts)"
+        )
+    return None
+
+
+@hookimpl
 def parse_response(raw: Any, request: GenerateRequest, server_url: str, options: VllmOptions) -> list[GenerateResult]:
     if options.transport == "generate":
         return wire.parse_generate(raw, request, server_url)

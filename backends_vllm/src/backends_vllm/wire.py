@@ -5,6 +5,11 @@ Two generation transports:
 * ``POST /inference/v1/generate``: ``{"token_ids", "sampling_params": {...}, "request_id", "cache_salt",
   "priority", "model"}`` -> ``choices[].token_ids``, ``choices[].logprobs.content[] = {token_id, logprob, rank,
   top_logprobs}``, ``choices[].weight_versions``, ``choices[].routed_experts``, top-level ``prompt_logprobs``.
+  A prompt with images sends ``token_ids`` with one placeholder per image and ``content_parts: [{"type":
+  "image_url", "url", "uuid"}]`` (images in prompt order; ``uuid`` keys vLLM's processor and encoder caches, so it
+  is the image's digest salted with the request's ``cache_salt``) and asks ``return_token_ids``: the answer's
+  top-level ``prompt_token_ids`` (after vLLM's processor widened each image's first placeholder) and
+  ``mm_placeholders: {"image": [{offset, length}]}`` are the prompt the engine ran (streamed: in the first chunk).
 * ``POST /v1/completions`` with a token-id ``prompt``: ``return_token_ids`` gives ``choices[].token_ids``;
   ``return_tokens_as_token_ids`` makes the legacy logprob tokens ``"token_id:<id>"``; ``prompt_logprobs`` is
   per choice.
@@ -30,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from backends_core.errors import InvalidRequestError, ResponseParseError
+from backends_core.images import Image, ImageSpan, check_expansion, collapse
 from backends_core.jsonnode import PLACEHOLDER_LOGPROB, Node
 from backends_core.routed_experts import align_routed_experts, decode_routed_experts, decode_routed_object
 from backends_core.types import (
@@ -200,10 +206,26 @@ def generate_payload(request: GenerateRequest, model: str | None) -> dict[str, A
         "token_ids": request.prompt_ids,
         "sampling_params": sampling,
     }
+    if request.images:
+        _with_images(body, request.prompt_ids, request.images, request.image_spans, request.cache_salt)
     for key in ("request_id", "cache_salt", "priority"):
         if getattr(request, key) is not None:
             body[key] = getattr(request, key)
     return body
+
+
+def _with_images(
+    body: dict[str, Any],
+    ids: tuple[int, ...],
+    images: tuple[Image, ...],
+    spans: tuple[ImageSpan, ...],
+    salt: str | None,
+) -> None:
+    """``body`` carrying ``images``: the ids collapsed to one placeholder per image (vLLM widens them), the images
+    as content parts keyed by their salted identity, and the engine's own prompt ids asked back."""
+    body["token_ids"] = collapse(ids, spans)
+    body["content_parts"] = [{"type": "image_url", "url": i.data_url(), "uuid": i.identity(salt)} for i in images]
+    body["return_token_ids"] = True
 
 
 def completions_payload(request: GenerateRequest, model: str | None) -> dict[str, Any]:
@@ -236,8 +258,14 @@ def teacher_payload(request: TeacherRequest, model: str | None, *, transport: st
             "token_ids": request.token_ids,
             "sampling_params": {**fields, "detokenize": False},
         }
+        if request.images:
+            _with_images(body, request.token_ids, request.images, request.image_spans, None)
         path = "/inference/v1/generate"
     else:
+        if request.images:
+            raise InvalidRequestError(
+                "vLLM's /v1/completions takes no images: score a sequence with images on transport 'generate'"
+            )
         body = {"model": name, "prompt": request.token_ids, **fields}
         path = "/v1/completions"
     if request.request_id is not None:
@@ -274,7 +302,9 @@ def _top_k(candidates: list[TopLogprob], k: int, where: Node) -> tuple[TopLogpro
     return top
 
 
-def _routed(choice: Node, request: GenerateRequest, completion: tuple[int, ...]) -> RoutedExperts | None:
+def _routed(
+    choice: Node, request: GenerateRequest, completion: tuple[int, ...], prompt_tokens: int
+) -> RoutedExperts | None:
     if not request.return_routed_experts:
         return None
     field = choice.get("routed_experts", required=False)
@@ -288,7 +318,7 @@ def _routed(choice: Node, request: GenerateRequest, completion: tuple[int, ...])
         experts, named_start = decode_routed_object(field)
         if named_start is not None:
             server_start = named_start
-            needed = len(request.prompt_ids) + len(completion) - 1 - server_start
+            needed = prompt_tokens + len(completion) - 1 - server_start
             if experts.shape[0] != needed:
                 raise field.fail(
                     f"{experts.shape[0]} rows from start {server_start}; the sequence routed from there has {needed}"
@@ -298,7 +328,7 @@ def _routed(choice: Node, request: GenerateRequest, completion: tuple[int, ...])
         experts = decode_routed_experts(field.value, field=field.path, url=field.url)
     return align_routed_experts(
         experts,
-        total_tokens=len(request.prompt_ids) + len(completion),
+        total_tokens=prompt_tokens + len(completion),
         server_start=server_start,
         wanted_start=request.routed_experts_start,
         field=field.path,
@@ -453,7 +483,8 @@ def parse_generate(raw: Any, request: GenerateRequest, server_url: str) -> list[
     else:
         nodes = _choices(body, n)
     k = request.sampling.top_logprobs
-    prompt_tokens = len(request.prompt_ids)
+    prompt_ids, image_spans = engine_prompt(body, request.images) if request.images else (request.prompt_ids, ())
+    prompt_tokens = len(prompt_ids)
     results = []
     for choice in nodes:
         fields = choice.obj()
@@ -468,11 +499,13 @@ def parse_generate(raw: Any, request: GenerateRequest, server_url: str) -> list[
         stop = fields.get("stop_reason")
         if stop is not None and type(stop) is not int and type(stop) is not str:
             stop = _stop_reason(choice)
-        routed = _routed(choice, request, completion)
+        routed = _routed(choice, request, completion, prompt_tokens)
         cached = _cached_tokens(body, prompt_tokens)
         results.append(
             GenerateResult(
-                prompt_ids=request.prompt_ids,
+                prompt_ids=prompt_ids,
+                images=request.images,
+                image_spans=image_spans,
                 completion_ids=completion,
                 logprobs=logprobs,
                 finish_reason=finish,
@@ -487,6 +520,25 @@ def parse_generate(raw: Any, request: GenerateRequest, server_url: str) -> list[
             )
         )
     return results
+
+
+def engine_prompt(body: Node, images: tuple[Image, ...]) -> tuple[tuple[int, ...], tuple[ImageSpan, ...]]:
+    """The prompt ids vLLM ran and the span of each image, from ``prompt_token_ids`` and ``mm_placeholders``
+    (asked with ``return_token_ids``); whether they are the prompt sent is the caller's proof."""
+    ids = _ids(body.get("prompt_token_ids"))
+    placed = body.get("mm_placeholders")
+    modalities = sorted(placed.obj())
+    if modalities != ["image"]:
+        raise placed.fail(f"expected placeholders of images only, got modalities {modalities}")
+    spans = []
+    for entry in placed.get("image").items():
+        offset, length = entry.get("offset").integer(), entry.get("length").integer()
+        if offset < 0 or length < 1:
+            raise entry.fail(f"offset {offset} and length {length} do not make a span")
+        spans.append(ImageSpan(offset, offset + length))
+    if len(spans) != len(images):
+        raise placed.get("image").fail(f"{len(spans)} placeholder ranges for {len(images)} images")
+    return ids, tuple(spans)
 
 
 def _token_id_string(body: Node) -> int:
@@ -542,7 +594,7 @@ def parse_completions(raw: Any, request: GenerateRequest, server_url: str) -> li
                 finish_reason=_finish(choice),
                 stop_reason=_stop_reason(choice),
                 top_logprobs=tuple(top) if k else None,
-                routed_experts=_routed(choice, request, completion),
+                routed_experts=_routed(choice, request, completion, len(request.prompt_ids)),
                 usage=_usage(body, len(completion), len(request.prompt_ids)),
                 request_id=request_id,
                 server=server_url,
@@ -560,6 +612,17 @@ def parse_prompt_logprobs(raw: Any, request: TeacherRequest, server_url: str, *,
     if rows is None:
         raise field.fail("prompt_logprobs is null (the server ignored prompt_logprobs)")
     ids = request.token_ids
+    if request.images:
+        answered, spans = engine_prompt(body, request.images)
+        check_expansion(
+            ids,
+            request.image_spans,
+            answered,
+            spans,
+            images=len(request.images),
+            where="teacher",
+            server_url=server_url,
+        )
     if len(rows) != len(ids):
         raise field.fail(f"{len(rows)} entries for {len(ids)} token ids")
     if rows[0].value is not None:
@@ -686,7 +749,9 @@ class StreamFold:
         self.finish: dict[str, Any] | None = None
         self.usage: Any = None
         #: whether :meth:`_plain_token_chunk` may take the chunks it recognises
-        self._plain = transport == "generate" and not request.sampling.top_logprobs
+        self._plain = transport == "generate" and not request.sampling.top_logprobs and not request.images
+        #: the engine's prompt (first chunk of a prompt with images)
+        self.prompt: dict[str, Any] = {}
 
     def chunk(self, raw: Any) -> StreamDelta | None:
         """One chunk: its new ids and their logprobs (checked as in a whole answer), or ``None`` when it has
@@ -698,6 +763,10 @@ class StreamFold:
         body = Node(raw, f"$<chunk {self.chunks}>", self.server_url)
         self.chunks += 1
         rid = body.get("request_id" if self.transport == "generate" else "id").string()
+        if self.request.images and isinstance(raw, dict):
+            for key in ("prompt_token_ids", "mm_placeholders"):
+                if raw.get(key) is not None:
+                    self.prompt.setdefault(key, raw[key])
         if self.request_id is None:
             self.request_id = rid
         choices = body.get("choices").items()
@@ -812,7 +881,7 @@ class StreamFold:
         choice: dict[str, Any] = {"index": 0, "token_ids": self.ids, **self.finish}
         if self.transport == "generate":
             choice["logprobs"] = {"content": self.entries}
-            body = {"request_id": self.request_id, "choices": [choice], "usage": self.usage}
+            body = {"request_id": self.request_id, "choices": [choice], "usage": self.usage, **self.prompt}
             (result,) = parse_generate(body, self.request, self.server_url)
         else:
             legacy: dict[str, Any] = dict(self.legacy)

@@ -141,7 +141,7 @@ async def test_limits_are_refused_before_sending(deployment: Deployment) -> None
         with pytest.raises(InvalidRequestError, match="i32"):
             await c.generate(prompt_ids=[1, 2], priority=2**31, sampling=SamplingParams(max_tokens=16))
         image = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {}}]}]
-        with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content\[1\] is a part of type 'image_url'"):
+        with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content\[1\]\.image_url\.url needs an"):
             await c.generate(messages=image, sampling=SamplingParams(max_tokens=16))
     assert deployment.sent == []
 

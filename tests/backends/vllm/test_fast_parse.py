@@ -116,7 +116,7 @@ def walk_generate(raw: Any, request: GenerateRequest, server_url: str) -> list[G
                 finish_reason=wire._finish(choice),
                 stop_reason=wire._stop_reason(choice),
                 top_logprobs=tuple(top) if k else None,
-                routed_experts=wire._routed(choice, request, completion),
+                routed_experts=wire._routed(choice, request, completion, len(request.prompt_ids)),
                 weight_version=spans[-1].version if spans else None,
                 weight_versions=spans,
                 usage=wire._usage(body, len(completion), len(request.prompt_ids)),

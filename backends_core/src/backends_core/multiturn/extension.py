@@ -50,6 +50,7 @@ from typing import Any
 import attrs
 
 from backends_core.errors import BridgeError, RenderError
+from backends_core.images import Image, ImageSpan
 from backends_core.multiturn.rendering import encode, render_text
 from backends_core.multiturn.spans import bridged_spans, delta_bounds, token_bounds
 from backends_core.types import GenerateResult, Message, MessageSpan
@@ -357,6 +358,9 @@ class Extension:
     spans: tuple[MessageSpan, ...] | None
     #: Leading ids reused verbatim: the previous prompt and completion.
     reused: int
+    #: The previous turn's images and their spans in ``ids`` (reused with its ids).
+    images: tuple[Image, ...] = ()
+    image_spans: tuple[ImageSpan, ...] = ()
 
 
 def extend_prompt(
@@ -483,4 +487,4 @@ def extend_with_spans(
                 delta_ends=[e - len(eot_ids) for e in ends],
                 delta_len=len(delta_ids),
             )
-    return Extension(ids, found, len(previous.prompt_ids) + len(completion))
+    return Extension(ids, found, len(previous.prompt_ids) + len(completion), previous.images, previous.image_spans)

@@ -11,9 +11,11 @@ their text, a text or refusal part without one is skipped, plain strings in the 
 the list of ``{"type": "text", "text": ...}`` parts. What the chat template then sees is decided per template in
 :func:`~backends_core.multiturn.rendering.render_text`: the texts joined with ``"\n"`` for templates that read
 content as a string (Qwen-style templates replace anything else with ``''``), the text parts themselves for
-templates that iterate over content. Image, audio, video and other parts are refused
-(:class:`~backends_core.errors.InvalidRequestError` naming the message and the part): token-in generation sends
-ids only, and no backend here runs an engine's multimodal processor. Nothing becomes a silently empty turn.
+templates that iterate over content. Image parts (:mod:`backends_core.images`) become
+``{"type": "image", "image": Image}`` in the normal form, so histories compare by image content, and reach the
+template as ``{"type": "image"}``; whether the backend, transport and model take them is the client's check.
+Audio, video, file and other parts are refused (:class:`~backends_core.errors.InvalidRequestError` naming the
+message and the part). Nothing becomes a silently empty turn.
 """
 
 from __future__ import annotations
@@ -26,11 +28,14 @@ from typing import Any
 import attrs
 
 from backends_core.errors import InvalidRequestError
+from backends_core.images import IMAGE_PART_TYPES, Image, image_of_part
 
 __all__ = [
     "TEXT_PART_KEYS",
     "as_plain",
     "check_content_parts",
+    "content_items",
+    "images_of",
     "normal_forms",
     "normalize_message",
     "normalize_messages",
@@ -49,29 +54,34 @@ TEXT_PART_KEYS = {
 _SKIPPED_WHEN_EMPTY = frozenset({"text", "refusal"})
 
 
-def part_texts(content: Sequence[Any], where: str) -> list[str]:
-    """The texts of a content-part list, in order (plain strings in the list are text).
+def content_items(content: Sequence[Any], where: str) -> list[str | Image]:
+    """The texts and images of a content-part list, in order (plain strings in the list are text).
 
     :param content: the message's ``content`` list.
     :param where: how errors name the content (``messages[2].content``).
-    :raises InvalidRequestError: a part that is not text (image, audio, video, file...), or a malformed part.
+    :raises InvalidRequestError: a part that is neither text nor an image (audio, video, file...), a malformed
+        part, or an image that cannot be read.
     """
-    texts = []
+    items: list[str | Image] = []
     for j, part in enumerate(content):
         if isinstance(part, str):
-            texts.append(part)
+            items.append(part)
             continue
         if not isinstance(part, Mapping):
             raise InvalidRequestError(f"{where}[{j}] must be a content part object, got {type(part).__name__}")
         kind = part.get("type")
         if not isinstance(kind, str):
             raise InvalidRequestError(f"{where}[{j}] has no string 'type' (a content part needs one): {part!r}")
+        image = image_of_part(part, f"{where}[{j}]")
+        if image is not None:
+            items.append(image)
+            continue
         key = TEXT_PART_KEYS.get(kind)
         if key is None:
             raise InvalidRequestError(
                 f"{where}[{j}] is a part of type {kind!r}: only text parts ({', '.join(sorted(TEXT_PART_KEYS))}) "
-                "can be sent: token-in generation carries prompt ids, and rendering them has no multimodal "
-                "processor for images, audio or video"
+                f"and image parts ({', '.join(sorted(IMAGE_PART_TYPES))}) can be sent: token-in generation "
+                "carries prompt ids, and the engines' processors used here take no audio, video or files"
             )
         text = part.get(key)
         if text is None and kind in _SKIPPED_WHEN_EMPTY:
@@ -80,17 +90,37 @@ def part_texts(content: Sequence[Any], where: str) -> list[str]:
             raise InvalidRequestError(
                 f"{where}[{j}] is a part of type {kind!r} whose {key!r} is not a string: {text!r}"
             )
-        texts.append(text)
+        items.append(text)
+    return items
+
+
+def part_texts(content: Sequence[Any], where: str) -> list[str]:
+    """The texts of a content-part list, in order, for a destination that takes text only.
+
+    :raises InvalidRequestError: a part that is not text (naming it), or a malformed part.
+    """
+    texts = []
+    for j, item in enumerate(content_items(content, where)):
+        if isinstance(item, Image):
+            raise InvalidRequestError(f"{where} holds an image (item {j}): this destination takes text only")
+        texts.append(item)
     return texts
 
 
-def check_content_parts(messages: Sequence[Mapping[str, Any]]) -> None:
-    """Refuse, before anything is rendered or sent, any content part that cannot reach the template as text,
-    naming the message index and the part (:func:`part_texts`)."""
+def images_of(messages: Sequence[Mapping[str, Any]], *, where: str = "messages") -> tuple[Image, ...]:
+    """Every image of ``messages``, in prompt order, each part checked (see :func:`content_items`)."""
+    images: list[Image] = []
     for i, m in enumerate(messages):
         content = m.get("content")
         if isinstance(content, list | tuple):
-            part_texts(content, f"messages[{i}].content")
+            images.extend(x for x in content_items(content, f"{where}[{i}].content") if isinstance(x, Image))
+    return tuple(images)
+
+
+def check_content_parts(messages: Sequence[Mapping[str, Any]]) -> tuple[Image, ...]:
+    """Refuse, before anything is rendered or sent, any content part that is neither text nor a readable image,
+    naming the message index and the part; returns the images in prompt order (:func:`images_of`)."""
+    return images_of(messages)
 
 
 def as_plain(message: Any) -> dict[str, Any]:
@@ -114,7 +144,7 @@ _SCALARS = frozenset({str, int, float, bool, type(None)})
 
 
 def _canonical(value: Any) -> Any:
-    if type(value) in _SCALARS:
+    if type(value) in _SCALARS or isinstance(value, Image):
         return value
     if isinstance(value, Mapping):
         return {k: _canonical(v) for k, v in sorted(value.items()) if v is not None}
@@ -171,7 +201,10 @@ def normalize_message(message: Any) -> dict[str, Any]:
         raise InvalidRequestError(f"a message needs a string 'role', got {message!r}")
     plain.setdefault("content", "")
     if isinstance(plain["content"], list):
-        plain["content"] = [{"type": "text", "text": t} for t in part_texts(plain["content"], "content")]
+        plain["content"] = [
+            {"type": "image", "image": x} if isinstance(x, Image) else {"type": "text", "text": x}
+            for x in content_items(plain["content"], "content")
+        ]
     calls = plain.get("tool_calls")
     if calls:
         normalized = []

@@ -8,8 +8,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from backends_core.errors import ConfigError, RenderError
-from backends_core.multiturn.messages import part_texts
+from backends_core.errors import ConfigError, InvalidRequestError, RenderError
+from backends_core.images import Image
+from backends_core.multiturn.messages import content_items
 
 __all__ = ["content_format", "encode", "load_tokenizer", "render_text", "template_messages"]
 
@@ -95,20 +96,34 @@ def template_messages(
 ) -> list[dict[str, Any]]:
     """``messages`` as the chat template sees them: content parts reduced to their text (see
     :mod:`backends_core.multiturn.messages`), joined with ``"\n"`` for a ``"string"`` template and for tool
-    results (which vLLM flattens for every template), kept as ``{"type": "text"}`` parts for an ``"openai"`` one.
+    results (which vLLM flattens for every template), kept as ``{"type": "text"}`` parts for an ``"openai"`` one,
+    where each image becomes an ``{"type": "image"}`` part (the template writes its placeholder).
 
-    :raises InvalidRequestError: a part that is not text, or a malformed part.
+    :raises InvalidRequestError: a part that is neither text nor an image, a malformed part, or an image where the
+        template would drop it (a ``"string"`` template, a tool result).
     """
     out = []
     for i, m in enumerate(messages):
         content = m.get("content")
         m = dict(m)
         if isinstance(content, list | tuple):
-            texts = part_texts(content, f"{where}[{i}].content")
-            if fmt == "string" or m.get("role") == "tool":
-                m["content"] = "\n".join(texts)
+            items = content_items(content, f"{where}[{i}].content")
+            flat = fmt == "string" or m.get("role") == "tool"
+            if flat and any(isinstance(x, Image) for x in items):
+                why = (
+                    "a tool result's content is flattened to text"
+                    if fmt != "string"
+                    else ("the chat template reads content as a string")
+                )
+                raise InvalidRequestError(
+                    f"{where}[{i}].content holds an image, which this chat template cannot place ({why})"
+                )
+            if flat:
+                m["content"] = "\n".join(x for x in items if isinstance(x, str))
             else:
-                m["content"] = [{"type": "text", "text": t} for t in texts]
+                m["content"] = [
+                    {"type": "image"} if isinstance(x, Image) else {"type": "text", "text": x} for x in items
+                ]
         out.append(m)
     return out
 
