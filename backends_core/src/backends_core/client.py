@@ -1099,8 +1099,8 @@ class Client:
             top_logprobs=top_logprobs,
             lora=lora,
             model=model,
-            images=tuple(images),
-            image_spans=tuple(image_spans),
+            images=images,
+            image_spans=image_spans,
         )
         return await self.driver.teacher_logprobs(self.server(server), request)
 

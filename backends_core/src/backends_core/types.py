@@ -365,6 +365,14 @@ def _resolved_sampling(value: SamplingParams) -> SamplingParams:
     return value
 
 
+def _images(value: Iterable[Image]) -> tuple[Image, ...]:
+    return tuple(value)
+
+
+def _image_spans(value: Iterable[ImageSpan]) -> tuple[ImageSpan, ...]:
+    return tuple(value)
+
+
 def _check_images(images: tuple[Image, ...], spans: tuple[ImageSpan, ...], length: int) -> None:
     for k, image in enumerate(images):
         _check(isinstance(image, Image), f"images[{k}] must be a backends_core.Image, got {type(image).__name__}")
@@ -412,8 +420,8 @@ class GenerateRequest:
     return_routed_experts: bool = False
     routed_experts_start: int = 0
     model: str | None = None
-    images: tuple[Image, ...] = attrs.field(default=(), converter=tuple)
-    image_spans: tuple[ImageSpan, ...] = attrs.field(default=(), converter=tuple)
+    images: tuple[Image, ...] = attrs.field(default=(), converter=_images)
+    image_spans: tuple[ImageSpan, ...] = attrs.field(default=(), converter=_image_spans)
 
     def __attrs_post_init__(self) -> None:
         _check(len(self.prompt_ids) > 0, "prompt_ids is empty: a prompt needs at least one token")
@@ -583,8 +591,8 @@ class TeacherRequest:
     lora: str | None = None
     model: str | None = None
     request_id: str | None = None
-    images: tuple[Image, ...] = attrs.field(default=(), converter=tuple)
-    image_spans: tuple[ImageSpan, ...] = attrs.field(default=(), converter=tuple)
+    images: tuple[Image, ...] = attrs.field(default=(), converter=_images)
+    image_spans: tuple[ImageSpan, ...] = attrs.field(default=(), converter=_image_spans)
 
     def __attrs_post_init__(self) -> None:
         _check_images(self.images, self.image_spans, len(self.token_ids))
