@@ -12,32 +12,23 @@ The server is shared with the session: the original weights and version are push
 
 from __future__ import annotations
 
-import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 import pytest
-import torch
-from safetensors.torch import load_file
+from weight_push_checks import loopback_gloo_group, max_delta, new_weights_vs_engine, served, tensors
 
 from backends_core import Client, ClientConfig
 from backends_core.errors import AdminError, ServerStatusError
-from backends_core.types import DistributedGroup
-from backends_testkit.engine import ReferenceEngine
-from backends_testkit.tinymodel import TOKENIZER_SIZE, TinyModels, write_perturbed_weights
+from backends_testkit.tinymodel import TinyModels, write_perturbed_weights
 from backends_trainer import CheckpointDir, WeightPusher
 
 pytestmark = pytest.mark.live
 
 TOLERANCE = 1e-5
 """Largest accepted |Δ logprob| between vLLM and the reference engine (``test_vllm_parity.py``'s bound)."""
-CHANGED = 1e-2
-"""Smallest max |Δ logprob| that counts as "the push changed the outputs"."""
-WEIGHTS = "model.safetensors"
 
 
 @pytest.fixture
@@ -47,60 +38,23 @@ async def client(vllm_dense_url: str, tiny_models: TinyModels) -> AsyncIterator[
         yield c
 
 
-def _sequences() -> list[list[int]]:
-    rng = np.random.default_rng(31)
-    return [rng.integers(0, TOKENIZER_SIZE, size=n).tolist() for n in (16, 40)]
-
-
-async def _served(client: Client) -> list[npt.NDArray[np.float64]]:
-    return [(await client.teacher_logprobs(ids)).logprobs[1:].astype(np.float64) for ids in _sequences()]
-
-
-async def _engine(model_dir: Path) -> list[npt.NDArray[np.float64]]:
-    out = []
-    async with ReferenceEngine(model_dir) as engine:
-        for ids in _sequences():
-            scored = await engine.score(ids, top_k=0)
-            assert scored.prompt_logprobs is not None
-            out.append(scored.prompt_logprobs[1:].astype(np.float64))
-    return out
-
-
-def _max_delta(a: list[npt.NDArray[np.float64]], b: list[npt.NDArray[np.float64]]) -> float:
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(model_dir / WEIGHTS))
-
-
 async def test_a_checkpoint_push_is_served_exactly_then_the_original_is_pushed_back(
     client: Client, tiny_models: TinyModels, tmp_path: Path, record_property: Any
 ) -> None:
     (found,) = await client.admin.state()
     original_version = found.weight_version
     assert original_version is not None
-    before = await _served(client)
+    before = await served(client)
     perturbed = write_perturbed_weights(tiny_models.dense, tmp_path / "perturbed", seed=43, scale=0.05)
     target = CheckpointDir(path=tmp_path / "checkpoints", config_from=tiny_models.dense, keep=1)
     pusher = WeightPusher(client, checkpoint=target, reference=tiny_models.dense)
     try:
-        report = await pusher.push(_tensors(perturbed), version="live-ckpt-1")
+        report = await pusher.push(tensors(perturbed), version="live-ckpt-1")
         assert report.path == target.local("live-ckpt-1") and (report.path / "config.json").is_file()
         assert list(report.sync.phases) == ["pause", "update", "flush", "resume", "verify"]
         (state,) = await client.admin.state()
         assert (state.weight_version, state.paused) == ("live-ckpt-1", False)
-        served = await _served(client)
-        changed = _max_delta(served, before)
-        assert changed > CHANGED, f"the pushed weights did not change the logprobs (max |Δ| {changed:.3g})"
-        worst = _max_delta(served, await _engine(perturbed))
+        worst = await new_weights_vs_engine(client, before, perturbed)
         record_property("max_abs_delta_vs_engine", worst)
         record_property("push_seconds", report.duration_s)
         sys.stderr.write(
@@ -110,27 +64,20 @@ async def test_a_checkpoint_push_is_served_exactly_then_the_original_is_pushed_b
         assert worst <= TOLERANCE, f"vLLM vs engine on the pushed weights: max |Δ logprob| {worst:.3g}"
     finally:
         try:
-            await pusher.push(_tensors(tiny_models.dense), version=original_version)
+            await pusher.push(tensors(tiny_models.dense), version=original_version)
         except Exception:
             await client.admin.weight_sync(path=str(tiny_models.dense), version=original_version)
             raise
     (state,) = await client.admin.state()
     assert state.weight_version == original_version
-    assert _max_delta(await _served(client), before) <= TOLERANCE
+    assert max_delta(await served(client), before) <= TOLERANCE
     assert [p.name for p in target.path.iterdir() if p.is_dir()] == [original_version]  # keep=1 pruned the rest
 
 
 async def test_the_cpu_build_cannot_join_a_transfer_group_and_the_pusher_says_so_at_start(
     client: Client, vllm_dense_url: str, tiny_models: TinyModels
 ) -> None:
-    group = DistributedGroup(
-        master_address="127.0.0.1",
-        master_port=_free_port(),
-        world_size=2,
-        rank_offset=1,
-        backend="gloo",
-        bucket_bytes=1 << 20,
-    )
+    group = loopback_gloo_group(bucket_bytes=1 << 20)
     pusher = WeightPusher(client, group=group, reference=tiny_models.dense, group_timeout_s=5)
     try:
         with pytest.raises(AdminError) as caught:

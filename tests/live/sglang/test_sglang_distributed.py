@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -41,21 +40,29 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 from safetensors.numpy import load_file, save_file
+from weight_push_checks import (
+    CHANGED,
+    WEIGHTS,
+    free_port,
+    left_as_found,
+    loopback_gloo_group,
+    max_delta,
+    probe_sequences,
+    served,
+    weight_version,
+)
 
 from backends_core import Client, ClientConfig, SamplingParams
 from backends_core.errors import AdminError, ServerStatusError
-from backends_core.types import DistributedGroup, TensorSpec
+from backends_core.types import TensorSpec
 from backends_testkit.engine import EngineRequest, ReferenceEngine
-from backends_testkit.tinymodel import TOKENIZER_SIZE, TinyModels, write_perturbed_weights
+from backends_testkit.tinymodel import TinyModels, write_perturbed_weights
 
 pytestmark = pytest.mark.live
 
 TRAINER = Path(__file__).resolve().with_name("gloo_trainer.py")
-WEIGHTS = "model.safetensors"
 TOLERANCE = 2e-5
 """Largest accepted |Δ logprob| between the reference engine and SGLang (the parity tests' bound)."""
-CHANGED = 1e-2
-"""Smallest max |Δ logprob| that counts as "the update changed the outputs" (observed: several tenths)."""
 GREEDY_TOKENS = 8
 TRAINER_HARD_TIMEOUT_S = 600
 """The trainer process ends after this long whatever it is blocked on."""
@@ -63,18 +70,6 @@ GROUP_TIMEOUT_S = 300.0
 """The trainer's rendezvous and collective timeout."""
 EVENT_TIMEOUT_S = 300.0
 """How long the test waits for one line of the trainer before it fails (a hang guard, not a speed check)."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _sequences() -> list[list[int]]:
-    rng = np.random.default_rng(31)
-    return [rng.integers(0, TOKENIZER_SIZE, size=n).tolist() for n in (16, 40)]
 
 
 def _specs(path: Path) -> list[TensorSpec]:
@@ -165,24 +160,10 @@ async def client(sglang_dense_url: str, tiny_models: TinyModels) -> AsyncIterato
         yield c
 
 
-async def _version(client: Client) -> str | None:
-    (state,) = await client.admin.state()
-    return state.weight_version
-
-
-async def _outputs(client: Client) -> list[npt.NDArray[np.float64]]:
-    """Teacher logprobs (positions 1..) of fixed sequences."""
-    out: list[npt.NDArray[np.float64]] = []
-    for ids in _sequences():
-        teacher = await client.teacher_logprobs(ids)
-        out.append(teacher.logprobs[1:].astype(np.float64))
-    return out
-
-
 async def _greedy(client: Client) -> list[tuple[list[int], npt.NDArray[np.float64], str | None]]:
     sampling = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
     results = []
-    for ids in _sequences():
+    for ids in probe_sequences():
         r = await client.generate(prompt_ids=ids, sampling=sampling)
         results.append((list(r.completion_ids), r.logprobs.astype(np.float64), r.weight_version))
     return results
@@ -192,10 +173,10 @@ async def _max_delta_to_engine(client: Client, model_dir: Path) -> float:
     """Largest |Δ logprob| of SGLang (through the client) vs the reference engine on ``model_dir``, over teacher
     logprobs and greedy output logprobs; greedy tokens must be identical."""
     worst = 0.0
-    served = await _outputs(client)
+    teachers = await served(client)
     greedy = await _greedy(client)
     async with ReferenceEngine(model_dir) as engine:
-        for ids, teacher, (tokens, logprobs, _) in zip(_sequences(), served, greedy, strict=True):
+        for ids, teacher, (tokens, logprobs, _) in zip(probe_sequences(), teachers, greedy, strict=True):
             scored = await engine.score(ids, top_k=0)
             assert scored.prompt_logprobs is not None
             worst = max(worst, float(np.max(np.abs(teacher - scored.prompt_logprobs[1:].astype(np.float64)))))
@@ -206,10 +187,6 @@ async def _max_delta_to_engine(client: Client, model_dir: Path) -> float:
             assert ours.logprobs is not None
             worst = max(worst, float(np.max(np.abs(logprobs - ours.logprobs.astype(np.float64)))))
     return worst
-
-
-def _max_delta(a: Sequence[npt.NDArray[np.float64]], b: Sequence[npt.NDArray[np.float64]]) -> float:
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
 
 
 async def _broadcast_update(
@@ -244,15 +221,13 @@ async def gloo_group(
     trainer leaves (or is killed) and the server leaves the group through ``client.admin.destroy_weight_transfer``
     (asserted when the join succeeded; a second destroy of the name must be refused)."""
     name = f"backends-live-{request.node.name}"
-    port = _free_port()
+    port = free_port()
     trainer = await Trainer.start(
         sglang_venv / "bin" / "python", port=port, group_name=name, stderr=tmp_path / "trainer.stderr"
     )
     joined = False
     try:
-        group = DistributedGroup(
-            master_address="127.0.0.1", master_port=port, world_size=2, rank_offset=1, group_name=name, backend="gloo"
-        )
+        group = loopback_gloo_group(port=port, group_name=name)
         started = time.perf_counter()
         assert await client.admin.init_weight_transfer(group) == [True]
         joined = True
@@ -274,17 +249,10 @@ async def gloo_group(
 
 @pytest.fixture
 async def original_weights(client: Client, tiny_models: TinyModels) -> AsyncIterator[str | None]:
-    """The server's version before the test; afterwards, checks the server is as found (weights and version).
-
-    If a test failed before its own restore, the weights are reloaded from disk with the original version
-    (``/update_weights_from_disk`` also renames the served model to the path: the last resort only)."""
-    version = await _version(client)
-    assert version is not None, "the sglang backend reports the weight version (/model_info)"
-    before = await _outputs(client)
-    yield version
-    if await _version(client) != version or _max_delta(await _outputs(client), before) > TOLERANCE:
-        await client.admin.update_weights(str(tiny_models.dense), version=version)
-        pytest.fail("the test left the server changed: weights reloaded from disk")
+    """The server's version before the test; afterwards, the server must serve what it served before, within
+    ``TOLERANCE`` (``weight_push_checks.left_as_found``)."""
+    async with left_as_found(client, tiny_models.dense, tolerance=TOLERANCE) as version:
+        yield version
 
 
 async def test_gloo_update_from_a_trainer_process_then_restore(
@@ -297,7 +265,7 @@ async def test_gloo_update_from_a_trainer_process_then_restore(
 ) -> None:
     original = tiny_models.dense / WEIGHTS
     perturbed_dir = write_perturbed_weights(tiny_models.dense, tmp_path / "perturbed", seed=41, scale=0.05)
-    before = await _outputs(client)
+    before = await served(client)
     greedy_before = await _greedy(client)
     assert all(v == original_weights for _, _, v in greedy_before)
 
@@ -305,9 +273,9 @@ async def test_gloo_update_from_a_trainer_process_then_restore(
         client, gloo_group.trainer, gloo_group.name, perturbed_dir / WEIGHTS, version="live-gloo-1"
     )
     try:
-        assert await _version(client) == "live-gloo-1"
+        assert await weight_version(client) == "live-gloo-1"
         assert all(v == "live-gloo-1" for _, _, v in await _greedy(client))
-        changed = _max_delta(await _outputs(client), before)
+        changed = max_delta(await served(client), before)
         assert changed > CHANGED, f"the broadcast weights did not change the logprobs (max |Δ| {changed:.3g})"
         worst = await _max_delta_to_engine(client, perturbed_dir)
         record_property("max_abs_delta_vs_engine", worst)
@@ -320,8 +288,8 @@ async def test_gloo_update_from_a_trainer_process_then_restore(
     finally:
         # restore through the same group: the original tensors, the original version
         await _broadcast_update(client, gloo_group.trainer, gloo_group.name, original, version=str(original_weights))
-    assert await _version(client) == original_weights
-    assert _max_delta(await _outputs(client), before) == 0.0, "the original weights did not restore the outputs"
+    assert await weight_version(client) == original_weights
+    assert max_delta(await served(client), before) == 0.0, "the original weights did not restore the outputs"
     # greedy decoding: same tokens; its logprobs move by float noise (4.8e-7 seen) with the prefix-cache state
     for (tokens, logprobs, _), (tokens0, logprobs0, _) in zip(await _greedy(client), greedy_before, strict=True):
         assert tokens == tokens0
@@ -338,7 +306,7 @@ async def test_gloo_update_failures(
     tmp_path: Path,
 ) -> None:
     original = tiny_models.dense / WEIGHTS
-    before = await _outputs(client)
+    before = await served(client)
     norm = load_file(original)["model.norm.weight"]  # (64,)
 
     # a shape the parameter does not have: received (both sides agree on it), then refused by the loader
@@ -355,17 +323,17 @@ async def test_gloo_update_failures(
     assert caught.value.operation == "admin_update_weights_distributed"
     assert sglang_dense_url in message and "update_weights_from_distributed" in message
     assert "Failed to update parameter online" in message, message
-    assert await _version(client) == original_weights
-    assert _max_delta(await _outputs(client), before) == 0.0
+    assert await weight_version(client) == original_weights
+    assert max_delta(await served(client), before) == 0.0
 
     # a name the model does not have: SGLang logs a warning, reports success and takes the version
     unknown = tmp_path / "unknown-name.safetensors"
     save_file({"model.no_such.weight": norm.copy()}, str(unknown))
     await _broadcast_update(client, gloo_group.trainer, gloo_group.name, unknown, version="live-unknown-name")
-    assert await _version(client) == "live-unknown-name"
-    assert _max_delta(await _outputs(client), before) == 0.0
+    assert await weight_version(client) == "live-unknown-name"
+    assert max_delta(await served(client), before) == 0.0
 
     # no session was left open by the failure: a full update goes through (and restores the version)
     await _broadcast_update(client, gloo_group.trainer, gloo_group.name, original, version=str(original_weights))
-    assert await _version(client) == original_weights
-    assert _max_delta(await _outputs(client), before) == 0.0
+    assert await weight_version(client) == original_weights
+    assert max_delta(await served(client), before) == 0.0
