@@ -412,6 +412,8 @@ class Client:
         chat_template_kwargs: Mapping[str, Any] | None,
         session: str | None = None,
         previous: Previous | None = None,
+        images: tuple[Image, ...] = (),
+        image_spans: tuple[ImageSpan, ...] = (),
         **fields: Any,
     ) -> tuple[GenerateRequest, Callable[[GenerateResult], GenerateResult] | None]:
         """The request, and for a prompt rendered from messages what each result gets: its message spans and how
@@ -420,6 +422,8 @@ class Client:
             raise InvalidRequestError("give exactly one of messages= or prompt_ids=")
         attribute = None
         if messages is not None:
+            if images or image_spans:
+                raise InvalidRequestError("images= and image_spans= go with prompt_ids=; messages carry their images")
             plain = [as_plain(m) for m in messages]
             images = check_content_parts(plain)
             if images:
@@ -449,8 +453,14 @@ class Client:
                 message_spans = reused.spans or ()
             known = 0
             if images or (reused is not None and reused.images):
+                if reused is not None and tuple(images[: len(reused.images)]) != reused.images:
+                    raise BridgeError(
+                        "image_changed",
+                        f"the history holds {len(images)} images whose first {len(reused.images)} are not the "
+                        "images of the turn being extended: its ids hold those images' expansion",
+                    )
                 fields["images"] = images
-                fields["image_spans"] = self._image_placement(ids, images, reused)
+                fields["image_spans"] = self._image_placement(ids, images, reused.image_spans if reused else ())
                 known = len(fields["image_spans"])
             attribute = _attribution(message_spans, reused.reused if reused is not None else 0, known)
             fields["messages"] = tuple(plain)
@@ -463,6 +473,14 @@ class Client:
             if previous is not None:
                 raise InvalidRequestError("previous= extends a conversation given as messages=, not prompt_ids=")
             ids = prompt_ids  # checked by GenerateRequest, which keeps the caller's tuple as it is
+            if images or image_spans:
+                if not images:
+                    raise InvalidRequestError("image_spans= without images=")
+                where = f"images[{len(image_spans)}]" if len(images) > len(image_spans) else "images[0]"
+                if self.driver.image_refusal is not None:
+                    raise UnsupportedOperationError(self.backend, f"images ({where})", hint=self.driver.image_refusal)
+                fields["images"] = images
+                fields["image_spans"] = self._image_placement(ids, images, image_spans)
         request = GenerateRequest(prompt_ids=ids, sampling=_required(sampling), **fields)
         return self.driver.prepare_request(request), attribute
 
@@ -491,28 +509,30 @@ class Client:
         return image_token_id(self.config.tokenizer) if self.config.tokenizer else None
 
     def _image_placement(
-        self, ids: Sequence[int], images: tuple[Image, ...], reused: Extension | None
+        self, ids: Sequence[int], images: tuple[Image, ...], known: tuple[ImageSpan, ...]
     ) -> tuple[ImageSpan, ...]:
-        """The spans of the images ``ids`` already hold widened (those of the turn being extended), after checking
-        that the messages' images are that turn's images followed by new ones, each new one one placeholder.
+        """``known`` (the spans of the images ``ids`` already hold widened), after checking that every other image is
+        exactly one placeholder id in ``ids``.
 
-        :raises BridgeError: the history's images are not the images of the turn being extended.
-        :raises RenderError: the template did not write exactly one placeholder per new image.
+        :raises InvalidRequestError: the model declares no image placeholder, or a known span is not one run of it.
+        :raises RenderError: not exactly one placeholder per new image (the chat template wrote another count, or
+            the ids were widened already).
         """
-        known = reused.image_spans if reused is not None else ()
-        if reused is not None and tuple(images[: len(reused.images)]) != reused.images:
-            raise BridgeError(
-                "image_changed",
-                f"the history holds {len(images)} images whose first {len(reused.images)} are not the images of "
-                "the turn being extended: its ids hold those images' expansion",
-            )
         pad = self._image_token()
+        if pad is None:
+            raise InvalidRequestError(
+                f"the model of tokenizer {self.config.tokenizer!r} takes no images: its config.json names no image "
+                "placeholder (image_token_id)"
+            )
+        for k, span in enumerate(known):
+            if span.end > len(ids) or set(ids[span.start : span.end]) != {pad}:
+                raise InvalidRequestError(f"image_spans[{k}] {span} is not a run of the image placeholder {pad}")
         wire = collapse(ids, known)
         found = sum(1 for t in wire if t == pad)
         if found != len(images):
             raise RenderError(
-                f"the chat template wrote {found} image placeholders (id {pad}) for {len(images)} images: it must "
-                "write exactly one per image part"
+                f"the prompt holds {found} image placeholders (id {pad}) outside the known spans for {len(images)} "
+                f"images ({len(known)} of them known): each image needs exactly one, never an already widened run"
             )
         return known
 
@@ -676,6 +696,8 @@ class Client:
         server: int | str | None = None,
         session: str | None = None,
         previous: Previous | None = None,
+        images: Sequence[Image] = (),
+        image_spans: Sequence[ImageSpan] = (),
     ) -> list[GenerateResult]:
         """Generate ``sampling.n`` samples for one prompt; see :meth:`generate` for the arguments."""
         request, attribute = self._build_request(
@@ -693,6 +715,8 @@ class Client:
             model=model,
             session=session,
             previous=previous,
+            images=tuple(images),
+            image_spans=tuple(image_spans),
         )
         results = await self.send(request, server=server, session=session)
         if attribute is not None:
@@ -891,6 +915,8 @@ class Client:
         server: int | str | None = None,
         session: str | None = None,
         previous: Previous | None = None,
+        images: Sequence[Image] = (),
+        image_spans: Sequence[ImageSpan] = (),
     ) -> GenerateResult:
         """Generate one sample, token in / token out.
 
@@ -918,6 +944,9 @@ class Client:
             (:class:`BridgeError` with ``assistant_mismatch``, ``history_rewritten``...); nothing is kept in the
             client. A result then carries ``message_spans`` only when ``previous`` carried them (a
             :class:`GenerateResult` of this client does).
+        :param images: with ``prompt_ids``: the prompt's images in order (messages carry their own).
+        :param image_spans: with ``prompt_ids``: the spans of the first images, already widened in ``prompt_ids`` (a
+            result's ``image_spans``); every later image is one placeholder id.
         :raises InvalidRequestError: bad arguments (nothing is sent).
         :raises RenderError: the chat template rejected ``messages``.
         :raises RequestError: the server could not be reached or answered non-2xx.
@@ -943,6 +972,8 @@ class Client:
             server=server,
             session=session,
             previous=previous,
+            images=images,
+            image_spans=image_spans,
         )
         return results[0]
 

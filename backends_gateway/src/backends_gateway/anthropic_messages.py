@@ -85,9 +85,9 @@ _BLOCK_KEYS = {
     "thinking": ("thinking", "signature", *_CACHE),
     "tool_use": ("id", "name", "input", "caller", *_CACHE),
     "tool_result": ("tool_use_id", "content", "is_error", *_CACHE),
+    "image": ("source", *_CACHE),
 }
 _REFUSED_BLOCKS = {
-    "image": "images are not supported yet: the gateway renders text only",
     "document": "documents are not supported: the gateway renders text only",
     "search_result": "search results are not supported: send their text",
     "redacted_thinking": "redacted thinking is encrypted reasoning only Anthropic can read: it cannot be rendered",
@@ -196,24 +196,42 @@ def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
     return message
 
 
+def _image(block: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """An image block as the OpenAI image part the client reads (whether the backend takes it is the client's
+    check, answered as the route's error)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source, dict):
+        media, data = source.get("media_type"), source.get("data")
+        if not isinstance(media, str) or not isinstance(data, str):
+            raise bad(f"{where}.source needs string media_type and data", f"{where}.source", "invalid_type")
+        return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{data}"}}
+    if kind == "url" and isinstance(source, dict) and isinstance(source.get("url"), str):
+        return {"type": "image_url", "image_url": {"url": source["url"]}}
+    raise bad(f"{where}.source must be a base64 or url image source", f"{where}.source", "invalid_type")
+
+
 def _user(content: Any, where: str) -> list[dict[str, Any]]:
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     if not isinstance(content, list) or not content:
         raise bad(f"{where}.content must be a string or a non-empty list of blocks", f"{where}.content", "invalid_type")
     out: list[dict[str, Any]] = []
-    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
     for j, raw in enumerate(content):
         at = f"{where}.content[{j}]"
-        kind, block = _check_block(raw, at, ("text", "tool_result"))
+        kind, block = _check_block(raw, at, ("text", "tool_result", "image"))
         if kind == "tool_result":
-            if texts:
+            if parts:
                 raise bad(f"{at}: tool_result blocks must come before any text in a user message", at)
             out.append(_tool_result(block, at))
+        elif kind == "image":
+            parts.append(_image(block, at))
         else:
-            texts.append(_text_of(block, at))
-    if texts:
-        out.append({"role": "user", "content": _texts(texts)})
+            parts.append({"type": "text", "text": _text_of(block, at)})
+    if parts:
+        images = any(p["type"] == "image_url" for p in parts)
+        out.append({"role": "user", "content": parts if images else _texts([p["text"] for p in parts])})
     return out
 
 

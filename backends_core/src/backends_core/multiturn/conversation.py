@@ -11,7 +11,7 @@ import attrs
 
 from backends_core.errors import BridgeError
 from backends_core.multiturn.extension import extend_with_spans
-from backends_core.multiturn.messages import normalize_message
+from backends_core.multiturn.messages import images_of, normalize_message
 from backends_core.multiturn.turn_cache import check_reply
 from backends_core.types import GenerateResult, Message, SamplingParams
 
@@ -116,6 +116,9 @@ class Conversation:
             ids = extension.ids
             client.driver.emit("bridge", "bridge", None, started, None, delta_tokens=len(ids) - len(previous.token_ids))
             sampling = client.template_stop(sampling, chat_template_kwargs=self.chat_template_kwargs)
+            images = previous.images + images_of(new_messages, where="new_messages")
+            if images:
+                generate_kwargs.update(images=images, image_spans=previous.image_spans)
             result = await client.generate(prompt_ids=ids, sampling=sampling, **generate_kwargs)
             result = attrs.evolve(result, message_spans=extension.spans or (), reused_ids=extension.reused)
             self.messages.append(reply)
