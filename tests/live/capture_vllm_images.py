@@ -250,6 +250,38 @@ def capture_reload(client: httpx.Client, out: Path, model: Path, tmp: Path) -> b
     return alive
 
 
+def capture_reload_with_reset(client: httpx.Client, out: Path, model: Path, tmp: Path) -> None:
+    """As :func:`capture_reload`, but ``/reset_encoder_cache`` right after the reload (on a fresh server)."""
+    a = vl_images.png_data_url(56, 56, seed=1)
+    rendered = body(exchange(client, "POST", "/v1/chat/completions/render", render("Describe it.", a, mm_payload="none")))
+    ids = collapse(rendered["token_ids"])
+
+    def gen(uuid: str) -> dict[str, Any]:
+        part = {"type": "image_url", "url": a, "uuid": uuid}
+        return generate(ids, [part], return_token_ids=True, sampling_params={**GREEDY, "prompt_logprobs": 1})
+
+    steps: list[dict[str, Any]] = []
+
+    def step(label: str, method: str, path: str, payload: Any = None) -> None:
+        record = exchange(client, method, path, payload)
+        record["step"] = label
+        steps.append(record)
+        print(f"[capture] reset step {label}: {record['response']['status']}", flush=True)
+
+    step("before: uuid image-r", "POST", "/inference/v1/generate", gen("image-r"))
+    perturbed = write_perturbed_weights(model, tmp / "perturbed", seed=7, scale=0.3)
+    step("reload perturbed", "POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(perturbed)}})
+    step("reset prefix cache", "POST", "/reset_prefix_cache")
+    step("reset encoder cache", "POST", "/reset_encoder_cache")
+    step("after: same uuid image-r", "POST", "/inference/v1/generate", gen("image-r"))
+    step("after: fresh uuid image-r@v1", "POST", "/inference/v1/generate", gen("image-r@v1"))
+    step("reload original", "POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(model)}})
+    step("reset prefix cache again", "POST", "/reset_prefix_cache")
+    step("reset encoder cache again", "POST", "/reset_encoder_cache")
+    step("restored: uuid image-r", "POST", "/inference/v1/generate", gen("image-r"))
+    save(out, "reload_weights_reset_encoder_cache", {"steps": steps})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("tests/fixtures/wire/vllm"))
@@ -266,7 +298,12 @@ def main() -> None:
             with probe_client(base_url=url, timeout=120.0) as client:
                 save(args.out, "models", exchange(client, "GET", "/v1/models"))
                 capture_basics(client, args.out)
-                capture_reload(client, args.out, model, tmp)
+                alive = capture_reload(client, args.out, model, tmp)
+            if not alive:  # the engine died: a fresh server for the variant that resets the encoder cache
+                server.stop()
+                url = server.start()
+            with probe_client(base_url=url, timeout=120.0) as client:
+                capture_reload_with_reset(client, args.out, model, tmp)
         finally:
             server.stop()
             print(f"[capture] server logs in {args.logs}", file=sys.stderr)
