@@ -122,31 +122,53 @@ def capture_basics(client: httpx.Client, out: Path) -> None:
     expanded = rendered["token_ids"]
     one_pad = collapse(expanded)
     parts = [{"type": "image_url", "url": a, "uuid": "image-a"}]
-    save(out, "generate_content_parts", exchange(client, "POST", "/inference/v1/generate", generate(one_pad, parts, return_token_ids=True)))
+    save(
+        out,
+        "generate_content_parts",
+        exchange(client, "POST", "/inference/v1/generate", generate(one_pad, parts, return_token_ids=True)),
+    )
     save(
         out,
         "generate_content_parts_stream",
-        exchange(client, "POST", "/inference/v1/generate", generate(one_pad, parts, return_token_ids=True, stream=True), stream=True),
+        exchange(
+            client,
+            "POST",
+            "/inference/v1/generate",
+            generate(one_pad, parts, return_token_ids=True, stream=True),
+            stream=True,
+        ),
     )
     save(
         out,
         "generate_content_parts_no_uuid",
-        exchange(client, "POST", "/inference/v1/generate", generate(one_pad, [{"type": "image_url", "url": a}], return_token_ids=True)),
+        exchange(
+            client,
+            "POST",
+            "/inference/v1/generate",
+            generate(one_pad, [{"type": "image_url", "url": a}], return_token_ids=True),
+        ),
     )
     save(
         out,
         "generate_expanded_ids_content_parts",
         exchange(client, "POST", "/inference/v1/generate", generate(expanded, parts, return_token_ids=True)),
     )
-    save(out, "generate_pad_without_image", exchange(client, "POST", "/inference/v1/generate", generate(one_pad, None, return_token_ids=True)))
+    save(
+        out,
+        "generate_pad_without_image",
+        exchange(client, "POST", "/inference/v1/generate", generate(one_pad, None, return_token_ids=True)),
+    )
     save(
         out,
         "generate_image_without_pad",
-        exchange(client, "POST", "/inference/v1/generate", generate([t for t in one_pad if t != PAD], parts, return_token_ids=True)),
+        exchange(
+            client,
+            "POST",
+            "/inference/v1/generate",
+            generate([t for t in one_pad if t != PAD], parts, return_token_ids=True),
+        ),
     )
-    with_tensors = body(
-        exchange(client, "POST", "/v1/chat/completions/render", render(text, a))
-    )
+    with_tensors = body(exchange(client, "POST", "/v1/chat/completions/render", render(text, a)))
     save(
         out,
         "generate_features_from_render",
@@ -168,7 +190,12 @@ def capture_basics(client: httpx.Client, out: Path) -> None:
     save(
         out,
         "generate_two_images",
-        exchange(client, "POST", "/inference/v1/generate", generate(collapse(two["token_ids"]), two_parts, return_token_ids=True)),
+        exchange(
+            client,
+            "POST",
+            "/inference/v1/generate",
+            generate(collapse(two["token_ids"]), two_parts, return_token_ids=True),
+        ),
     )
     save(
         out,
@@ -180,12 +207,18 @@ def capture_basics(client: httpx.Client, out: Path) -> None:
 
         handle.write(base64.b64decode(a.split(",", 1)[1]))
     file_parts = [{"type": "image_url", "url": f"file://{handle.name}", "uuid": "image-file"}]
-    save(out, "generate_file_url_refused", exchange(client, "POST", "/inference/v1/generate", generate(one_pad, file_parts)))
+    save(
+        out,
+        "generate_file_url_refused",
+        exchange(client, "POST", "/inference/v1/generate", generate(one_pad, file_parts)),
+    )
     Path(handle.name).unlink()
     save(
         out,
         "completions_ids_with_pad",
-        exchange(client, "POST", "/v1/completions", {"model": MODEL, "prompt": one_pad, "max_tokens": 2, "temperature": 0}),
+        exchange(
+            client, "POST", "/v1/completions", {"model": MODEL, "prompt": one_pad, "max_tokens": 2, "temperature": 0}
+        ),
     )
     save(
         out,
@@ -205,7 +238,9 @@ def capture_reload(client: httpx.Client, out: Path, model: Path, tmp: Path) -> b
     ``/reset_encoder_cache``; then a fresh uuid; then after ``/reset_encoder_cache``. Returns whether the server
     is still alive."""
     a = vl_images.png_data_url(56, 56, seed=1)
-    rendered = body(exchange(client, "POST", "/v1/chat/completions/render", render("Describe it.", a, mm_payload="none")))
+    rendered = body(
+        exchange(client, "POST", "/v1/chat/completions/render", render("Describe it.", a, mm_payload="none"))
+    )
     ids = collapse(rendered["token_ids"])
 
     def gen(uuid: str | None) -> dict[str, Any]:
@@ -223,13 +258,21 @@ def capture_reload(client: httpx.Client, out: Path, model: Path, tmp: Path) -> b
             record = {"request": {"method": method, "path": path, "body": payload}, "error": repr(exc)}
         record["step"] = label
         steps.append(record)
-        print(f"[capture] reload step {label}: {record.get('response', {}).get('status', record.get('error'))}", flush=True)
+        print(
+            f"[capture] reload step {label}: {record.get('response', {}).get('status', record.get('error'))}",
+            flush=True,
+        )
         return record
 
     step("before: uuid image-r", "POST", "/inference/v1/generate", gen("image-r"))
     step("before: no uuid", "POST", "/inference/v1/generate", gen(None))
     perturbed = write_perturbed_weights(model, tmp / "perturbed", seed=7, scale=0.3)
-    step("reload perturbed", "POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(perturbed)}})
+    step(
+        "reload perturbed",
+        "POST",
+        "/collective_rpc",
+        {"method": "reload_weights", "kwargs": {"weights_path": str(perturbed)}},
+    )
     step("reset prefix cache", "POST", "/reset_prefix_cache")
     after_same = step("after: same uuid image-r", "POST", "/inference/v1/generate", gen("image-r"))
     alive = True
@@ -242,7 +285,12 @@ def capture_reload(client: httpx.Client, out: Path, model: Path, tmp: Path) -> b
         step("after: fresh uuid image-r@v1", "POST", "/inference/v1/generate", gen("image-r@v1"))
         step("reset encoder cache", "POST", "/reset_encoder_cache")
         step("after reset: same uuid image-r", "POST", "/inference/v1/generate", gen("image-r"))
-        step("reload original", "POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(model)}})
+        step(
+            "reload original",
+            "POST",
+            "/collective_rpc",
+            {"method": "reload_weights", "kwargs": {"weights_path": str(model)}},
+        )
         step("reset prefix cache again", "POST", "/reset_prefix_cache")
         step("reset encoder cache again", "POST", "/reset_encoder_cache")
     _ = after_same
@@ -253,7 +301,9 @@ def capture_reload(client: httpx.Client, out: Path, model: Path, tmp: Path) -> b
 def capture_reload_with_reset(client: httpx.Client, out: Path, model: Path, tmp: Path) -> None:
     """As :func:`capture_reload`, but ``/reset_encoder_cache`` right after the reload (on a fresh server)."""
     a = vl_images.png_data_url(56, 56, seed=1)
-    rendered = body(exchange(client, "POST", "/v1/chat/completions/render", render("Describe it.", a, mm_payload="none")))
+    rendered = body(
+        exchange(client, "POST", "/v1/chat/completions/render", render("Describe it.", a, mm_payload="none"))
+    )
     ids = collapse(rendered["token_ids"])
 
     def gen(uuid: str) -> dict[str, Any]:
@@ -270,12 +320,22 @@ def capture_reload_with_reset(client: httpx.Client, out: Path, model: Path, tmp:
 
     step("before: uuid image-r", "POST", "/inference/v1/generate", gen("image-r"))
     perturbed = write_perturbed_weights(model, tmp / "perturbed", seed=7, scale=0.3)
-    step("reload perturbed", "POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(perturbed)}})
+    step(
+        "reload perturbed",
+        "POST",
+        "/collective_rpc",
+        {"method": "reload_weights", "kwargs": {"weights_path": str(perturbed)}},
+    )
     step("reset prefix cache", "POST", "/reset_prefix_cache")
     step("reset encoder cache", "POST", "/reset_encoder_cache")
     step("after: same uuid image-r", "POST", "/inference/v1/generate", gen("image-r"))
     step("after: fresh uuid image-r@v1", "POST", "/inference/v1/generate", gen("image-r@v1"))
-    step("reload original", "POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(model)}})
+    step(
+        "reload original",
+        "POST",
+        "/collective_rpc",
+        {"method": "reload_weights", "kwargs": {"weights_path": str(model)}},
+    )
     step("reset prefix cache again", "POST", "/reset_prefix_cache")
     step("reset encoder cache again", "POST", "/reset_encoder_cache")
     step("restored: uuid image-r", "POST", "/inference/v1/generate", gen("image-r"))

@@ -144,7 +144,7 @@ def server_command(venv: Path, model_dir: Path, *, lora: bool) -> list[str]:
 
 VL_SERVED_MODEL_NAME = "tiny-qwen2_5-vl"
 VL_SHIM_DIR = Path(__file__).with_name("vllm_vl_shim")
-"""Put on the VL server's ``PYTHONPATH``: its ``sitecustomize.py`` lets the Qwen-VL processor load without torchvision."""
+"""On the VL server's ``PYTHONPATH``: its ``sitecustomize.py`` lets the Qwen-VL processor load without torchvision."""
 VL_LIMIT_MM_PER_PROMPT = '{"image": 2, "video": 0}'
 VL_MAX_MODEL_LEN = 1024
 

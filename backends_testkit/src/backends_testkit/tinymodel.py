@@ -469,7 +469,9 @@ def _marker_matches(
     try:
         marker = json.loads((root / marker_name).read_text(encoding="utf-8"))
         return bool(
-            marker["builder_version"] == version and marker["seed"] == seed and marker["files"] == _hash_files(root, names)
+            marker["builder_version"] == version
+            and marker["seed"] == seed
+            and marker["files"] == _hash_files(root, names)
         )
     except (OSError, ValueError, KeyError, TypeError):
         return False

@@ -133,7 +133,9 @@ def _write_vl_model(directory: Path, seed: int) -> None:
 
 
 def _check_ids(tokenizer: Tokenizer) -> None:
-    for content, expected in zip(VISION_TOKENS, (VISION_START_ID, VISION_END_ID, IMAGE_PAD_ID, VIDEO_PAD_ID)):
+    for content, expected in zip(
+        VISION_TOKENS, (VISION_START_ID, VISION_END_ID, IMAGE_PAD_ID, VIDEO_PAD_ID), strict=True
+    ):
         if tokenizer.token_to_id(content) != expected:
             raise RuntimeError(f"added token {content!r} did not get id {expected}")
     if VL_TOKENIZER_SIZE > MODEL_VOCAB_SIZE:
