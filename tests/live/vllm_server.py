@@ -142,6 +142,32 @@ def server_command(venv: Path, model_dir: Path, *, lora: bool) -> list[str]:
     return argv
 
 
+VL_SERVED_MODEL_NAME = "tiny-qwen2_5-vl"
+VL_SHIM_DIR = Path(__file__).with_name("vllm_vl_shim")
+"""On the VL server's ``PYTHONPATH``: its ``sitecustomize.py`` lets the Qwen-VL processor load without torchvision."""
+VL_LIMIT_MM_PER_PROMPT = '{"image": 2, "video": 0}'
+VL_MAX_MODEL_LEN = 1024
+
+
+def vl_server_command(venv: Path, model_dir: Path) -> list[str]:
+    """The command line of a vLLM server on the tiny Qwen2.5-VL model: the usual flags (no LoRA), at most two
+    images and no video per prompt (videos would need torchvision), a shorter context."""
+    argv = server_command(venv, model_dir, lora=False)
+    argv[argv.index("--served-model-name") + 1] = VL_SERVED_MODEL_NAME
+    argv[argv.index("--max-model-len") + 1] = str(VL_MAX_MODEL_LEN)
+    # ServerProcess fills ``{host}``/``{port}`` with str.format_map: the JSON's braces are doubled
+    return [*argv, "--limit-mm-per-prompt", VL_LIMIT_MM_PER_PROMPT.replace("{", "{{").replace("}", "}}")]
+
+
+def vllm_vl_server(venv: Path, model_dir: Path, *, log_path: Path, name: str) -> ServerProcess:
+    """A not-yet-started vLLM server process for the tiny VL model in ``model_dir``, with the import shim."""
+    env = dict(SERVER_ENV)
+    env["VIRTUAL_ENV"] = str(venv)
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
+    env["PYTHONPATH"] = str(VL_SHIM_DIR)
+    return ServerProcess(vl_server_command(venv, model_dir), name=name, log_path=log_path, env=env)
+
+
 def vllm_server(venv: Path, model_dir: Path, *, lora: bool, log_path: Path, name: str) -> ServerProcess:
     """A not-yet-started vLLM server process for ``model_dir`` (``lora=False`` for MoE models)."""
     env = dict(SERVER_ENV)

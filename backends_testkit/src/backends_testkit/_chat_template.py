@@ -17,7 +17,7 @@ Behaviour (what a Qwen3 renderer must reproduce):
 
 from __future__ import annotations
 
-__all__ = ["CHAT_TEMPLATE"]
+__all__ = ["CHAT_TEMPLATE", "VL_CHAT_TEMPLATE"]
 
 _TOOLS_HEADER = (
     r"# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -93,3 +93,39 @@ _TEMPLATE_LINES = (
 
 CHAT_TEMPLATE = "\n".join(_TEMPLATE_LINES)
 """Jinja source of the chat template (stored in ``tokenizer_config.json``)."""
+
+
+VISION_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+"""What the vision-language template writes for each image part (Qwen2-VL style; exactly one pad per image)."""
+
+_VL_CONTENT_LINES = (
+    # list content: text parts as text, each image part as one placeholder (vLLM sees the loop over
+    # ``message.content`` and passes OpenAI-style parts)
+    "{%- set parts = namespace(text='') -%}",
+    "{%- if message.content is string -%}",
+    "{%- set parts.text = message.content -%}",
+    "{%- elif message.content is iterable and message.content is not mapping -%}",
+    "{%- for part in message.content -%}",
+    "{%- if part.type == 'text' -%}",
+    "{%- set parts.text = parts.text + part.text -%}",
+    "{%- elif part.type in ['image', 'image_url'] -%}",
+    "{%- set parts.text = parts.text + '" + VISION_PLACEHOLDER + "' -%}",
+    "{%- endif -%}",
+    "{%- endfor -%}",
+    "{%- endif -%}",
+    "{%- set content = parts.text -%}",
+)
+
+
+def _vl_template_lines() -> tuple[str, ...]:
+    text_only = "{%- set content = message.content if message.content is string else '' -%}"
+    if _TEMPLATE_LINES.count(text_only) != 1:
+        raise RuntimeError("the Qwen3 template changed: its per-turn content line is not where expected")
+    index = _TEMPLATE_LINES.index(text_only)
+    return _TEMPLATE_LINES[:index] + _VL_CONTENT_LINES + _TEMPLATE_LINES[index + 1 :]
+
+
+VL_CHAT_TEMPLATE = "\n".join(_vl_template_lines())
+"""The Qwen3 template whose turns also take list content: ``text`` parts are written as text and every
+``image`` / ``image_url`` part as ``<|vision_start|><|image_pad|><|vision_end|>`` (one pad: the server expands
+it). A system message or tool response must still be a string."""

@@ -449,22 +449,29 @@ def _atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _hash_files(root: Path) -> dict[str, str]:
+def _hash_files(root: Path, names: tuple[str, ...] = (DENSE_DIR, MOE_DIR, LORA_DIR)) -> dict[str, str]:
     return {
         path.relative_to(root).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
-        for name in (DENSE_DIR, MOE_DIR, LORA_DIR)
+        for name in names
         for path in sorted((root / name).rglob("*"))
         if path.is_file()
     }
 
 
-def _marker_matches(root: Path, seed: int) -> bool:
+def _marker_matches(
+    root: Path,
+    seed: int,
+    *,
+    marker_name: str = _MARKER,
+    names: tuple[str, ...] = (DENSE_DIR, MOE_DIR, LORA_DIR),
+    version: int = BUILDER_VERSION,
+) -> bool:
     try:
-        marker = json.loads((root / _MARKER).read_text(encoding="utf-8"))
+        marker = json.loads((root / marker_name).read_text(encoding="utf-8"))
         return bool(
-            marker["builder_version"] == BUILDER_VERSION
+            marker["builder_version"] == version
             and marker["seed"] == seed
-            and marker["files"] == _hash_files(root)
+            and marker["files"] == _hash_files(root, names)
         )
     except (OSError, ValueError, KeyError, TypeError):
         return False
