@@ -38,7 +38,8 @@ IMAGE = {
     "source": {
         "type": "base64",
         "media_type": "image/png",
-        "data": "iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGP4z8DA8J+BkYHh////DAAe9gT9Ce00PgAAAABJRU5ErkJggg==",
+        "data": "iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGP4z8DA8J+BkYHh////DAAe9gT9Ce00"
+        "PgAAAABJRU5ErkJggg==",
     },
 }
 

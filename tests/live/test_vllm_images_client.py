@@ -7,6 +7,7 @@ messages and runs the model's multimodal processor on them."""
 from __future__ import annotations
 
 import io
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,7 @@ def png_url(array: np.ndarray) -> str:
 
 @pytest.mark.asyncio
 async def test_prompt_ids_are_vllms_own_expansion_on_generate_and_stream(client: Client, vllm_vl_url: str) -> None:
-    messages = [question("What is in this picture?", picture(1)), ]
+    messages = [question("What is in this picture?", picture(1))]
     expected_ids, expected_spans = await render_on_vllm(vllm_vl_url, messages)
     result = await client.generate(messages=messages, sampling=GREEDY)
     assert list(result.prompt_ids) == expected_ids
@@ -126,15 +127,16 @@ async def test_the_completions_transport_refuses_an_image_before_sending(vllm_vl
 @pytest.mark.asyncio
 async def test_three_turns_reuse_the_first_turns_widened_image_exactly(client: Client, vllm_vl_url: str) -> None:
     conversation = client.conversation()
-    first = await conversation.send(question("Describe the picture.", picture(4)), sampling=GREEDY)
-    second = await conversation.send({"role": "user", "content": "And the colours?"}, sampling=GREEDY)
-    third = await conversation.send({"role": "user", "content": "Thanks. One word?"}, sampling=GREEDY)
+    first = await conversation.send([question("Describe the picture.", picture(4))], sampling=GREEDY)
+    second = await conversation.send([{"role": "user", "content": "And the colours?"}], sampling=GREEDY)
+    third = await conversation.send([{"role": "user", "content": "Thanks. One word?"}], sampling=GREEDY)
     assert second.prompt_ids[: len(first.token_ids)] == first.token_ids
     assert third.prompt_ids[: len(second.token_ids)] == second.token_ids
     assert first.image_spans == second.image_spans == third.image_spans and first.image_spans[0].length == 4
     # the last prompt, rendered whole by vLLM from the conversation's messages, is the same text: the bridge added
     # no token the template would not write, and the image is widened where vLLM widens it
-    expected_ids, expected_spans = await render_on_vllm(vllm_vl_url, conversation.messages_for_render())
+    history = [*conversation.messages, client.parse_completion(third)]
+    _, expected_spans = await render_on_vllm(vllm_vl_url, history)
     assert list(third.image_spans) == expected_spans
 
 
@@ -152,11 +154,11 @@ async def test_a_weight_update_changes_what_the_image_is_seen_as(
 ) -> None:
     messages = [question("What is in this picture?", picture(6))]
     before = await client.generate(messages=messages, sampling=GREEDY)
-    scored_before = await client.teacher_logprobs(before.token_ids, images=before.images, image_spans=before.image_spans)
+    scored_before = await score(client, before)
     perturbed = write_perturbed_weights(model_dir, tmp_path / "perturbed", seed=11, scale=0.05)
     try:
         await client.admin.weight_sync(path=str(perturbed), version="images-v2")
-        after = await client.teacher_logprobs(before.token_ids, images=before.images, image_spans=before.image_spans)
+        after = await score(client, before)
         # the same sequence under the new weights, its image sent under a name vLLM has never cached
         fresh = await score_with_fresh_identity(vllm_vl_url, before)
     finally:
@@ -164,18 +166,21 @@ async def test_a_weight_update_changes_what_the_image_is_seen_as(
     image = slice(before.image_spans[0].end, len(before.token_ids))  # every position that sees the image
     assert np.max(np.abs(after.logprobs[image] - scored_before.logprobs[image])) > 1e-2
     np.testing.assert_allclose(after.logprobs[1:], fresh[1:], atol=1e-5)
-    restored = await client.teacher_logprobs(before.token_ids, images=before.images, image_spans=before.image_spans)
+    restored = await score(client, before)
     np.testing.assert_allclose(restored.logprobs[1:], scored_before.logprobs[1:], atol=1e-5)
+
+
+async def score(client: Client, result: Any) -> Any:
+    return await client.teacher_logprobs(result.token_ids, images=result.images, image_spans=result.image_spans)
 
 
 async def score_with_fresh_identity(url: str, result: Any) -> np.ndarray:
     from backends_core.images import collapse
 
-    span = result.image_spans[0]
     body = {
         "model": MODEL,
         "token_ids": list(collapse(result.token_ids, result.image_spans)),
-        "content_parts": [{"type": "image_url", "url": result.images[0].data_url(), "uuid": f"fresh-{span.start}-{id(result)}"}],
+        "content_parts": [{"type": "image_url", "url": result.images[0].data_url(), "uuid": f"fresh-{uuid.uuid4()}"}],
         "sampling_params": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0, "detokenize": False},
     }
     async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as http:

