@@ -52,7 +52,6 @@ BAD = [
     ("no messages", body(messages=[]), "messages", "invalid_type"),
     ("a system role", body(messages=[{"role": "system", "content": "x"}]), "messages[0].role", "invalid_value"),
     ("a message field", body(messages=[{**USER[0], "name": "bob"}]), "messages[0].name", "unknown_parameter"),
-    ("an image", body(messages=user(IMAGE)), "messages[0].content[0]", "unsupported_content"),
     (
         "an image in a tool result",
         body(messages=user({"type": "tool_result", "tool_use_id": "toolu_1", "content": [IMAGE]})),
@@ -200,7 +199,7 @@ async def test_count_tokens_refuses_what_a_turn_would_and_the_sampling_fields(sc
             image = await http.post("/v1/messages/count_tokens", json={"model": "tiny", "messages": user(IMAGE)})
             sampling = await http.post("/v1/messages/count_tokens", json=body())
             fine = await http.post("/v1/messages/count_tokens", json={"model": "tiny", "messages": USER})
-        assert (image.status_code, image.json()["error"]["param"]) == (400, "messages[0].content[0]")
+        assert image.status_code == 400 and "image" in image.json()["error"]["message"]
         assert (sampling.status_code, sampling.json()["error"]["param"]) == (400, "max_tokens")
         assert fine.status_code == 200 and fine.json()["input_tokens"] > 0
         assert served.script.requests == []

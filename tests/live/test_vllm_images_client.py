@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import PIL.Image
 import pytest
@@ -21,6 +20,7 @@ import pytest_asyncio
 from backends_core import Client, ClientConfig, ImageSpan, SamplingParams
 from backends_core.errors import UnsupportedOperationError
 from backends_core.images import Image
+from backends_testkit.live import async_probe_client
 from backends_testkit.tinymodel import default_models_dir, write_perturbed_weights
 from backends_testkit.tinymodel_vl import build_tiny_vl_model
 
@@ -59,7 +59,7 @@ async def render_on_vllm(url: str, messages: list[dict[str, Any]]) -> tuple[list
                 for p in content
             ]
         wire.append({**m, "content": content})
-    async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as http:
+    async with async_probe_client(120, base_url=url) as http:
         response = await http.post("/v1/chat/completions/render", json={"model": MODEL, "messages": wire})
     response.raise_for_status()
     body = response.json()
@@ -183,7 +183,7 @@ async def score_with_fresh_identity(url: str, result: Any) -> np.ndarray:
         "content_parts": [{"type": "image_url", "url": result.images[0].data_url(), "uuid": f"fresh-{uuid.uuid4()}"}],
         "sampling_params": {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0, "detokenize": False},
     }
-    async with httpx.AsyncClient(base_url=url, timeout=120, trust_env=False) as http:
+    async with async_probe_client(120, base_url=url) as http:
         response = await http.post("/inference/v1/generate", json=body)
     response.raise_for_status()
     rows = response.json()["prompt_logprobs"]

@@ -48,6 +48,7 @@ __all__ = [
     "collapse",
     "image_of_part",
     "image_token_id",
+    "json_default",
     "widen_position",
 ]
 
@@ -225,6 +226,17 @@ def image_of_part(part: Mapping[str, Any], where: str) -> Image | None:
     if isinstance(value, Mapping):
         return _from_url(value.get("url"), f"{where}.image_url.url")
     return _from_url(value, f"{where}.image_url")
+
+
+def json_default(value: Any) -> Any:
+    """``orjson``'s ``default=`` for data holding images (normal-form messages): an :class:`Image` becomes its URL,
+    which :func:`image_of_part` reads back as the same image.
+
+    :raises TypeError: any other type, as ``orjson`` expects.
+    """
+    if isinstance(value, Image):
+        return value.data_url()
+    raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
 
 
 @functools.lru_cache(maxsize=16)

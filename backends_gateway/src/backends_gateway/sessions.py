@@ -27,6 +27,7 @@ import numpy.typing as npt
 import orjson
 
 from backends_core import GenerateResult, MessageSpan, RoutedExperts, SamplingParams, WeightVersionSpan
+from backends_core.images import json_default
 from backends_core.multiturn import normalize_message
 
 __all__ = ["Branch", "SessionRecord", "SessionState", "TurnRecord", "TurnRequest", "chain_digests", "next_digest"]
@@ -243,7 +244,7 @@ def _form(message: Mapping[str, Any]) -> dict[str, Any]:
 def next_digest(previous: bytes, message: Mapping[str, Any]) -> bytes:
     """The digest of a message list one message longer than the list ``previous`` identifies."""
     return hashlib.blake2b(
-        previous + orjson.dumps(_form(message), option=orjson.OPT_SORT_KEYS), digest_size=16
+        previous + orjson.dumps(_form(message), option=orjson.OPT_SORT_KEYS, default=json_default), digest_size=16
     ).digest()
 
 

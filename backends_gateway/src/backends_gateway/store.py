@@ -23,6 +23,7 @@ import numpy as np
 import orjson
 
 from backends_core import MessageSpan, RoutedExperts, WeightVersionSpan
+from backends_core.images import json_default
 from backends_gateway.migrations import migrations
 from backends_gateway.sessions import Branch, SessionRecord, TurnRecord
 
@@ -114,7 +115,7 @@ _TURN_COLUMNS = (
 
 
 def _json(value: Any) -> bytes | None:
-    return None if value is None else orjson.dumps(value)
+    return None if value is None else orjson.dumps(value, default=json_default)
 
 
 def _loads(value: bytes | None) -> Any:
@@ -161,7 +162,7 @@ def _turn_row(t: TurnRecord) -> tuple[Any, ...]:
         t.branch,
         t.parent,
         t.created,
-        orjson.dumps(list(t.messages)),
+        orjson.dumps(list(t.messages), default=json_default),
         _json(t.tools),
         _json(t.chat_template_kwargs),
         orjson.dumps(dict(t.reply)),
@@ -176,7 +177,7 @@ def _turn_row(t: TurnRecord) -> tuple[Any, ...]:
         t.reused_ids,
         experts,
         None if t.routed_experts is None else t.routed_experts.start,
-        orjson.dumps(dict(t.request)),
+        orjson.dumps(dict(t.request), default=json_default),
     )
 
 

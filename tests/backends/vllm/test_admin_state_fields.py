@@ -43,6 +43,7 @@ def fake_server(**answers: Any) -> FakeServer:
         ("/collective_rpc", "collective_rpc_reload_weights"),
     ]:
         fake.add("POST", path, json=capture(name))
+    fake.add("POST", "/reset_encoder_cache", content=capture("images_reset_encoder_cache").encode())
     return fake
 
 
@@ -96,8 +97,16 @@ async def test_the_weight_sync_check_reads_the_version_only() -> None:
     (check,) = report.phases["verify"]
     assert check.ok and check.value == ServerState(weight_version="step-2")
     paths = [r.path for r in fake.requests if r.path != "/list_workers"]
-    assert paths[:5] == ["/pause", "/collective_rpc", "/update_weight_version", "/reset_prefix_cache", "/resume"]
-    assert paths[5:] == ["/weight_info"]
+    assert paths[:7] == [
+        "/pause",
+        "/collective_rpc",
+        "/reset_encoder_cache",
+        "/update_weight_version",
+        "/reset_prefix_cache",
+        "/reset_encoder_cache",
+        "/resume",
+    ]
+    assert paths[7:] == ["/weight_info"]
 
 
 async def test_a_weight_sync_whose_check_shows_another_version_fails_its_verify_phase() -> None:

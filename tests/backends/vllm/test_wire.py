@@ -293,6 +293,7 @@ async def test_admin_calls_use_the_captured_routes_and_shapes() -> None:
         ("POST", "/abort_requests", "abort_requests_all"),
     ]:
         fake.add(method, path, json=capture(name)["response"]["body"])
+    fake.add("POST", "/reset_encoder_cache", content=capture("images_reset_encoder_cache")["response"]["body"].encode())
     fake.add("POST", "/v1/load_lora_adapter", status=400, json=capture("load_lora_adapter_again")["response"]["body"])
     busy = (
         (CAPTURES / "metrics.txt")
