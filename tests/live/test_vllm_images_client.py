@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 
 from backends_core import Client, ClientConfig, ImageSpan, SamplingParams
-from backends_core.errors import UnsupportedOperationError
+from backends_core.errors import BridgeError, UnsupportedOperationError
 from backends_core.images import Image
 from backends_testkit.live import async_probe_client
 from backends_testkit.tinymodel import default_models_dir, write_perturbed_weights
@@ -189,3 +189,20 @@ async def score_with_fresh_identity(url: str, result: Any) -> np.ndarray:
     rows = response.json()["prompt_logprobs"]
     ids = result.token_ids
     return np.array([np.nan] + [rows[i][str(ids[i])]["logprob"] for i in range(1, len(ids))], dtype=np.float32)
+
+
+@pytest.mark.asyncio
+async def test_a_stateless_session_and_the_stateless_extension_reuse_the_widened_image(client: Client) -> None:
+    history: list[dict[str, Any]] = [question("Look at this.", picture(7))]
+    first = await client.generate(messages=history, sampling=GREEDY, session="images")
+    history += [client.parse_completion(first), {"role": "user", "content": "More?"}]
+    second = await client.generate(messages=history, sampling=GREEDY, session="images")
+    assert second.prompt_ids[: len(first.token_ids)] == first.token_ids and second.reused_ids == len(first.token_ids)
+    assert second.image_spans == first.image_spans
+    history += [client.parse_completion(second), {"role": "user", "content": "Last one."}]
+    third = await client.generate(messages=history, previous=second, sampling=GREEDY)
+    assert third.prompt_ids[: len(second.token_ids)] == second.token_ids and third.image_spans == first.image_spans
+    # a history whose picture is another one is not the conversation whose ids hold the first picture
+    changed = [question("Look at this.", picture(8)), *history[1:3]]
+    with pytest.raises(BridgeError, match="image"):
+        await client.generate(messages=changed, previous=first, sampling=GREEDY)

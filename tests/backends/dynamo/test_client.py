@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import pytest_asyncio
 
@@ -143,6 +144,12 @@ async def test_limits_are_refused_before_sending(deployment: Deployment) -> None
         image = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {}}]}]
         with pytest.raises(InvalidRequestError, match=r"messages\[0\]\.content\[1\]\.image_url\.url needs an"):
             await c.generate(messages=image, sampling=SamplingParams(max_tokens=16))
+        png = {"type": "image", "image": np.zeros((4, 4, 3), np.uint8)}
+        with pytest.raises(UnsupportedOperationError, match=r"images \(messages\[0\]\.content\[1\]\).*Dynamo 1\.6\.1"):
+            await c.generate(
+                messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, png]}],
+                sampling=SamplingParams(max_tokens=16),
+            )
     assert deployment.sent == []
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import base64
+import io
 from typing import Any
 
+import numpy as np
 import pytest
 
 from backends_core import GenerateRequest, Image, ImageSpan, SamplingParams, TeacherRequest
@@ -144,3 +146,25 @@ def test_teacher_scoring_sends_the_images_collapsed_and_checks_the_engines_promp
         wire.parse_prompt_logprobs(widened, request, "http://v", transport="generate")
     with pytest.raises(InvalidRequestError, match="completions takes no images"):
         wire.teacher_payload(request, "m", transport="completions")
+
+
+def test_routed_experts_are_aligned_to_the_widened_prompt() -> None:
+    request = GenerateRequest(
+        prompt_ids=[1, PAD, 2], sampling=SamplingParams(max_tokens=1), images=[CAT], return_routed_experts=True
+    )
+    widened = [1, PAD, PAD, PAD, PAD, 2]
+    rows = np.arange(len(widened) * 2 * 2, dtype=np.uint8).reshape(-1, 2, 2) % 8  # every token fed: prompt + 0
+    raw = answer(widened, [(1, 4)])
+    raw["choices"][0]["routed_experts"] = base64.b64encode(_npy(rows)).decode()
+    (result,) = wire.parse_generate(raw, request, "http://v")
+    assert result.routed_experts is not None and result.routed_experts.experts.shape[0] == len(widened)
+    # rows counted against the ids sent (three) would not fit: the engine routed the widened prompt
+    raw["choices"][0]["routed_experts"] = base64.b64encode(_npy(rows[:3])).decode()
+    with pytest.raises(ResponseParseError, match="routed"):
+        wire.parse_generate(raw, request, "http://v")
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
