@@ -6,14 +6,16 @@ import base64
 import io
 from pathlib import Path
 
+import attrs
 import numpy as np
 import PIL.Image
 import pytest
 
-from backends_core import Image, ImageSpan
+from backends_core import GenerateResult, Image, ImageSpan
 from backends_core.errors import InvalidRequestError, ResponseParseError
 from backends_core.images import check_expansion, collapse, image_of_part, widen_position
 from backends_core.multiturn.messages import images_of, normalize_message
+from backends_core.runs import result_row
 
 PIXELS = np.array([[[255, 0, 0], [0, 255, 0]], [[0, 0, 255], [255, 255, 255]]], dtype=np.uint8)
 PAD = 9
@@ -114,3 +116,17 @@ def test_an_already_widened_image_widened_again_is_caught() -> None:
     check_expansion(sent, known, sent, known, images=1, where="s", server_url="u")
     with pytest.raises(ResponseParseError, match=r"widened to \[1, 6\).*hold it at \[1, 4\)"):
         check_expansion(sent, known, (1, *[PAD] * 5, 2, 3), (ImageSpan(1, 6),), images=1, where="s", server_url="u")
+
+
+def test_a_rollout_row_says_where_its_images_lie() -> None:
+    image = Image(data=png())
+    result = GenerateResult(
+        prompt_ids=(1, PAD, PAD, 2),
+        completion_ids=(3,),
+        logprobs=np.zeros(1, np.float32),
+        finish_reason="length",
+        images=(image,),
+        image_spans=(ImageSpan(1, 3),),
+    )
+    assert result_row(result)["image_spans"] == [[1, 3]]
+    assert "image_spans" not in result_row(attrs.evolve(result, images=(), image_spans=()))

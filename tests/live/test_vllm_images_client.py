@@ -90,6 +90,8 @@ async def test_prompt_ids_are_vllms_own_expansion_on_generate_and_stream(client:
     streamed = stream.result
     assert streamed.prompt_ids == result.prompt_ids and streamed.image_spans == result.image_spans
     assert streamed.completion_ids == result.completion_ids
+    group = await client.generate_group(messages=messages, n=3, sampling=SamplingParams(max_tokens=4, temperature=1.0))
+    assert [(g.prompt_ids, g.image_spans) for g in group] == [(result.prompt_ids, result.image_spans)] * 3
 
 
 @pytest.mark.asyncio

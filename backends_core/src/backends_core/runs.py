@@ -281,7 +281,7 @@ def _top_logprobs(positions: Sequence[Sequence[TopLogprob]]) -> list[list[dict[s
 
 
 def result_row(result: GenerateResult, **extra: Any) -> dict[str, Any]:
-    """The JSONL row of one sample (``top_logprobs`` only when the result has them)."""
+    """The JSONL row of one sample (``top_logprobs`` and ``image_spans`` only when the result has them)."""
     row = {
         **extra,
         "prompt_ids": list(result.prompt_ids),
@@ -295,6 +295,9 @@ def result_row(result: GenerateResult, **extra: Any) -> dict[str, Any]:
     }
     if result.top_logprobs is not None:
         row["top_logprobs"] = _top_logprobs(result.top_logprobs)
+    if result.image_spans:
+        # where each of the row's images lies in prompt_ids, as the engine widened it (the images are the row's own)
+        row["image_spans"] = [[s.start, s.end] for s in result.image_spans]
     return row
 
 
