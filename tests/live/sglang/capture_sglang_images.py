@@ -33,8 +33,7 @@ from backends_testkit.tinymodel import default_models_dir, write_perturbed_weigh
 from backends_testkit.tinymodel_vl import build_tiny_vl_model  # noqa: E402
 
 PROVENANCE = (
-    "seen running: sglang 0.5.23 launch_server --device cpu (+sgl_kernel CPU shim, vl_runtime shim), "
-    "tiny Qwen2.5-VL"
+    "seen running: sglang 0.5.23 launch_server --device cpu (+sgl_kernel CPU shim, vl_runtime shim), tiny Qwen2.5-VL"
 )
 PAD, VISION_START, VISION_END = vl_images.IMAGE_PAD_ID, 1897, 1898
 GREEDY = {"max_new_tokens": 3, "temperature": 0}
