@@ -15,6 +15,8 @@ Fixtures (session-scoped, started lazily by the first test that asks, stopped at
 * ``sglang_dense_url_2``: a second such server, for the fleet tests.
 * ``sglang_moe_url``: the same for ``tiny-qwen3-moe`` (served name ``tiny-qwen3``) with
   ``--enable-return-routed-experts``, without LoRA.
+* ``sglang_vl_url``: the tiny Qwen2.5-VL model (served name ``tiny-qwen2_5-vl``), without LoRA, with the
+  ``vl_runtime/`` start-up shim (see ``SGLANG_IMAGES.md``).
 
 Both servers may be up at once (about 1.9 GB of RSS each, in three processes: HTTP/tokenizer, scheduler,
 detokenizer); idle, they sleep (``--sleep-on-idle``). A start takes 50-130 s here (nearly all imports; the
@@ -35,7 +37,8 @@ import live_servers
 import pytest
 import sglang_server  # this directory is on sys.path: pytest's default "prepend" import mode puts it there
 
-from backends_testkit.tinymodel import TinyModels
+from backends_testkit.tinymodel import TinyModels, default_models_dir
+from backends_testkit.tinymodel_vl import build_tiny_vl_model
 
 
 @pytest.fixture(scope="session")
@@ -114,3 +117,22 @@ def sglang_moe_url(
         tmp_path_factory=tmp_path_factory,
         request=request,
     )
+
+
+@pytest.fixture(scope="session")
+def sglang_vl_url(
+    sglang_venv: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[str]:
+    """Base URL of a live SGLang server on the tiny Qwen2.5-VL model (``vl_runtime/`` shim, no LoRA)."""
+    name = "sglang-vl"
+    log_path = tmp_path_factory.getbasetemp() / "live-logs" / f"{name}.log"
+    model_dir = build_tiny_vl_model(default_models_dir())
+    server = sglang_server.sglang_vl_server(sglang_venv, model_dir, log_path=log_path, name=name)
+    live_servers.stop_when_unused(request, lambda: server.stop(timeout=sglang_server.STOP_TIMEOUT_S))
+    server.start()
+    try:
+        server.wait_ready(sglang_server.READY_PATH, timeout=sglang_server.START_TIMEOUT_S)
+        sys.stderr.write(f"\n[live] {name} ready at {server.url} after {server.ready_after:.1f}s (log {log_path})\n")
+        yield server.url
+    finally:
+        server.stop(timeout=sglang_server.STOP_TIMEOUT_S)

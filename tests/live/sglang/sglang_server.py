@@ -41,9 +41,13 @@ VENV_NAME = f"sglang-cpu-{SGLANG_VERSION}"
 HERE = Path(__file__).resolve().parent
 CPU_RUNTIME = HERE / "cpu_runtime"
 """Put first on the server's ``PYTHONPATH``: the ``sgl_kernel`` and ``torchvision`` stand-ins and the patches."""
+VL_RUNTIME = HERE / "vl_runtime"
+"""Put before ``cpu_runtime`` on the VL server's ``PYTHONPATH``: its ``sitecustomize.py`` loads ``cpu_runtime``'s and
+adds what the Qwen-VL processor and model need (see that file)."""
 CONSTRAINTS = HERE / f"sglang-{SGLANG_VERSION}.constraints.txt"
 LOCAL_WHEELS = Path("/opt/wheels")
 SERVED_MODEL_NAME = "tiny-qwen3"
+VL_SERVED_MODEL_NAME = "tiny-qwen2_5-vl"
 MAX_TOTAL_TOKENS = 16384
 """KV-cache slots. Without ``--max-total-tokens`` SGLang sizes the pool from free RAM (~13 GB RSS)."""
 MAX_RUNNING_REQUESTS = 32
@@ -173,7 +177,14 @@ def ensure_sglang_venv() -> Path:
     return ensure_venv(VENV_NAME, python=venv_python(), install=install_commands(stable_constraints()))
 
 
-def server_command(venv: Path, model_dir: Path, *, lora: bool = False, routed_experts: bool = False) -> list[str]:
+def server_command(
+    venv: Path,
+    model_dir: Path,
+    *,
+    lora: bool = False,
+    routed_experts: bool = False,
+    served_model_name: str = SERVED_MODEL_NAME,
+) -> list[str]:
     """The command line of an SGLang server on ``{host}:{port}`` (filled in by ``ServerProcess``)."""
     argv = [
         str(venv / "bin" / "python"),
@@ -182,7 +193,7 @@ def server_command(venv: Path, model_dir: Path, *, lora: bool = False, routed_ex
         "--model-path",
         str(model_dir),
         "--served-model-name",
-        SERVED_MODEL_NAME,
+        served_model_name,
         "--host",
         "{host}",
         "--port",
@@ -239,6 +250,26 @@ def sglang_server(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     return ServerProcess(
         server_command(venv, model_dir, lora=lora, routed_experts=routed_experts),
+        name=name,
+        log_path=log_path,
+        env=env,
+        cwd=log_path.parent,
+    )
+
+
+def sglang_vl_server(venv: Path, model_dir: Path, *, log_path: Path, name: str) -> ServerProcess:
+    """A not-yet-started SGLang server for the tiny Qwen2.5-VL model in ``model_dir`` (no LoRA).
+
+    Same command line as the text servers (served name :data:`VL_SERVED_MODEL_NAME`), with :data:`VL_RUNTIME`
+    first on ``PYTHONPATH``.
+    """
+    env = dict(SERVER_ENV)
+    env["PYTHONPATH"] = os.pathsep.join([str(VL_RUNTIME), str(CPU_RUNTIME)])
+    env["VIRTUAL_ENV"] = str(venv)
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    return ServerProcess(
+        server_command(venv, model_dir, served_model_name=VL_SERVED_MODEL_NAME),
         name=name,
         log_path=log_path,
         env=env,
