@@ -1133,7 +1133,10 @@ class Client:
             images=images,
             image_spans=image_spans,
         )
-        return await self.driver.teacher_logprobs(self.server(server), request)
+        chosen = self.server(server)
+        if request.images and self.versions.get(chosen) is not None:
+            request = attrs.evolve(request, cache_salt=f"weights:{self.versions.get(chosen)}")
+        return await self.driver.teacher_logprobs(chosen, request)
 
     async def check_tokenizer(
         self,

@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
+import attrs
 import numpy as np
 import pluggy
 
@@ -363,7 +364,7 @@ class BackendDriver:
                     server=server, request=request, config=self.config, options=self.options
                 )
             check_teacher(result, request, url=server.base_url)
-            return result
+            return _unscored_images(result, request)
 
         return await self._observed("teacher_logprobs", "teacher_logprobs", server, call)
 
@@ -559,8 +560,21 @@ def check_delta(delta: StreamDelta, *, where: str, url: str | None) -> None:
         raise ResponseParseError(f"{where}: logprob at position {bad} of the delta is {lp[bad]} (not finite)", url=url)
 
 
+def _unscored_images(result: TeacherLogprobs, request: TeacherRequest) -> TeacherLogprobs:
+    """``result`` with NaN on every image placeholder: the model never predicts those ids (the vision encoder's
+    output stands there), and engines score them differently (vLLM the placeholder id, SGLang its per-image pad
+    values), so no backend reports a number there."""
+    if not request.image_spans:
+        return result
+    logprobs = result.logprobs.copy()
+    for span in request.image_spans:
+        logprobs[span.start : span.end] = np.nan
+    return attrs.evolve(result, logprobs=logprobs)
+
+
 def check_teacher(result: TeacherLogprobs, request: TeacherRequest, *, url: str | None) -> None:
-    """Enforce the teacher-logprob contract: float32, one per token, NaN at 0, finite elsewhere."""
+    """Enforce the teacher-logprob contract: float32, one per token, NaN at 0, finite elsewhere (a backend may
+    leave image placeholders NaN; the client makes them NaN on every backend)."""
     if not isinstance(result, TeacherLogprobs):
         raise ResponseParseError(
             f"teacher_logprobs returned {type(result).__name__}, expected TeacherLogprobs", url=url
@@ -570,8 +584,14 @@ def check_teacher(result: TeacherLogprobs, request: TeacherRequest, *, url: str 
         raise ResponseParseError(
             f"teacher logprobs must be float32 of shape ({len(request.token_ids)},), got {lp.dtype} {lp.shape}", url=url
         )
-    if not np.isnan(lp[0]) or not np.isfinite(lp[1:]).all():
-        raise ResponseParseError("teacher logprobs must be NaN at position 0 and finite elsewhere", url=url)
+    scored = np.ones(len(lp), dtype=bool)
+    scored[0] = False
+    for span in request.image_spans:
+        scored[span.start : span.end] = False
+    if not np.isnan(lp[0]) or not np.isfinite(lp[scored]).all():
+        raise ResponseParseError(
+            "teacher logprobs must be NaN at position 0 and finite elsewhere (image placeholders excepted)", url=url
+        )
 
 
 def check_prompt(request: GenerateRequest, result: GenerateResult, *, where: str, url: str) -> None:

@@ -94,6 +94,16 @@ class Image:
         if (self.url is None) == (not self.data):
             raise InvalidRequestError("an Image holds either encoded bytes or an http(s) url")
 
+    @classmethod
+    def of(cls, value: Any) -> Image:
+        """The image of a PIL image, a ``uint8`` array, encoded bytes or a ``data:`` / ``file:`` / ``http(s):`` URL.
+
+        :raises InvalidRequestError: ``value`` is none of those, or cannot be read.
+        """
+        image = image_of_part({"type": "image", "image": value}, "image")
+        assert image is not None
+        return image
+
     @functools.cached_property
     def sha256(self) -> str:
         """Hex digest of the bytes (of the URL for a remote image): the image's identity."""

@@ -584,6 +584,8 @@ class TeacherRequest:
     :param model: served model name; ``None`` uses ``ClientConfig.model``.
     :param images: the sequence's images in order, each already widened at its span in ``image_spans`` (a
         result's ``images`` and ``image_spans``).
+    :param cache_salt: salts the images' identities (the client sets it to the weight version it knows the server
+        serves, so no image is scored with vision features cached under other weights).
     """
 
     token_ids: tuple[int, ...] = attrs.field(converter=_id_sequence)
@@ -593,6 +595,7 @@ class TeacherRequest:
     request_id: str | None = None
     images: tuple[Image, ...] = attrs.field(default=(), converter=_images)
     image_spans: tuple[ImageSpan, ...] = attrs.field(default=(), converter=_image_spans)
+    cache_salt: str | None = None
 
     def __attrs_post_init__(self) -> None:
         _check_images(self.images, self.image_spans, len(self.token_ids))
@@ -612,7 +615,8 @@ class TeacherLogprobs:
     """Teacher scores of a sequence.
 
     :ivar logprobs: float32 ``[len(token_ids)]``. Position 0 has no prefix and therefore no logprob: it holds
-        NaN, so it can never be mistaken for a score; ``logprobs[1:]`` is all finite.
+        NaN, so it can never be mistaken for a score; ``logprobs[1:]`` is all finite but on image placeholders
+        (the request's ``image_spans``), which the model does not predict: NaN there too.
     :ivar top_logprobs: per position (index 0 is empty), the requested alternatives.
     """
 

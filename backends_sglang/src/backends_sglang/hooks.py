@@ -33,6 +33,7 @@ import attrs
 from backends_core import Server, StatusHint, hookimpl
 from backends_core.config import ClientConfig
 from backends_core.errors import ConfigError, InvalidRequestError, ServerStatusError, TransportError
+from backends_core.images import image_token_id
 from backends_core.transfer import capped_buckets, one_by_one
 from backends_core.types import (
     SAMPLING_FEATURES,
@@ -159,8 +160,15 @@ async def post_generate(server: Server, request: GenerateRequest, options: Sglan
 
 
 @hookimpl
+def image_refusal() -> None:
+    # /generate takes image_data beside input_ids, widens each image's one placeholder and answers the ids it ran
+    # (return_prompt_token_ids); the wire module salts each image's cache key with the weight version
+    return None
+
+
+@hookimpl
 async def post_generate_stream(
-    server: Server, request: GenerateRequest, options: SglangOptions
+    server: Server, request: GenerateRequest, config: ClientConfig, options: SglangOptions
 ) -> AsyncIterator[StreamDelta | GenerateResult]:
     if options.check_prompt_length:
         await _check_length(server, len(request.prompt_ids), request.sampling.max_tokens)
@@ -168,7 +176,7 @@ async def post_generate_stream(
         raise InvalidRequestError(
             f"LoRA adapter {request.lora!r} was unloaded from {server.base_url}; load it again first"
         )
-    fold = wire.StreamFold(request, server.base_url, options.routing)
+    fold = wire.StreamFold(request, server.base_url, options.routing, image_token=_image_token(config))
     async with server.stream("POST", "/generate", json_body=wire.stream_payload(request)) as stream:
         async for raw in stream.json_events():
             if isinstance(raw, dict) and "error" in raw:  # {"error": {"message", "type", "code", ...}}
@@ -204,7 +212,11 @@ def parse_response(
     raw: Any, request: GenerateRequest, server_url: str, config: ClientConfig, options: SglangOptions
 ) -> list[GenerateResult]:
     front = config.front.kind if config.front is not None else None
-    return wire.parse_generate(raw, request, server_url, options.routing, front=front)
+    return wire.parse_generate(raw, request, server_url, options.routing, front=front, image_token=_image_token(config))
+
+
+def _image_token(config: ClientConfig) -> int | None:
+    return image_token_id(config.tokenizer) if config.tokenizer else None
 
 
 @hookimpl
@@ -231,11 +243,13 @@ async def tokenize_messages(
 
 
 @hookimpl
-async def teacher_logprobs(server: Server, request: TeacherRequest, options: SglangOptions) -> TeacherLogprobs:
+async def teacher_logprobs(
+    server: Server, request: TeacherRequest, config: ClientConfig, options: SglangOptions
+) -> TeacherLogprobs:
     if options.check_prompt_length:
         await _check_length(server, len(request.token_ids), 0)
     raw = await server.request("POST", "/generate", json_body=wire.teacher_payload(request), idempotent=True)
-    return wire.parse_teacher(raw, request, server.base_url)
+    return wire.parse_teacher(raw, request, server.base_url, image_token=_image_token(config))
 
 
 # -- admin: liveness and state ----------------------------------------------------------------------------

@@ -27,6 +27,7 @@ temperature 0); prompt logprobs are always raw. They are the engine's own number
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 from typing import Any
@@ -35,6 +36,7 @@ import attrs
 import numpy as np
 
 from backends_core.errors import ConfigError, InvalidRequestError, ResponseParseError
+from backends_core.images import Image, ImageSpan, check_expansion, collapse
 from backends_core.jsonnode import Node
 from backends_core.types import (
     Choice,
@@ -242,7 +244,30 @@ def generate_payload(request: GenerateRequest) -> dict[str, Any]:
     if request.return_routed_experts:
         body["return_routed_experts"] = True
         body["routed_experts_start_len"] = routed_start(request)
+    if request.images:
+        _with_images(body, request.prompt_ids, request.images, request.image_spans, request.cache_salt)
     return body
+
+
+def image_key(image: Image, salt: str | None) -> str:
+    """The ``mm_hashes`` entry of ``image``: SGLang keys its vision-embedding cache by it and never clears that cache
+    (not on ``/flush_cache``, not on a weight update), so the key is salted with the weight version: 64 hex."""
+    return image.sha256 if not salt else hashlib.sha256(image.identity(salt).encode()).hexdigest()
+
+
+def _with_images(
+    body: dict[str, Any],
+    ids: tuple[int, ...],
+    images: tuple[Image, ...],
+    spans: tuple[ImageSpan, ...],
+    salt: str | None,
+) -> None:
+    """``body`` carrying ``images``: ids collapsed to one placeholder per image (SGLang widens each; with any other
+    count its tokenizer manager never answers), the images, their salted keys, and the ids it ran asked back."""
+    body["input_ids"] = list(collapse(ids, spans))
+    body["image_data"] = [image.data_url() for image in images]
+    body["mm_hashes"] = [image_key(image, salt) for image in images]
+    body["return_prompt_token_ids"] = True
 
 
 def teacher_payload(request: TeacherRequest) -> dict[str, Any]:
@@ -259,7 +284,37 @@ def teacher_payload(request: TeacherRequest) -> dict[str, Any]:
         body["rid"] = request.request_id
     if request.lora is not None:
         body["lora_path"] = request.lora
+    if request.images:
+        _with_images(body, request.token_ids, request.images, request.image_spans, request.cache_salt)
     return body
+
+
+def engine_prompt(
+    holder: Node, images: int, image_token: int | None, meta: Node
+) -> tuple[tuple[int, ...], tuple[ImageSpan, ...]]:
+    """The prompt ids SGLang ran (``prompt_token_ids``, asked with ``return_prompt_token_ids``) and each image's
+    span: SGLang names no offsets, so the spans are the runs of the image placeholder (the client sent exactly one
+    per image, each between the template's vision markers); ``meta_info.image_tokens`` must be their total."""
+    field = holder.get("prompt_token_ids")
+    ids = tuple(t.integer() for t in field.items())
+    if image_token is None:
+        raise field.fail("the model's image placeholder id is unknown (no image_token_id in its config.json)")
+    spans: list[ImageSpan] = []
+    for i, token in enumerate(ids):
+        if token != image_token:
+            continue
+        if spans and spans[-1].end == i:
+            spans[-1] = ImageSpan(spans[-1].start, i + 1)
+        else:
+            spans.append(ImageSpan(i, i + 1))
+    if len(spans) != images:
+        raise field.fail(f"{len(spans)} runs of the image placeholder {image_token} for {images} images")
+    reported = meta.get("image_tokens", required=False)
+    if reported.value is not None and reported.integer() != sum(s.length for s in spans):
+        raise reported.fail(
+            f"image_tokens is {reported.value} but the placeholder runs hold {sum(s.length for s in spans)}"
+        )
+    return ids, tuple(spans)
 
 
 # -- generation answers ---------------------------------------------------------------------------------
@@ -368,10 +423,12 @@ def parse_generate(
     geometry: experts.RoutingGeometry | None,
     *,
     front: str | None = None,
+    image_token: int | None = None,
 ) -> list[GenerateResult]:
     """One :class:`GenerateResult` per sample of a ``/generate`` answer.
 
     :param geometry: routing layers and top-k, needed only when routed experts were asked for.
+    :param image_token: the model's image placeholder id (needed only for a prompt with images).
     :param front: the kind of router the answer came through (``FrontConfig.kind``), if any.
     :raises ResponseParseError: naming the offending JSON path.
     """
@@ -379,6 +436,10 @@ def parse_generate(
     for sample in _samples(raw, request.sampling.n, server_url):
         meta = sample.get("meta_info")
         completion = tuple(t.integer() for t in sample.get("output_ids").items())
+        prompt: tuple[int, ...] = request.prompt_ids
+        image_spans: tuple[ImageSpan, ...] = ()
+        if request.images:
+            prompt, image_spans = engine_prompt(sample, len(request.images), image_token, meta)
         finish, stop_reason = _finish(meta)
         spans = _spans(meta)
         version = meta.get("weight_version", required=False)
@@ -400,7 +461,7 @@ def parse_generate(
             routed = experts.decode(
                 field.value,
                 geometry,
-                total_tokens=len(request.prompt_ids) + len(completion),
+                total_tokens=len(prompt) + len(completion),
                 server_start=routed_start(request),
                 wanted_start=request.routed_experts_start,
                 field=field.path,
@@ -408,7 +469,9 @@ def parse_generate(
             )
         results.append(
             GenerateResult(
-                prompt_ids=request.prompt_ids,
+                prompt_ids=prompt,
+                images=request.images,
+                image_spans=image_spans,
                 completion_ids=completion,
                 logprobs=_completion_logprobs(meta, completion),
                 finish_reason=finish,
@@ -419,7 +482,7 @@ def parse_generate(
                 if version.value is not None
                 else (spans[-1].version if spans else None),
                 weight_versions=spans,
-                usage=_usage(meta, len(request.prompt_ids), len(completion)),
+                usage=_usage(meta, len(prompt), len(completion)),
                 request_id=meta.get("id").string(),
                 server=server_url,
             )
@@ -427,11 +490,24 @@ def parse_generate(
     return results
 
 
-def parse_teacher(raw: Any, request: TeacherRequest, server_url: str) -> TeacherLogprobs:
+def parse_teacher(
+    raw: Any, request: TeacherRequest, server_url: str, *, image_token: int | None = None
+) -> TeacherLogprobs:
     """Teacher logprobs from ``meta_info.input_token_logprobs`` of a ``max_new_tokens: 0`` answer."""
     (sample,) = _samples(raw, 1, server_url)
     meta = sample.get("meta_info")
     ids = request.token_ids
+    if request.images:
+        answered, spans = engine_prompt(sample, len(request.images), image_token, meta)
+        check_expansion(
+            ids,
+            request.image_spans,
+            answered,
+            spans,
+            images=len(request.images),
+            where="teacher",
+            server_url=server_url,
+        )
     field = meta.get("input_token_logprobs", required=False)
     if field.value is None:
         raise field.fail("no prompt logprobs in the answer although return_logprob and logprob_start_len 0 were sent")
@@ -439,7 +515,14 @@ def parse_teacher(raw: Any, request: TeacherRequest, server_url: str) -> Teacher
     if len(entries) != len(ids):
         raise field.fail(f"{len(entries)} entries for {len(ids)} token ids (logprob_start_len 0 was sent)")
     logprobs = np.full(len(ids), np.nan, dtype=np.float32)
+    # SGLang runs an image's placeholders as per-image pad values (its cache keys), and scores those: the entries
+    # there name another token, and their logprobs are no logprob of the placeholder; they stay NaN
+    in_image = np.zeros(len(ids), dtype=bool)
+    for span in request.image_spans:
+        in_image[span.start : span.end] = True
     for i, (token, entry) in enumerate(zip(ids, entries, strict=True)):
+        if in_image[i]:
+            continue
         lp, claimed = _triple(entry)
         if claimed != token:
             raise entry.fail(f"entry is for token {claimed} but token {i} is {token}")
@@ -539,10 +622,20 @@ class StreamFold:
     """The events of one streamed generation read one by one (:meth:`event`), cumulative or incremental, and
     folded back into the answer ``/generate`` gives whole (:meth:`result`)."""
 
-    def __init__(self, request: GenerateRequest, server_url: str, geometry: experts.RoutingGeometry | None) -> None:
+    def __init__(
+        self,
+        request: GenerateRequest,
+        server_url: str,
+        geometry: experts.RoutingGeometry | None,
+        *,
+        image_token: int | None = None,
+    ) -> None:
         self.request = request
         self.server_url = server_url
         self.geometry = geometry
+        self.image_token = image_token
+        #: the ids SGLang ran (every event of a prompt with images carries them)
+        self.prompt: Any = None
         self.events = 0
         self.ids: list[int] = []
         self.lists: dict[str, list[Any]] = {name: [] for name in _GROWING}
@@ -588,6 +681,8 @@ class StreamFold:
             self.lists[name] += values
         self.ids += new
         self.meta = dict(fields)
+        if self.request.images and isinstance(raw, dict) and raw.get("prompt_token_ids") is not None:
+            self.prompt = raw["prompt_token_ids"]
         self.finished = fields.get("finish_reason") is not None
         return StreamDelta(completion_ids=new, logprobs=logprobs) if new else None
 
@@ -601,7 +696,8 @@ class StreamFold:
         for name in _GROWING:
             if name in meta and meta[name] is not None:
                 meta[name] = self.lists[name]
-        (result,) = parse_generate(
-            {"output_ids": self.ids, "meta_info": meta}, self.request, self.server_url, self.geometry
-        )
+        body: dict[str, Any] = {"output_ids": self.ids, "meta_info": meta}
+        if self.prompt is not None:
+            body["prompt_token_ids"] = self.prompt
+        (result,) = parse_generate(body, self.request, self.server_url, self.geometry, image_token=self.image_token)
         return result

@@ -259,7 +259,7 @@ def teacher_payload(request: TeacherRequest, model: str | None, *, transport: st
             "sampling_params": {**fields, "detokenize": False},
         }
         if request.images:
-            _with_images(body, request.token_ids, request.images, request.image_spans, None)
+            _with_images(body, request.token_ids, request.images, request.image_spans, request.cache_salt)
         path = "/inference/v1/generate"
     else:
         if request.images:
