@@ -12,8 +12,8 @@ torch+cpu they break ``import transformers``: ``operator torchvision::nms does n
    ``transformers.models.qwen2_vl.image_processing_qwen2_vl``, whose module imports
    ``torchvision.transforms.v2``. That module name is served by a module holding the public names of its
    torchvision-free sibling ``image_processing_pil_qwen2_vl`` (the same ``smart_resize``; the auto-map already
-   picks ``Qwen2VLImageProcessorPil`` as the image processor). Same alias as
-   ``tests/live/dynamo/worker_shim/sitecustomize.py``.
+   picks ``Qwen2VLImageProcessorPil`` as the image processor). The Dynamo worker's shim and SGLang's VL runtime
+   load this file by path for the same alias.
 2. ``Qwen2_5_VLProcessor`` / ``Qwen2VLProcessor`` (``ProcessorMixin``) require a ``video_processor``, and
    ``AutoVideoProcessor.from_pretrained`` raises ``ImportError: Qwen2VLVideoProcessor requires the Torchvision
    library``. After ``transformers.models.auto.video_processing_auto`` has loaded, its

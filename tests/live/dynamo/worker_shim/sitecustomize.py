@@ -7,8 +7,9 @@ matches one exact module name and changes nothing else:
 1. ``dynamo/vllm/multimodal_utils/models/qwen.py`` imports ``smart_resize`` from
    ``transformers.models.qwen2_vl.image_processing_qwen2_vl``, which in transformers 5.19 imports
    torchvision. The venv has no torchvision (PyPI only has builds for CUDA torch, which break beside
-   torch+cpu), so when torchvision is missing that module name is served by a module holding the public
-   names of its torchvision-free sibling ``image_processing_pil_qwen2_vl`` (same ``smart_resize``).
+   torch+cpu): the vLLM VL shim (``../../vllm_vl_shim/sitecustomize.py``, loaded by path) serves that module
+   name from its torchvision-free sibling ``image_processing_pil_qwen2_vl`` (same ``smart_resize``) when
+   torchvision is missing.
 2. ``dynamo/vllm/embedding_worker_processes.py`` (imported by ``dynamo.vllm.main``) imports
    ``get_engine_zmq_addresses`` from ``vllm.v1.engine.utils``; vLLM 0.31 had it, 0.32 removed it. After the
    real module has loaded, a placeholder is added that raises ``NotImplementedError`` when called. It is
@@ -25,35 +26,23 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-_QWEN2_VL = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
-_QWEN2_VL_PIL = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
 _VLLM_ENGINE_UTILS = "vllm.v1.engine.utils"
 _REMOVED_FUNCTION = "get_engine_zmq_addresses"
+_VLLM_VL_SHIM = Path(__file__).resolve().parents[2] / "vllm_vl_shim" / "sitecustomize.py"
 
 
-def _torchvision_missing() -> bool:
-    try:
-        return importlib.util.find_spec("torchvision") is None
-    except (ImportError, ValueError):
-        return True
-
-
-class _SiblingLoader(importlib.abc.Loader):
-    """Executes a module as a copy of the public names of another module."""
-
-    def __init__(self, source: str) -> None:
-        self._source = source
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return None
-
-    def exec_module(self, module: ModuleType) -> None:
-        source = importlib.import_module(self._source)
-        module.__dict__.update({k: v for k, v in vars(source).items() if not k.startswith("__")})
-        module.__doc__ = f"backends live-test shim: the names of {self._source} (torchvision is not installed)"
+def _install_vllm_vl_shim() -> None:
+    """Run the vLLM VL shim's file as a module of its own (only one ``sitecustomize`` is imported per process)."""
+    spec = importlib.util.spec_from_file_location("backends_vllm_vl_shim", _VLLM_VL_SHIM)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {_VLLM_VL_SHIM}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
 
 
 class _AddAfterLoad(importlib.abc.Loader):
@@ -86,10 +75,6 @@ class _DynamoVllmShimFinder(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: Any = None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname == _QWEN2_VL:
-            if not _torchvision_missing():
-                return None
-            return importlib.util.spec_from_loader(fullname, _SiblingLoader(_QWEN2_VL_PIL))
         if fullname == _VLLM_ENGINE_UTILS:
             spec = importlib.machinery.PathFinder.find_spec(fullname, path)
             if spec is None or spec.loader is None:
@@ -103,3 +88,5 @@ if os.environ.get("BACKENDS_DYNAMO_SHIM", "1") != "0" and not any(
     isinstance(finder, _DynamoVllmShimFinder) for finder in sys.meta_path
 ):
     sys.meta_path.insert(0, _DynamoVllmShimFinder())
+    if "backends_vllm_vl_shim" not in sys.modules:
+        _install_vllm_vl_shim()
