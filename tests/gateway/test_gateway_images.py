@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import itertools
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,16 +17,17 @@ import attrs
 import httpx
 import numpy as np
 import openai
+import pyarrow.parquet as pq
 import pytest
-from scripted_stream import StreamingScript
 
-from backends_core import Client, ClientConfig, GenerateRequest, GenerateResult, Image, ImageSpan, hookimpl
+from backends_core import Client, ClientConfig, GenerateRequest, GenerateResult, Image, ImageSpan, cli, hookimpl
 from backends_core.images import collapse
 from backends_core.multiturn.rendering import load_tokenizer
 from backends_gateway import Gateway, SQLiteStore, Trajectories, serve
 from backends_testkit.tinymodel import default_models_dir
 from backends_testkit.tinymodel_vl import IMAGE_PAD_ID, build_tiny_vl_model
 from conftest import OFF, Served
+from scripted_stream import StreamingScript
 
 PNG = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGP4z8DA8J+BkYHh////DAAe9gT9Ce00PgAAAABJRU5ErkJggg=="
@@ -134,7 +136,7 @@ async def test_an_image_conversation_extends_each_turns_exact_ids_and_the_trajec
         assert [t["image_spans"] for t in turns] == [span] * 3
         assert [t["images"] for t in turns] == [[URL]] * 3
         assert second.image_spans == third.image_spans == (ImageSpan(span[0]["start"], span[0]["end"]),)
-        for before, after in zip(turns, turns[1:], strict=False):
+        for before, after in itertools.pairwise(turns):
             exact = before["prompt_ids"] + before["completion_ids"]
             assert after["prompt_ids"][: len(exact)] == exact and after["reused_ids"] == len(exact)
         assert list(second.prompt_ids[: len(turns[0]["prompt_ids"])]) == turns[0]["prompt_ids"]
@@ -148,6 +150,26 @@ async def test_an_image_conversation_extends_each_turns_exact_ids_and_the_trajec
         assert sample.images == (image,) and sample.images[0].data == PNG
         assert sample.image_spans == (ImageSpan(start, end),)
         assert sample.input_ids.tolist() == branch["input_ids"]
+        parquet = served.store.parent / "rows.parquet"
+        assert (
+            cli.main(
+                [
+                    "gateway",
+                    "export",
+                    "--store",
+                    str(served.store),
+                    "--status",
+                    "all",
+                    "--format",
+                    "parquet",
+                    "-o",
+                    str(parquet),
+                ]
+            )
+            == 0
+        )
+        (row,) = pq.read_table(parquet).to_pylist()
+        assert (row["image_spans"], row["images"], row["input_ids"]) == ([[start, end]], [URL], branch["input_ids"])
 
 
 async def test_a_changed_image_in_the_history_starts_a_new_branch_rendered_whole(vl_gateway) -> None:
