@@ -13,6 +13,11 @@ from backends_core import ServerStatusError
 from backends_gateway import GatewayLimits
 
 USER = [{"role": "user", "content": "hi"}]
+# a 2x2 PNG
+URL = (
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGP4z8DA8J+BkYHh////DAAe9gT9Ce00"
+    "PgAAAABJRU5ErkJggg=="
+)
 
 
 def body(**fields: Any) -> dict[str, Any]:
@@ -29,8 +34,30 @@ BAD = [
     ("no messages", body(messages=[]), "messages", "invalid_type"),
     ("a bad role", body(messages=[{"role": "robot", "content": "x"}]), "messages[0].role", "invalid_value"),
     (
-        "an image part",
+        "an image that is no data URL",
         body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:x"}}]}]),
+        "messages[0].content[0].image_url.url",
+        "invalid_image",
+    ),
+    (
+        "an image the gateway would read from its own disk",
+        body(
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/x.png"}}]}]
+        ),
+        "messages[0].content[0].image_url.url",
+        "invalid_image",
+    ),
+    (
+        "an image detail the processor decides",
+        body(
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": URL, "detail": "low"}}]}]
+        ),
+        "messages[0].content[0].image_url.detail",
+        "unsupported_parameter",
+    ),
+    (
+        "an image in a system message",
+        body(messages=[{"role": "system", "content": [{"type": "image_url", "image_url": {"url": URL}}]}]),
         "messages[0].content[0]",
         "unsupported_content",
     ),

@@ -11,10 +11,16 @@ import numpy as np
 import psycopg
 import pytest
 
-from backends_core import MessageSpan, RoutedExperts, WeightVersionSpan
+from backends_core import BridgeError, ImageSpan, MessageSpan, RoutedExperts, WeightVersionSpan
 from backends_gateway import Branch, SessionRecord, SQLiteStore, Store, Trajectories, TurnRecord, open_store
 from backends_gateway.migrations import migrations
-from backends_gateway.store import SyncReads
+from backends_gateway.store import SyncReads, _turn_row
+
+# a 2x2 PNG
+PNG_URL = (
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGP4z8DA8J+BkYHh////DAAe9gT9Ce00"
+    "PgAAAABJRU5ErkJggg=="
+)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -45,7 +51,9 @@ async def opened(spec: str):
 
 
 def record(session: str, turn: int, *, experts: bool = False) -> TurnRecord:
+    """A turn; an odd one's prompt holds an image, widened at ids 3 to 7."""
     rng = np.random.default_rng(turn)
+    image = {"type": "image_url", "image_url": {"url": PNG_URL}}
     prompt = rng.integers(0, 2000, 40 + turn)
     completion = rng.integers(0, 2000, 7)
     return TurnRecord(
@@ -54,7 +62,9 @@ def record(session: str, turn: int, *, experts: bool = False) -> TurnRecord:
         branch=0,
         parent=None if turn == 0 else turn - 1,
         created=1000.0 + turn,
-        messages=[{"role": "user", "content": f"m{turn}"}],
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": f"m{turn}"}, image] if turn % 2 else f"m{turn}"}
+        ],
         tools=[{"type": "function", "function": {"name": "f"}}] if turn % 2 else None,
         chat_template_kwargs={"enable_thinking": False} if turn % 3 == 0 else None,
         reply={"role": "assistant", "content": "ok", "reasoning_content": None, "tool_calls": None},
@@ -71,6 +81,7 @@ def record(session: str, turn: int, *, experts: bool = False) -> TurnRecord:
         if experts
         else None,
         request={"model": "m", "sampling": {"max_tokens": 7}},
+        image_spans=(ImageSpan(3, 7),) if turn % 2 else (),
     )
 
 
@@ -78,6 +89,7 @@ def same(a: TurnRecord, b: TurnRecord) -> bool:
     fields = (
         *("session", "turn", "branch", "parent", "created", "messages", "tools", "chat_template_kwargs", "reply"),
         *("finish_reason", "weight_version", "weight_versions", "message_spans", "server", "reused_ids", "request"),
+        "image_spans",
     )
     arrays = ("prompt_ids", "completion_ids", "logprobs")
     experts_equal = (a.routed_experts is None) == (b.routed_experts is None) and (
@@ -90,7 +102,7 @@ def same(a: TurnRecord, b: TurnRecord) -> bool:
     )
 
 
-async def test_a_turn_comes_back_as_it_went_in_routed_experts_included(spec) -> None:
+async def test_a_turn_comes_back_as_it_went_in_routed_experts_and_image_spans_included(spec) -> None:
     async with opened(spec) as store:
         session = SessionRecord(id="s", group="g")
         await store.create_session(session)
@@ -101,6 +113,8 @@ async def test_a_turn_comes_back_as_it_went_in_routed_experts_included(spec) -> 
         await store.record_turn(turns[1], session, None)
         back = await store.turns("s")
         assert len(back) == 2 and all(same(a, b) for a, b in zip(turns, back, strict=True))
+        assert back[1].image_spans == (ImageSpan(3, 7),) and back[1].images() == turns[1].images()
+        assert back[1].result().images == turns[1].images() and back[1].result().image_spans == (ImageSpan(3, 7),)
         assert await store.branches("s") == [branch]
         assert (await store.get_session("s")).counts["turns"] == 2
         assert await store.get_session("missing") is None
@@ -192,13 +206,21 @@ INSERT INTO sessions VALUES ('old', 'g', 'closed', 1.0, NULL, 5.0, 6.0, '{"turns
 
 async def test_a_store_written_before_numbered_migrations_is_brought_forward(tmp_path) -> None:
     path = tmp_path / "old.db"
+    kept = record("old", 1)  # a turn with an image, kept before image spans were
     with contextlib.closing(sqlite3.connect(path)) as db:
         db.executescript(_FIRST_SCHEMA)
+        db.execute(f"INSERT INTO turns VALUES ({','.join('?' * 21)})", _turn_row(kept)[:21])
+        db.commit()
     store = SQLiteStore(path)
     await store.open()
     try:
         old = await store.get_session("old")
         assert old is not None and (old.group, old.reward, old.owner) == ("g", 1.0, None)
+        (turn,) = await store.turns("old")
+        assert turn.image_spans == () and len(turn.images()) == 1
+        with pytest.raises(BridgeError, match="1 images but 0 image spans") as refused:
+            turn.result()  # its ids hold a widened image at an unknown place: a next turn starts a new branch
+        assert refused.value.reason == "image_spans_missing"
         await store.create_session(SessionRecord(id="new", owner="team-a"))
         assert [s.id for s in await store.list_sessions(owner="team-a")] == ["new"]
     finally:

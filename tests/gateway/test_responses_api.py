@@ -205,6 +205,10 @@ async def test_instructions_are_not_carried_over_from_the_previous_response(scri
 
 
 USER = [{"role": "user", "content": "hi"}]
+PNG_URL = (
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGP4z8DA8J+BkYHh////DAAe9gT9Ce00"
+    "PgAAAABJRU5ErkJggg=="
+)
 
 
 def body(**fields: Any) -> dict[str, Any]:
@@ -219,8 +223,26 @@ BAD = [
     ("an empty input", body(input=[]), "input", "invalid_value"),
     ("a bad role", body(input=[{"role": "robot", "content": "x"}]), "input[0].role", "invalid_value"),
     (
-        "an image part",
+        "an image that is no data URL",
         body(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "data:x"}]}]),
+        "input[0].content[0].image_url",
+        "invalid_image",
+    ),
+    (
+        "an image by file id",
+        body(input=[{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]),
+        "input[0].content[0].file_id",
+        "unsupported_parameter",
+    ),
+    (
+        "an image detail the processor decides",
+        body(input=[{"role": "user", "content": [{"type": "input_image", "image_url": PNG_URL, "detail": "high"}]}]),
+        "input[0].content[0].detail",
+        "unsupported_parameter",
+    ),
+    (
+        "an image in a developer message",
+        body(input=[{"role": "developer", "content": [{"type": "input_image", "image_url": PNG_URL}]}]),
         "input[0].content[0]",
         "unsupported_content",
     ),

@@ -47,6 +47,7 @@ __all__ = [
     "check_expansion",
     "collapse",
     "image_of_part",
+    "image_of_url",
     "image_token_id",
     "json_default",
     "widen_position",
@@ -180,6 +181,15 @@ def _from_url(url: Any, where: str) -> Image:
     if parsed.scheme in ("http", "https") and parsed.netloc:
         return Image(url=url)
     raise InvalidRequestError(f"{where} has an image URL that is not data:, file: or http(s): {url[:80]!r}")
+
+
+def image_of_url(url: Any, where: str) -> Image:
+    """The image an image URL names: a base64 ``data:`` URL, a ``file:`` URL (read here) or an ``http(s)`` URL
+    (kept as the URL, which the engine fetches).
+
+    :raises InvalidRequestError: not such a URL, or its image cannot be read, naming ``where``.
+    """
+    return _from_url(url, where)
 
 
 def _encode_png(obj: Any, where: str) -> Image:

@@ -30,7 +30,7 @@ import orjson
 
 from backends_core import GenerateResult, SamplingParams
 from backends_gateway.errors import GatewayError
-from backends_gateway.fields import bad, integer, number
+from backends_gateway.fields import bad, check_image, integer, number
 from backends_gateway.sessions import TurnRequest
 
 __all__ = [
@@ -197,16 +197,19 @@ def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 
 def _image(block: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """An image block as the OpenAI image part the client reads (whether the backend takes it is the client's
-    check, answered as the route's error)."""
+    """An image block as the OpenAI image part the client reads, its image checked (whether the backend and model
+    take images is the gateway's check, answered as the route's error)."""
     source = block.get("source")
     kind = source.get("type") if isinstance(source, dict) else None
     if kind == "base64" and isinstance(source, dict):
         media, data = source.get("media_type"), source.get("data")
         if not isinstance(media, str) or not isinstance(data, str):
             raise bad(f"{where}.source needs string media_type and data", f"{where}.source", "invalid_type")
-        return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{data}"}}
+        url = f"data:{media};base64,{data}"
+        check_image(url, f"{where}.source")
+        return {"type": "image_url", "image_url": {"url": url}}
     if kind == "url" and isinstance(source, dict) and isinstance(source.get("url"), str):
+        check_image(source["url"], f"{where}.source.url")
         return {"type": "image_url", "image_url": {"url": source["url"]}}
     raise bad(f"{where}.source must be a base64 or url image source", f"{where}.source", "invalid_type")
 
@@ -311,6 +314,17 @@ def _messages(value: Any, system: Any) -> list[dict[str, Any]]:
             "unsupported_content",
         )
     return out
+
+
+def _image_parts(value: list[dict[str, Any]]) -> tuple[str, ...]:
+    """Where each image block of the (checked) messages is, in the order the prompt holds them."""
+    return tuple(
+        f"messages[{i}].content[{j}]"
+        for i, message in enumerate(value)
+        if message.get("role") == "user" and isinstance(message.get("content"), list)
+        for j, block in enumerate(message["content"])
+        if block.get("type") == "image"
+    )
 
 
 def _tools(value: Any) -> list[dict[str, Any]] | None:
@@ -490,6 +504,7 @@ def parse_messages_request(body: Any, *, max_completion_tokens: int, counting: b
         sampling=sampling,
         chat_template_kwargs=kwargs,
         metadata={} if metadata is None else {"metadata": metadata},
+        image_parts=_image_parts(body["messages"]),
     )
     return MessagesCall(turn=turn, model=model, stream=bool(stream))
 

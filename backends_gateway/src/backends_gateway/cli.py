@@ -148,7 +148,8 @@ def _run(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
 
 
 def export_rows(reader: Trajectories, *, group: str | None, status: str | None) -> Any:
-    """One dict per branch of every chosen session: the training view and the session's summary."""
+    """One dict per branch of every chosen session: the training view and the session's summary (a branch's
+    images as ``data:`` URLs, a remote one as its URL, each widened at its ``[start, end]`` of ``image_spans``)."""
     for trajectory in reader.sessions(group=group, status=status):
         for sample in trajectory.samples:
             yield {
@@ -166,6 +167,8 @@ def export_rows(reader: Trajectories, *, group: str | None, status: str | None) 
                 "input_ids": sample.input_ids.tolist(),
                 "loss_mask": sample.loss_mask.tolist(),
                 "logprobs": sample.logprobs.tolist(),
+                "image_spans": [[span.start, span.end] for span in sample.image_spans],
+                "images": [image.data_url() for image in sample.images],
             }
 
 
@@ -216,5 +219,7 @@ def _parquet_schema(pa: Any) -> Any:
             ("input_ids", pa.list_(pa.int32())),
             ("loss_mask", pa.list_(pa.uint8())),
             ("logprobs", pa.list_(pa.float32())),
+            ("image_spans", pa.list_(pa.list_(pa.int32()))),
+            ("images", pa.list_(pa.string())),
         ]
     )

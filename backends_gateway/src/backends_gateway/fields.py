@@ -6,9 +6,11 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from backends_core import InvalidRequestError
+from backends_core.images import image_of_url
 from backends_gateway.errors import GatewayError
 
-__all__ = ["bad", "integer", "number", "refuse_unenforceable_tool_choice"]
+__all__ = ["bad", "check_image", "check_image_detail", "integer", "number", "refuse_unenforceable_tool_choice"]
 
 
 def bad(message: str, param: str, code: str = "invalid_value") -> GatewayError:
@@ -51,5 +53,34 @@ def refuse_unenforceable_tool_choice(choice: Any, parallel: Any, *, has_tools: b
         raise bad(
             "parallel_tool_calls=false cannot be enforced by the gateway",
             "parallel_tool_calls",
+            "unsupported_parameter",
+        )
+
+
+def check_image(url: Any, param: str) -> None:
+    """Refuse, naming ``param``, an image URL whose image cannot be read: a base64 ``data:`` URL of an encoded
+    image (PNG, JPEG, GIF, BMP, WebP) or an ``http(s)`` URL the engine fetches. A ``file:`` URL is refused: a
+    harness's request never makes the gateway read a file of its own machine."""
+    if not isinstance(url, str) or not url.startswith(("data:", "http://", "https://")):
+        shown = url[:80] if isinstance(url, str) else type(url).__name__
+        raise bad(
+            f"{param} must be a data: URL (base64) or an http(s) URL, got {shown!r}: the gateway reads no files",
+            param,
+            "invalid_image",
+        )
+    try:
+        image_of_url(url, param)
+    except InvalidRequestError as exc:
+        raise bad(str(exc), param, "invalid_image") from exc
+
+
+def check_image_detail(detail: Any, param: str) -> None:
+    """Refuse an image ``detail`` other than ``auto``: the engine's image processor decides the resolution (the
+    model's own minimum and maximum pixels), so a low or high detail could not be honoured."""
+    if detail not in (None, "auto"):
+        raise bad(
+            f"{param} {detail!r} cannot be honoured: the served model's image processor decides the resolution "
+            "(send 'auto' or leave it out)",
+            param,
             "unsupported_parameter",
         )

@@ -17,7 +17,8 @@ from typing import Any
 import attrs
 import numpy as np
 
-from backends_core import BackendError, BridgeError, Client, ConfigError, GenerateResult
+from backends_core import BackendError, BridgeError, Client, ConfigError, GenerateResult, UnsupportedOperationError
+from backends_core.images import image_token_id
 from backends_gateway.errors import GatewayError, Overloaded, from_backend_error
 from backends_gateway.sessions import (
     STATUSES,
@@ -301,6 +302,26 @@ class Gateway:
                 code="session_token_limit",
             )
 
+    def _check_images(self, request: TurnRequest) -> None:
+        """Refuse images this backend or model cannot take, naming the harness's first image part (the client
+        refuses them too, but only knows the messages it is given, not where they were in the harness's request)."""
+        if not request.image_parts:
+            return
+        where = request.image_parts[0]
+        refusal = self.client.driver.image_refusal
+        if refusal is not None:
+            error = UnsupportedOperationError(self.client.backend, f"images ({where})", hint=refusal)
+            raise GatewayError(400, str(error), param=where, code="unsupported_content")
+        tokenizer = self.client.config.tokenizer
+        if not tokenizer or image_token_id(tokenizer) is None:
+            raise GatewayError(
+                400,
+                f"{where} is an image, but the served model takes none: its config.json (beside the tokenizer "
+                f"{tokenizer!r}) names no image placeholder (image_token_id)",
+                param=where,
+                code="unsupported_content",
+            )
+
     def _admit(self) -> None:
         if self._in_flight >= self.limits.max_in_flight:
             raise Overloaded(
@@ -316,6 +337,7 @@ class Gateway:
             check_session_id(session, "session")
         if group is not None:
             check_session_id(group, "X-Session-Group")
+        self._check_images(request)
         self._admit()
         digests = chain_digests(request.messages, request.tools, request.chat_template_kwargs)
         state = await self._session_for(session, group, owner, digests, request.messages)
@@ -467,8 +489,17 @@ class Gateway:
     def prompt_ids(self, request: TurnRequest) -> list[int]:
         """The ids ``request``'s messages render to, as a turn rendered whole would send them.
 
-        :raises GatewayError: the template refused the messages (400).
+        :raises GatewayError: the template refused the messages, or they hold an image (400): how many ids an
+            image widens into is the engine's, known once a turn ran it.
         """
+        if request.image_parts:
+            where = request.image_parts[0]
+            raise GatewayError(
+                400,
+                f"{where} is an image: its ids cannot be counted before the engine's image processor widened it",
+                param=where,
+                code="unsupported_content",
+            )
         try:
             return self.client.render(
                 request.messages, tools=request.tools, chat_template_kwargs=request.chat_template_kwargs

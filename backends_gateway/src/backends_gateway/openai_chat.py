@@ -16,7 +16,14 @@ import attrs
 
 from backends_core import JsonSchema, SamplingParams
 from backends_gateway.errors import GatewayError
-from backends_gateway.fields import bad, integer, number, refuse_unenforceable_tool_choice
+from backends_gateway.fields import (
+    bad,
+    check_image,
+    check_image_detail,
+    integer,
+    number,
+    refuse_unenforceable_tool_choice,
+)
 from backends_gateway.sessions import TurnRequest
 
 __all__ = ["ChatCall", "chat_completion", "chunk", "error_body", "parse_chat_request"]
@@ -87,9 +94,27 @@ class ChatCall:
     logprobs: bool
 
 
-def _check_messages(messages: Any) -> list[dict[str, Any]]:
+def _check_image_part(part: dict[str, Any], where: str) -> None:
+    extra = sorted(set(part) - {"type", "image_url"})
+    if extra:
+        raise bad(f"unknown parameter {where}.{extra[0]}", f"{where}.{extra[0]}", "unknown_parameter")
+    value = part.get("image_url")
+    if not isinstance(value, dict):
+        raise bad(f'{where}.image_url must be an object {{"url": ...}}', f"{where}.image_url", "invalid_type")
+    extra = sorted(set(value) - {"url", "detail"})
+    if extra:
+        raise bad(
+            f"unknown parameter {where}.image_url.{extra[0]}", f"{where}.image_url.{extra[0]}", "unknown_parameter"
+        )
+    check_image_detail(value.get("detail"), f"{where}.image_url.detail")
+    check_image(value.get("url"), f"{where}.image_url.url")
+
+
+def _check_messages(messages: Any) -> tuple[list[dict[str, Any]], tuple[str, ...]]:
+    """The messages, and where each image part is (in prompt order)."""
     if not isinstance(messages, list) or not messages:
         raise bad("messages must be a non-empty list of messages", "messages", "invalid_type")
+    images: list[str] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -103,12 +128,13 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
         if isinstance(content, list):
             for j, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text" or not isinstance(part.get("text"), str):
-                    raise bad(
-                        f"{where}.content[{j}] is a {kind!r} part: this gateway takes text parts only",
-                        f"{where}.content[{j}]",
-                        "unsupported_content",
-                    )
+                at = f"{where}.content[{j}]"
+                if kind == "image_url" and role == "user":
+                    _check_image_part(part, at)
+                    images.append(at)
+                elif kind != "text" or not isinstance(part.get("text"), str):
+                    takes = "text parts, and image_url parts in user messages" if kind == "image_url" else "text parts"
+                    raise bad(f"{at} is a {kind!r} part: this gateway takes {takes}", at, "unsupported_content")
         calls = message.get("tool_calls")
         if calls is not None:
             if role != "assistant" or not isinstance(calls, list):
@@ -124,7 +150,7 @@ def _check_messages(messages: Any) -> list[dict[str, Any]]:
                     )
         if role == "tool" and not isinstance(message.get("tool_call_id", ""), str):
             raise bad(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id", "invalid_type")
-    return messages
+    return messages, tuple(images)
 
 
 def _check_tools(tools: Any) -> list[dict[str, Any]] | None:
@@ -202,7 +228,7 @@ def parse_chat_request(body: Any, *, max_completion_tokens: int) -> ChatCall:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model must be a non-empty string", "model", "invalid_type")
-    messages = _check_messages(body.get("messages"))
+    messages, image_parts = _check_messages(body.get("messages"))
     tools = _check_tools(body.get("tools"))
     refuse_unenforceable_tool_choice(
         body.get("tool_choice"), body.get("parallel_tool_calls"), has_tools=tools is not None
@@ -274,6 +300,7 @@ def parse_chat_request(body: Any, *, max_completion_tokens: int) -> ChatCall:
         chat_template_kwargs=kwargs,
         return_routed_experts=bool(body.get("return_routed_experts")),
         metadata={k: v for k, v in (("user", user), ("metadata", metadata)) if v is not None},
+        image_parts=image_parts,
     )
     return ChatCall(turn=turn, model=model, stream=bool(stream), include_usage=include_usage, logprobs=bool(logprobs))
 

@@ -29,7 +29,14 @@ from aiohttp import web
 
 from backends_core import JsonSchema, SamplingParams
 from backends_gateway.errors import GatewayError
-from backends_gateway.fields import bad, integer, number, refuse_unenforceable_tool_choice
+from backends_gateway.fields import (
+    bad,
+    check_image,
+    check_image_detail,
+    integer,
+    number,
+    refuse_unenforceable_tool_choice,
+)
 from backends_gateway.gateway import Gateway, Served, Started, TextDelta
 from backends_gateway.openai_chat import error_body
 from backends_gateway.routing import (
@@ -101,6 +108,7 @@ _PART_KEYS = {
     "input_text": frozenset({"type", "text"}),
     "output_text": frozenset({"type", "text", "annotations", "logprobs"}),
 }
+_IMAGE_KEYS = frozenset({"type", "image_url", "detail", "file_id"})
 _RESPONSE_ID = re.compile(r"resp_([A-Za-z0-9.:@-]{1,128})_([0-9a-f]{24})")
 
 
@@ -119,6 +127,8 @@ class ResponsesCall:
     previous_response_id: str | None
     metadata: Mapping[str, Any]
     echo: Mapping[str, Any]
+    #: where each input_image part of ``input`` is (``input[2].content[1]``), in order
+    image_parts: tuple[str, ...] = ()
 
     def turn(self, suffix: str, previous: TurnRecord | None = None) -> TurnRequest:
         """The turn to generate: the previous response's messages and reply (its instructions replaced by this
@@ -138,12 +148,15 @@ class ResponsesCall:
         responses = {"id": suffix, "instructions": self.instructions is not None}
         if self.previous_response_id is not None:
             responses["previous_response_id"] = self.previous_response_id
+        # the previous response's images come first in the prompt
+        earlier = () if previous is None else ("previous_response_id",) * len(previous.image_spans)
         return TurnRequest(
             messages=messages,
             tools=self.tools,
             sampling=self.sampling,
             chat_template_kwargs=self.chat_template_kwargs,
             metadata={**self.metadata, "responses": responses},
+            image_parts=(*earlier, *self.image_parts),
         )
 
 
@@ -167,6 +180,62 @@ def _text_parts(content: Any, where: str, *, kinds: Mapping[str, frozenset[str]]
             raise bad(f"unknown parameter {where}[{j}].{extra[0]}", f"{where}[{j}].{extra[0]}", "unknown_parameter")
         texts.append(part["text"])
     return texts[0] if len(texts) == 1 else [{"type": "text", "text": t} for t in texts]
+
+
+def _image_part(part: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """An ``input_image`` part as the chat image part the client reads, its image checked."""
+    extra = sorted(set(part) - _IMAGE_KEYS)
+    if extra:
+        raise bad(f"unknown parameter {where}.{extra[0]}", f"{where}.{extra[0]}", "unknown_parameter")
+    if part.get("file_id") is not None:
+        raise bad(
+            f"{where}.file_id: this gateway has no files: send the image as image_url (a data: or http(s) URL)",
+            f"{where}.file_id",
+            "unsupported_parameter",
+        )
+    check_image_detail(part.get("detail"), f"{where}.detail")
+    check_image(part.get("image_url"), f"{where}.image_url")
+    return {"type": "image_url", "image_url": {"url": part["image_url"]}}
+
+
+def _user_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A user message's content as chat content: as :func:`_text_parts` gives it, or, when it holds images, its
+    text and image parts in order."""
+    if not isinstance(content, list) or not any(
+        isinstance(p, dict) and p.get("type") == "input_image" for p in content
+    ):
+        return _text_parts(content, where, kinds=_PART_KEYS)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            parts.append(_image_part(part, at))
+            continue
+        if kind not in _PART_KEYS or not isinstance(part.get("text"), str):
+            raise bad(
+                f"{at} is a {kind!r} part: this gateway takes input_image, input_text and output_text parts only",
+                at,
+                "unsupported_content",
+            )
+        extra = sorted(set(part) - _PART_KEYS[str(kind)])
+        if extra:
+            raise bad(f"unknown parameter {at}.{extra[0]}", f"{at}.{extra[0]}", "unknown_parameter")
+        parts.append({"type": "text", "text": part["text"]})
+    return parts
+
+
+def _image_parts(value: Any) -> tuple[str, ...]:
+    """Where each ``input_image`` part of the (checked) ``input`` is, in order."""
+    if not isinstance(value, list):
+        return ()
+    return tuple(
+        f"input[{i}].content[{j}]"
+        for i, item in enumerate(value)
+        if item.get("role") == "user" and isinstance(item.get("content"), list)
+        for j, part in enumerate(item["content"])
+        if part.get("type") == "input_image"
+    )
 
 
 def _item_kind(item: Mapping[str, Any], where: str) -> str:
@@ -244,6 +313,10 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in _MESSAGE_ROLES:
                 raise bad(f"{where}.role must be one of {sorted(_MESSAGE_ROLES)}, got {role!r}", f"{where}.role")
+            if role == "user":
+                messages.append({"role": role, "content": _user_content(item.get("content"), f"{where}.content")})
+                reply = None
+                continue
             content = _text_parts(item.get("content"), f"{where}.content", kinds=_PART_KEYS)
             if role != "assistant":
                 messages.append({"role": role, "content": content})
@@ -483,6 +556,7 @@ def parse_responses_request(body: Any, *, max_completion_tokens: int) -> Respons
         previous_response_id=previous,
         metadata=recorded,
         echo=echo,
+        image_parts=_image_parts(body.get("input")),
     )
 
 

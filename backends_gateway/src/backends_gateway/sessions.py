@@ -26,9 +26,10 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-from backends_core import GenerateResult, MessageSpan, RoutedExperts, SamplingParams, WeightVersionSpan
-from backends_core.images import json_default
+from backends_core import BridgeError, GenerateResult, MessageSpan, RoutedExperts, SamplingParams, WeightVersionSpan
+from backends_core.images import Image, ImageSpan, json_default
 from backends_core.multiturn import normalize_message
+from backends_core.multiturn.messages import images_of
 
 __all__ = ["Branch", "SessionRecord", "SessionState", "TurnRecord", "TurnRequest", "chain_digests", "next_digest"]
 
@@ -46,6 +47,9 @@ class TurnRequest:
     chat_template_kwargs: Mapping[str, Any] | None = None
     return_routed_experts: bool = False
     metadata: Mapping[str, Any] = attrs.field(factory=dict)
+    #: where each image part of ``messages`` is in the harness's request (``messages[1].content[2]``), in prompt
+    #: order: a backend or model that takes no images is refused naming the first
+    image_parts: tuple[str, ...] = ()
 
 
 def _ids(values: Any) -> npt.NDArray[np.int32]:
@@ -61,6 +65,8 @@ class TurnRecord:
     :ivar messages: the prompt's messages as the harness sent them.
     :ivar reply: the assistant message the harness was answered with (the parse of the completion).
     :ivar message_spans: which prompt ids belong to which message (``sampled``: ids an engine sampled).
+    :ivar image_spans: where each image of the prompt's messages lies in ``prompt_ids``, as the engine widened it
+        (the images themselves are the messages' image parts: :meth:`images`).
     """
 
     session: str
@@ -83,6 +89,7 @@ class TurnRecord:
     reused_ids: int
     routed_experts: RoutedExperts | None = None
     request: Mapping[str, Any] = attrs.field(factory=dict)
+    image_spans: tuple[ImageSpan, ...] = ()
 
     @classmethod
     def of(
@@ -117,12 +124,28 @@ class TurnRecord:
             server=result.server,
             reused_ids=result.reused_ids,
             routed_experts=result.routed_experts,
+            image_spans=tuple(result.image_spans),
             request={"model": model, "sampling": _sampling_json(request.sampling), **dict(request.metadata)},
         )
 
+    def images(self) -> tuple[Image, ...]:
+        """The images of the prompt's messages, in prompt order: the ones ``image_spans`` place."""
+        return images_of(self.messages)
+
     def result(self) -> GenerateResult:
-        """This turn as the client's :class:`GenerateResult`, to extend (``previous=``)."""
+        """This turn as the client's :class:`GenerateResult`, to extend (``previous=``).
+
+        :raises BridgeError: the prompt holds images without their spans (a turn kept by a gateway that recorded
+            none): its ids cannot be extended, the turn starts a new branch rendered whole.
+        """
         finish = self.finish_reason if self.finish_reason in ("stop", "length", "abort") else "stop"
+        images = self.images()
+        if len(images) != len(self.image_spans):
+            raise BridgeError(
+                "image_spans_missing",
+                f"turn {self.turn} holds {len(images)} images but {len(self.image_spans)} image spans: its ids hold "
+                "widened images whose places are not known",
+            )
         return GenerateResult(
             prompt_ids=tuple(self.prompt_ids.tolist()),
             completion_ids=tuple(self.completion_ids.tolist()),
@@ -133,6 +156,8 @@ class TurnRecord:
             server=self.server,
             message_spans=self.message_spans,
             reused_ids=self.reused_ids,
+            images=images,
+            image_spans=self.image_spans,
         )
 
     @property
@@ -155,6 +180,8 @@ class TurnRecord:
             "message_spans": [attrs.asdict(s) for s in self.message_spans],
             "server": self.server,
             "reused_ids": self.reused_ids,
+            "image_spans": [attrs.asdict(s) for s in self.image_spans],
+            "images": [image.data_url() for image in self.images()],
             "messages": list(self.messages),
             "reply": dict(self.reply),
             "request": dict(self.request),

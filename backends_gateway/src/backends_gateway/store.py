@@ -23,7 +23,7 @@ import numpy as np
 import orjson
 
 from backends_core import MessageSpan, RoutedExperts, WeightVersionSpan
-from backends_core.images import json_default
+from backends_core.images import ImageSpan, json_default
 from backends_gateway.migrations import migrations
 from backends_gateway.sessions import Branch, SessionRecord, TurnRecord
 
@@ -110,8 +110,10 @@ _SESSION_COLUMNS = "id, grp, status, reward, reward_info, created, closed, count
 _TURN_COLUMNS = (
     "session, turn, branch, parent, created, messages, tools, template_kwargs, reply, prompt_ids, completion_ids, "
     "logprobs, finish_reason, weight_version, weight_versions, message_spans, server, reused_ids, routed_experts, "
-    "routed_start, request"
+    "routed_start, request, image_spans"
 )
+#: how many columns a turn's row has
+_TURN_WIDTH = _TURN_COLUMNS.count(",") + 1
 
 
 def _json(value: Any) -> bytes | None:
@@ -178,6 +180,7 @@ def _turn_row(t: TurnRecord) -> tuple[Any, ...]:
         experts,
         None if t.routed_experts is None else t.routed_experts.start,
         orjson.dumps(dict(t.request), default=json_default),
+        orjson.dumps([[s.start, s.end] for s in t.image_spans]),
     )
 
 
@@ -208,6 +211,8 @@ def _turn(row: Sequence[Any]) -> TurnRecord:
         reused_ids=row[17],
         routed_experts=experts,
         request=orjson.loads(row[20]),
+        # NULL: a turn kept before image spans were (a text turn, or one that cannot be extended)
+        image_spans=() if row[21] is None else tuple(ImageSpan(s, e) for s, e in orjson.loads(row[21])),
     )
 
 
@@ -437,7 +442,7 @@ class SQLiteStore(_BlockingReads, Store):
         def write(db: sqlite3.Connection) -> None:
             if branch_row is not None:
                 db.execute("INSERT INTO branches VALUES (?,?,?,?,?,?)", branch_row)
-            db.execute(f"INSERT INTO turns ({_TURN_COLUMNS}) VALUES ({','.join('?' * 21)})", row)
+            db.execute(f"INSERT INTO turns ({_TURN_COLUMNS}) VALUES ({','.join('?' * _TURN_WIDTH)})", row)
             db.execute("UPDATE sessions SET counts = ? WHERE id = ?", (counts, session.id))
 
         await self._write(write)

@@ -35,6 +35,7 @@ from backends_gateway.store import (
     _BRANCH_COLUMNS,
     _SESSION_COLUMNS,
     _TURN_COLUMNS,
+    _TURN_WIDTH,
     Store,
     _BlockingReads,
     _branch,
@@ -57,7 +58,7 @@ MIGRATION_LOCK = 0x6261636B656E6473 & 0x7FFFFFFFFFFFFFFF  # "backends"
 _Statement = tuple[str, Sequence[Any]]
 _INSERT_SESSION = f"INSERT INTO sessions ({_SESSION_COLUMNS}) VALUES ({', '.join(['%s'] * 9)})"
 _INSERT_BRANCH = f"INSERT INTO branches ({_BRANCH_COLUMNS}) VALUES ({', '.join(['%s'] * 6)})"
-_INSERT_TURN = f"INSERT INTO turns ({_TURN_COLUMNS}) VALUES ({', '.join(['%s'] * 21)})"
+_INSERT_TURN = f"INSERT INTO turns ({_TURN_COLUMNS}) VALUES ({', '.join(['%s'] * _TURN_WIDTH)})"
 _UPDATE_COUNTS = "UPDATE sessions SET counts = %s WHERE id = %s"
 _UPDATE_SESSION = (
     "UPDATE sessions SET grp=%s, status=%s, reward=%s, reward_info=%s, created=%s, closed=%s, counts=%s, owner=%s "

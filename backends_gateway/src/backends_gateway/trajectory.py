@@ -1,6 +1,8 @@
 """Trajectories: a session's turns as the trainer reads them. Each branch is one exact token sequence (its last
 turn's prompt and completion ids) with a loss mask that is 1 exactly on the ids an engine sampled and the
-logprobs of those ids at their positions (0 elsewhere).
+logprobs of those ids at their positions (0 elsewhere). A sequence holding images carries them (encoded files, or
+the URL of a remote one) with the span of the ids each was widened into: the placeholder runs a vision-language
+trainer fills with the image's features.
 
 :class:`Trajectories` reads them straight from a store (a file, or a PostgreSQL database), as numpy arrays, while
 gateways may be writing it.
@@ -16,6 +18,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from backends_core.images import Image, ImageSpan
 from backends_gateway.sessions import Branch, SessionRecord, TurnRecord
 from backends_gateway.store import SQLiteStore, SyncReads
 from backends_gateway.stores import open_store
@@ -36,6 +39,10 @@ class Sample:
     :ivar logprobs: float32 over ``input_ids``: the sampling logprob of each sampled id, 0 elsewhere.
     :ivar turns: the turns whose completions it holds, in order.
     :ivar weight_versions: per turn of ``turns``, the weight version that finished it.
+    :ivar images: the sequence's images in order (``Image.data``: the encoded file; a remote image has only its
+        ``url``, which the engine fetched).
+    :ivar image_spans: where each image lies in ``input_ids``: the run of placeholder ids the engine widened it
+        into (never sampled, so 0 in ``loss_mask``).
     """
 
     branch: int
@@ -48,6 +55,8 @@ class Sample:
     turns: tuple[int, ...]
     weight_versions: tuple[str | None, ...]
     finish_reason: str
+    images: tuple[Image, ...] = ()
+    image_spans: tuple[ImageSpan, ...] = ()
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -66,7 +75,8 @@ class Trajectory:
 def build(branches: Sequence[Branch], turns: Sequence[TurnRecord]) -> list[Sample]:
     """A :class:`Sample` per branch that has turns.
 
-    :raises TrajectoryError: a turn's prompt does not start with its parent turn's exact ids.
+    :raises TrajectoryError: a turn's prompt does not start with its parent turn's exact ids, or its images are
+        not the first images of the sequence at the same spans, or it holds images without their spans.
     """
     by_turn = {t.turn: t for t in turns}
     tips: dict[int, TurnRecord] = {}
@@ -98,6 +108,19 @@ def build(branches: Sequence[Branch], turns: Sequence[TurnRecord]) -> list[Sampl
                 )
             mask[start:end] = 1
             logprobs[start:end] = turn.logprobs
+        images = tip.images()
+        if len(images) != len(tip.image_spans):
+            raise TrajectoryError(
+                f"session {tip.session}, branch {branch.branch}: turn {tip.turn} holds {len(images)} images but "
+                f"{len(tip.image_spans)} image spans"
+            )
+        for turn in lineage[:-1]:
+            known = len(turn.image_spans)
+            if turn.image_spans != tip.image_spans[:known] or turn.images() != images[:known]:
+                raise TrajectoryError(
+                    f"session {tip.session}, branch {branch.branch}: turn {turn.turn}'s images are not the first "
+                    f"images of turn {tip.turn} at the same spans"
+                )
         samples.append(
             Sample(
                 branch=branch.branch,
@@ -110,6 +133,8 @@ def build(branches: Sequence[Branch], turns: Sequence[TurnRecord]) -> list[Sampl
                 turns=tuple(t.turn for t in lineage),
                 weight_versions=tuple(t.weight_version for t in lineage),
                 finish_reason=tip.finish_reason,
+                images=images,
+                image_spans=tip.image_spans,
             )
         )
     return samples
@@ -128,6 +153,8 @@ def trajectory_json(session: SessionRecord, branches: Sequence[Branch], turns: S
             entry["input_ids"] = sample.input_ids.tolist()
             entry["loss_mask"] = sample.loss_mask.tolist()
             entry["logprobs"] = sample.logprobs.tolist()
+            entry["image_spans"] = [attrs.asdict(s) for s in sample.image_spans]
+            entry["images"] = [image.data_url() for image in sample.images]
         out_branches.append(entry)
     return {**session.as_json(), "turns": [t.as_json() for t in turns], "branches": out_branches}
 
@@ -138,6 +165,7 @@ class Trajectories:
         for trajectory in Trajectories("rollouts.db").closed(group="step-7"):
             for sample in trajectory.samples:
                 train(sample.input_ids, sample.loss_mask, sample.logprobs, trajectory.reward)
+                # a vision-language model also takes sample.images, widened at sample.image_spans
 
     :param store: what the gateway was given as ``--store`` (a file, a ``postgresql://`` URL), or a store.
     """
