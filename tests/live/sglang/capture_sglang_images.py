@@ -29,6 +29,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]  # sglang_server, vl_images
 import sglang_server  # noqa: E402
 import vl_images  # noqa: E402
 
+from backends_testkit.live import probe_client  # noqa: E402
 from backends_testkit.tinymodel import default_models_dir, write_perturbed_weights  # noqa: E402
 from backends_testkit.tinymodel_vl import build_tiny_vl_model  # noqa: E402
 
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                 server.wait_ready(sglang_server.READY_PATH, timeout=sglang_server.START_TIMEOUT_S)
                 print(f"[capture] server ready after {server.ready_after:.1f}s", flush=True)
                 url = server.url
-            with httpx.Client(base_url=str(url), timeout=TIMEOUT_S) as client:
+            with probe_client(TIMEOUT_S, base_url=str(url)) as client:
                 capture(client, args.out, model, tmp)
         finally:
             if server is not None:
