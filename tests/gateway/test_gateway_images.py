@@ -13,28 +13,24 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
-import attrs
 import httpx
 import numpy as np
 import openai
 import pyarrow.parquet as pq
 import pytest
 
-from backends_core import Client, ClientConfig, GenerateRequest, GenerateResult, Image, ImageSpan, cli, hookimpl
-from backends_core.images import collapse
+from backends_core import Client, ClientConfig, Image, ImageSpan, cli
 from backends_core.multiturn.rendering import load_tokenizer
 from backends_gateway import Gateway, SQLiteStore, Trajectories, serve
 from backends_testkit.tinymodel import default_models_dir
 from backends_testkit.tinymodel_vl import IMAGE_PAD_ID, build_tiny_vl_model
 from conftest import OFF, Served
-from scripted_stream import StreamingScript
+from scripted_vision import WIDTH, VisionScript
 
 PNG = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGP4z8DA8J+BkYHh////DAAe9gT9Ce00PgAAAABJRU5ErkJggg=="
 )
 URL = Image(data=PNG).data_url()
-#: how many ids the scripted engine widens a new image's placeholder into
-WIDTH = 6
 REPLIES = ["A small picture.<|im_end|>", "Red and green.<|im_end|>", "Blue.<|im_end|>"]
 
 
@@ -43,39 +39,6 @@ def question(text: str, url: str = URL) -> dict[str, Any]:
         "role": "user",
         "content": [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}],
     }
-
-
-class VisionScript(StreamingScript):
-    """The scripted engine of a vision-language model: sends images, and answers the prompt it ran with each new
-    image's one placeholder widened into :data:`WIDTH` ids (known images keep their spans)."""
-
-    def __init__(self, tokenizer: Any, replies: list[str], *, sends_images: bool = True) -> None:
-        super().__init__(tokenizer, replies)
-        self.sends_images = sends_images
-
-    @hookimpl
-    def image_refusal(self) -> str | None:
-        return None if self.sends_images else "this scripted engine takes no images"
-
-    def _result(self, raw: str, request: GenerateRequest, server_url: str) -> GenerateResult:
-        result = super()._result(raw, request, server_url)
-        if not request.images:
-            return result
-        known = {s.start: s.length for s in request.image_spans}
-        wire = collapse(request.prompt_ids, request.image_spans)
-        ran: list[int] = []
-        spans = []
-        at = 0  # where the next id of ``request.prompt_ids`` is
-        for token in wire:
-            if token != IMAGE_PAD_ID:
-                ran.append(token)
-                at += 1
-                continue
-            length = known.get(at, WIDTH)
-            spans.append(ImageSpan(len(ran), len(ran) + length))
-            ran.extend([IMAGE_PAD_ID] * length)
-            at += known.get(at, 1)
-        return attrs.evolve(result, prompt_ids=tuple(ran), images=request.images, image_spans=tuple(spans))
 
 
 @pytest.fixture

@@ -433,6 +433,7 @@ class Client:
                 reused = self._extend_previous(
                     _previous_result(previous),
                     plain,
+                    images,
                     tools=tools,
                     chat_template_kwargs=chat_template_kwargs,
                     request_id=fields.get("request_id"),
@@ -441,6 +442,7 @@ class Client:
                 reused = self._reuse_turns(
                     session,
                     plain,
+                    images,
                     tools=tools,
                     chat_template_kwargs=chat_template_kwargs,
                     request_id=fields.get("request_id"),
@@ -452,13 +454,7 @@ class Client:
                 ids = reused.ids
                 message_spans = reused.spans or ()
             known = 0
-            if images or (reused is not None and reused.images):
-                if reused is not None and tuple(images[: len(reused.images)]) != reused.images:
-                    raise BridgeError(
-                        "image_changed",
-                        f"the history holds {len(images)} images whose first {len(reused.images)} are not the "
-                        "images of the turn being extended: its ids hold those images' expansion",
-                    )
+            if images:
                 fields["images"] = images
                 fields["image_spans"] = self._image_placement(ids, images, reused.image_spans if reused else ())
                 known = len(fields["image_spans"])
@@ -600,6 +596,7 @@ class Client:
         self,
         session: str,
         messages: list[dict[str, Any]],
+        images: tuple[Image, ...],
         *,
         tools: Sequence[Mapping[str, Any]] | None,
         chat_template_kwargs: Mapping[str, Any] | None,
@@ -615,6 +612,7 @@ class Client:
             ),
             f"session {session}",
             len(messages),
+            images,
             request_id,
             session=session,
         )
@@ -623,6 +621,7 @@ class Client:
         self,
         previous: GenerateResult,
         messages: list[dict[str, Any]],
+        images: tuple[Image, ...],
         *,
         tools: Sequence[Mapping[str, Any]] | None,
         chat_template_kwargs: Mapping[str, Any] | None,
@@ -650,22 +649,32 @@ class Client:
                 stats=stats,
             )
 
-        return self._bridged(extend, "previous=", len(messages), request_id)
+        return self._bridged(extend, "previous=", len(messages), images, request_id)
 
     def _bridged(
         self,
         extend: Callable[[BridgeStats], Extension | None],
         what: str,
         count: int,
+        images: tuple[Image, ...],
         request_id: str | None,
         **event: Any,
     ) -> Extension | None:
-        """``extend()`` counted in :attr:`bridge_stats`; a break raises, or re-renders where the policy says so."""
+        """``extend()`` counted in :attr:`bridge_stats`; a break raises, or re-renders where the policy says so.
+
+        An extension whose ids hold other images than the first of ``images`` (the history's, in order) is a break
+        (``image_changed``): those ids hold the expansion of the images they were generated with."""
         stats = self.bridge_stats
         stats.attempts += 1
         started = time.perf_counter()
         try:
             found = extend(stats)
+            if found is not None and tuple(images[: len(found.images)]) != found.images:
+                raise BridgeError(
+                    "image_changed",
+                    f"the history holds {len(images)} images whose first {len(found.images)} are not the images "
+                    "of the turn being extended: its ids hold those images' expansion",
+                )
         except BridgeError as exc:
             stats.failures[exc.reason] += 1
             self.driver.emit("bridge", "stateless", None, started, exc, reason=exc.reason, **event)
