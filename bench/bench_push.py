@@ -59,6 +59,7 @@ import ctypes
 import gc
 import importlib.util
 import json
+import math
 import os
 import shutil
 import socket
@@ -78,6 +79,8 @@ import torch
 import torch.distributed as dist
 
 GROUP_TIMEOUT_S = 600.0
+#: the group name of every push to vLLM stand-ins (vLLM's ``init_info`` carries none; each push has its own store)
+VLLM_GROUP = "bench-push-vllm"
 MIB = 1 << 20
 
 
@@ -211,7 +214,20 @@ def barrier(group: dist.ProcessGroup) -> None:
     dist.all_reduce(torch.zeros(1), group=group)
 
 
-def run_standin(url_file: Path) -> None:
+def group_broadcast(group: Any, tensor: torch.Tensor) -> Any:
+    """A receiver's broadcast from rank 0 on ``group`` (torch's registered group or a bare ``ProcessGroupGloo``)."""
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    options.rootTensor = 0
+    return group.broadcast([tensor], options)
+
+
+def group_barrier(group: Any) -> None:
+    """A receiver's side of :func:`barrier`."""
+    group.allreduce([torch.zeros(1)]).wait()
+
+
+def run_standin(url_file: Path, engine_kind: str) -> None:
     import httpx
     from aiohttp import web
     from safetensors.torch import load_file
@@ -219,6 +235,8 @@ def run_standin(url_file: Path) -> None:
     from backends_sglang_testing import SglangEmulator
     from backends_testkit.emulator import GET, POST, Route
     from backends_testkit.engine import ReferenceEngine
+    from backends_vllm_testing import VllmEmulator
+    from backends_vllm_testing._receiver import Announced, vllm_chunks
 
     torch.set_num_threads(1)
     bucket_class = load_flattened_bucket()
@@ -229,30 +247,33 @@ def run_standin(url_file: Path) -> None:
     def fail(message: str) -> httpx.Response:
         return httpx.Response(400, json={"success": False, "message": message})
 
-    class StandIn(SglangEmulator):
-        def __init__(self, engine: ReferenceEngine) -> None:
-            super().__init__(engine, served_model_name=c.MODEL)
-            self.groups: dict[str, dist.ProcessGroup] = {}
+    class Bench:
+        """What both stand-ins add to their emulator: the parameters pushed into, timers, the floors' receives,
+        checksums and the warm-buffer switch."""
+
+        def bench_init(self) -> None:
             self.params: dict[str, torch.Tensor] = {}
             self.stats: dict[str, float] = {}
             self.floor_error: str | None = None
             #: ``/bench/mode {"reuse": true}``: receive into buffers kept from the previous push of the same
-            #: tensors (already touched) instead of SGLang's fresh ``torch.empty``: isolates the engine's
+            #: tensors (already touched) instead of the engine's fresh ``torch.empty``: isolates the engine's
             #: allocation cost from the rest.
             self.reuse = False
             self.kept: dict[Any, Any] = {}
 
-        def routes(self) -> dict[str, Route]:
-            routes = dict(super().routes())
-            routes["/init_weights_update_group"] = Route(self.init_group, methods=POST, level="admin")
-            routes["/destroy_weights_update_group"] = Route(self.destroy_group, methods=POST, level="admin")
-            routes["/update_weights_from_distributed"] = Route(self.update_distributed, methods=POST, level="admin")
-            routes["/update_weights_from_disk"] = Route(self.update_disk, methods=POST, level="admin")
-            routes["/bench/floor"] = Route(self.floor, methods=POST, level="open")
-            routes["/bench/stats"] = Route(self.take_stats, methods=GET, level="open")
-            routes["/bench/mode"] = Route(self.set_mode, methods=POST, level="open")
-            routes["/bench/checksum"] = Route(self.checksum, methods=GET, level="open")
-            return routes
+        def bench_routes(self) -> dict[str, Route]:
+            return {
+                "/bench/floor": Route(self.floor, methods=POST, level="open"),
+                "/bench/stats": Route(self.take_stats, methods=GET, level="open"),
+                "/bench/mode": Route(self.set_mode, methods=POST, level="open"),
+                "/bench/checksum": Route(self.checksum, methods=GET, level="open"),
+            }
+
+        def group(self, name: str) -> Any:
+            raise NotImplementedError
+
+        def engine_floor_receive(self, group: Any, body: dict[str, Any]) -> None:
+            raise NotImplementedError
 
         def add(self, key: str, value: float) -> None:
             self.stats[key] = self.stats.get(key, 0.0) + value
@@ -265,6 +286,67 @@ def run_standin(url_file: Path) -> None:
                     param = self.params[name] = torch.empty_like(tensor)
                 param.copy_(tensor)
             self.add("load_s", time.perf_counter() - started)
+
+        def floor_receive(self, body: dict[str, Any]) -> None:
+            group = self.group(body["group_name"])
+            try:
+                if body["engine"]:
+                    group_barrier(group)
+                    self.engine_floor_receive(group, body)
+                    group_barrier(group)
+                    return
+                if body["packed"]:
+                    buffers = [torch.zeros(size, dtype=torch.uint8) for size in body["sizes"]]
+                else:
+                    buffers = [torch.zeros(shape, dtype=getattr(torch, dtype)) for _, dtype, shape in body["tensors"]]
+                group_barrier(group)
+                for buffer in buffers:
+                    group_broadcast(group, buffer).wait()
+                group_barrier(group)
+            except Exception as exc:
+                self.floor_error = repr(exc)
+
+        async def floor(self, request: httpx.Request) -> httpx.Response:
+            body = json.loads(request.content)
+            threading.Thread(target=self.floor_receive, args=(body,), daemon=True).start()
+            return ok("floor receive started")
+
+        async def checksum(self, request: httpx.Request) -> httpx.Response:
+            return httpx.Response(200, json=checksums(self.params))
+
+        async def set_mode(self, request: httpx.Request) -> httpx.Response:
+            body = json.loads(request.content)
+            self.reuse = bool(body["reuse"])
+            if body.get("clear"):
+                self.kept.clear()
+                gc.collect()
+            return ok(f"reuse={self.reuse}")
+
+        async def take_stats(self, request: httpx.Request) -> httpx.Response:
+            stats, self.stats = self.stats, {}
+            trim()
+            stats["rss_mb"] = c.proc_status_kb("VmRSS") / 1024
+            stats["hwm_mb"] = c.proc_status_kb("VmHWM") / 1024
+            if self.floor_error:
+                stats["floor_error"] = self.floor_error  # type: ignore[assignment]
+            return httpx.Response(200, json=stats)
+
+    class StandIn(Bench, SglangEmulator):
+        def __init__(self, engine: ReferenceEngine) -> None:
+            super().__init__(engine, served_model_name=c.MODEL)
+            self.bench_init()
+            self.groups: dict[str, dist.ProcessGroup] = {}
+
+        def routes(self) -> dict[str, Route]:
+            routes = dict(super().routes())
+            routes["/init_weights_update_group"] = Route(self.init_group, methods=POST, level="admin")
+            routes["/destroy_weights_update_group"] = Route(self.destroy_group, methods=POST, level="admin")
+            routes["/update_weights_from_distributed"] = Route(self.update_distributed, methods=POST, level="admin")
+            routes["/update_weights_from_disk"] = Route(self.update_disk, methods=POST, level="admin")
+            return routes | self.bench_routes()
+
+        def group(self, name: str) -> Any:
+            return self.groups[name]
 
         def finish(self, body: dict[str, Any]) -> None:
             if body.get("weight_version") is not None:
@@ -322,6 +404,20 @@ def run_standin(url_file: Path) -> None:
             self.add("calls", 1)
             self.load(tensors)
 
+        def engine_floor_receive(self, group: Any, body: dict[str, Any]) -> None:
+            """SGLang's receive of :meth:`receive` (fresh buffers, async per-tensor broadcasts or its flattened
+            bucket and ``reconstruct_tensors``), bucket after bucket with nothing between them."""
+            if body["packed"]:
+                for bucket in body["buckets"]:
+                    names, dtypes, shapes = zip(*bucket, strict=True)
+                    flat = bucket_class.empty(list(names), list(dtypes), [list(s) for s in shapes], "cpu")
+                    group_broadcast(group, flat.get_flattened_tensor()).wait()
+                    flat.reconstruct_tensors()
+            else:
+                kept = [torch.empty(shape, dtype=getattr(torch, dtype)) for _, dtype, shape in body["tensors"]]
+                for work in [group_broadcast(group, weight) for weight in kept]:
+                    work.wait()
+
         async def update_distributed(self, request: httpx.Request) -> httpx.Response:
             body = json.loads(request.content)
             if not self.control.update_session:
@@ -354,48 +450,88 @@ def run_standin(url_file: Path) -> None:
             self.add("handler_s", time.perf_counter() - started)
             return ok("Succeeded to update model weights.")
 
-        def floor_receive(self, body: dict[str, Any]) -> None:
-            group = self.groups[body["group_name"]]
+    class VllmStandIn(Bench, VllmEmulator):
+        """vLLM 0.32's weight-transfer routes (the emulator's protocol and its join of the trainer's group) with
+        the receive of ``NCCLWeightTransferEngine.receive_weights`` into this stand-in's parameters: per tensor a
+        fresh ``torch.empty`` and one broadcast, loaded as it arrives; packed, the chunks vLLM cuts itself from the
+        announced list and ``packed_buffer_size_bytes``, each a fresh ``uint8`` buffer and one broadcast, its
+        tensors viewed out of it and loaded. All of a push's buckets go under one ``/update_weights`` call."""
+
+        def __init__(self, engine: ReferenceEngine) -> None:
+            super().__init__(
+                engine,
+                served_model_name=c.MODEL,
+                receive_weights=True,
+                transfer_group_name=VLLM_GROUP,
+                transfer_timeout_s=GROUP_TIMEOUT_S,
+            )
+            self.bench_init()
+
+        def routes(self) -> dict[str, Route]:
+            return dict(super().routes()) | self.bench_routes()
+
+        def group(self, name: str) -> Any:
+            assert self._joined is not None
+            return self._joined.group
+
+        def chunks(self, announced: list[Announced]) -> list[list[Announced]]:
+            assert self._joined is not None
+            if self._joined.packed:
+                return vllm_chunks(announced, self._joined.buffer_size_bytes)
+            return [[a] for a in announced]
+
+        def receive_into(self, announced: list[Announced]) -> None:
+            assert self._joined is not None
+            group, packed = self._joined.group, self._joined.packed
+            for chunk in self.chunks(announced):
+                started = time.perf_counter()
+                key = tuple(a.name for a in chunk)
+                buffer = self.kept.get(key) if self.reuse else None
+                sizes = [math.prod(a.shape) * getattr(torch, a.dtype).itemsize for a in chunk]
+                if buffer is None:
+                    if packed:
+                        buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+                    else:
+                        buffer = torch.empty(chunk[0].shape, dtype=getattr(torch, chunk[0].dtype))
+                    if self.reuse:
+                        self.kept[key] = buffer
+                allocated = time.perf_counter()
+                group_broadcast(group, buffer).wait()
+                received = time.perf_counter()
+                self.add("alloc_s", allocated - started)
+                self.add("recv_s", received - allocated)
+                if packed:
+                    tensors, offset = [], 0
+                    for a, size in zip(chunk, sizes, strict=True):
+                        part = buffer[offset : offset + size]
+                        offset += size
+                        tensors.append((a.name, part.view(getattr(torch, a.dtype)).view(a.shape)))
+                else:
+                    tensors = [(chunk[0].name, buffer)]
+                self.load(tensors)
+            self.add("calls", 1)
+
+        async def _receive(self, state: Any, info: dict[str, Any]) -> None:
+            announced = [
+                Announced(name, dtype, tuple(shape))
+                for name, dtype, shape in zip(info["names"], info["dtype_names"], info["shapes"], strict=True)
+            ]
+            started = time.perf_counter()
+            await asyncio.to_thread(self.receive_into, announced)
+            self.add("handler_s", time.perf_counter() - started)
+
+        def engine_floor_receive(self, group: Any, body: dict[str, Any]) -> None:
+            """vLLM's receive of :meth:`receive_into` without the loads: a fresh buffer per broadcast."""
             if body["packed"]:
-                buffers = [torch.zeros(size, dtype=torch.uint8) for size in body["sizes"]]
+                for size in body["sizes"]:
+                    group_broadcast(group, torch.empty(size, dtype=torch.uint8)).wait()
             else:
-                buffers = [torch.zeros(shape, dtype=getattr(torch, dtype)) for dtype, shape in body["tensors"]]
-            try:
-                barrier(group)
-                for buffer in buffers:
-                    dist.broadcast(buffer, src=0, group=group)
-                barrier(group)
-            except Exception as exc:
-                self.floor_error = repr(exc)
-
-        async def floor(self, request: httpx.Request) -> httpx.Response:
-            body = json.loads(request.content)
-            threading.Thread(target=self.floor_receive, args=(body,), daemon=True).start()
-            return ok("floor receive started")
-
-        async def checksum(self, request: httpx.Request) -> httpx.Response:
-            return httpx.Response(200, json=checksums(self.params))
-
-        async def set_mode(self, request: httpx.Request) -> httpx.Response:
-            body = json.loads(request.content)
-            self.reuse = bool(body["reuse"])
-            if body.get("clear"):
-                self.kept.clear()
-                gc.collect()
-            return ok(f"reuse={self.reuse}")
-
-        async def take_stats(self, request: httpx.Request) -> httpx.Response:
-            stats, self.stats = self.stats, {}
-            trim()
-            stats["rss_mb"] = c.proc_status_kb("VmRSS") / 1024
-            stats["hwm_mb"] = c.proc_status_kb("VmHWM") / 1024
-            if self.floor_error:
-                stats["floor_error"] = self.floor_error  # type: ignore[assignment]
-            return httpx.Response(200, json=stats)
+                for _, dtype, shape in body["tensors"]:
+                    group_broadcast(group, torch.empty(shape, dtype=getattr(torch, dtype))).wait()
 
     async def main() -> None:
         async with ReferenceEngine(tiny_model_dir()) as engine:
-            emulator = StandIn(engine)
+            emulator = VllmStandIn(engine) if engine_kind == "vllm" else StandIn(engine)
 
             async def bridge(request: web.Request) -> web.Response:
                 answer = await emulator.handle(
@@ -426,16 +562,17 @@ def run_standin(url_file: Path) -> None:
 class StandIns:
     """``n`` stand-in processes."""
 
-    def __init__(self, n: int, logs: Path) -> None:
+    def __init__(self, n: int, logs: Path, engine: str = "sglang") -> None:
+        self.engine = engine
         self.processes: list[subprocess.Popen[bytes]] = []
         self.urls: list[str] = []
         env = dict(os.environ, OMP_NUM_THREADS="1")
-        files = [logs / f"standin-{i}.url" for i in range(n)]
+        files = [logs / f"standin-{engine}-{i}.url" for i in range(n)]
         for i, file in enumerate(files):
-            with (logs / f"standin-{i}.log").open("wb") as log:
+            with (logs / f"standin-{engine}-{i}.log").open("wb") as log:
                 self.processes.append(
                     subprocess.Popen(
-                        [sys.executable, __file__, "standin", "--url-file", str(file)],
+                        [sys.executable, __file__, "standin", "--url-file", str(file), "--engine", engine],
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         env=env,
@@ -469,10 +606,10 @@ def free_port() -> int:
         return port
 
 
-def make_client(urls: list[str]) -> Any:
+def make_client(urls: list[str], engine: str = "sglang") -> Any:
     from backends_core import Client, ClientConfig
 
-    return Client(ClientConfig(backend="sglang", base_url=urls, model=c.MODEL, tokenizer=str(tiny_model_dir())))
+    return Client(ClientConfig(backend=engine, base_url=urls, model=c.MODEL, tokenizer=str(tiny_model_dir())))
 
 
 @contextlib.asynccontextmanager
@@ -486,7 +623,7 @@ async def group_pusher(client: Any, servers: int, bucket: int | None, reference:
         world_size=1 + servers,
         rank_offset=1,
         backend="gloo",
-        group_name=f"bench-push-{servers}-{bucket}-{time.monotonic_ns()}",
+        group_name=VLLM_GROUP if client.config.backend == "vllm" else f"bench-push-{servers}-{time.monotonic_ns()}",
         bucket_bytes=bucket,
     )
     pusher = WeightPusher(client, group=group, reference=reference, group_timeout_s=GROUP_TIMEOUT_S)
@@ -502,8 +639,11 @@ async def standin_stats(http: Any, urls: list[str]) -> list[dict[str, float]]:
     return [a.json() for a in answers]
 
 
-async def floor_once(pusher: Any, http: Any, urls: list[str], tensors: dict[str, torch.Tensor]) -> float:
-    """One raw broadcast of the push's bytes on the pusher's own group (see the module docstring)."""
+async def floor_once(
+    pusher: Any, http: Any, urls: list[str], tensors: dict[str, torch.Tensor], *, engine: bool = False
+) -> float:
+    """One raw broadcast of the push's bytes on the pusher's own group (see the module docstring); ``engine``: the
+    receivers receive as the engine does, into fresh buffers (the engine floor)."""
     from backends_core.types import TensorSpec
 
     specs = [
@@ -513,11 +653,16 @@ async def floor_once(pusher: Any, http: Any, urls: list[str], tensors: dict[str,
     group = pusher._process_group
     if plan.packed:
         sent = [torch.cat([tensors[s.name].reshape(-1).view(torch.uint8) for s in bucket]) for bucket in plan.buckets]
-        body: dict[str, Any] = {"packed": True, "sizes": [b.numel() for b in sent]}
+        body: dict[str, Any] = {
+            "packed": True,
+            "sizes": [b.numel() for b in sent],
+            "buckets": [[[s.name, s.dtype, list(s.shape)] for s in bucket] for bucket in plan.buckets],
+        }
     else:
         sent = [tensors[s.name].contiguous() for bucket in plan.buckets for s in bucket]
-        body = {"packed": False, "tensors": [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in sent]}
+        body = {"packed": False, "tensors": [[s.name, s.dtype, list(s.shape)] for b in plan.buckets for s in b]}
     body["group_name"] = pusher.group.group_name
+    body["engine"] = engine
     for answer in await asyncio.gather(*(http.post(f"{url}/bench/floor", json=body) for url in urls)):
         answer.raise_for_status()
 
@@ -605,11 +750,19 @@ def bucket_label(bucket: int | None) -> str:
 
 
 async def measure_point(
-    http: Any, client: Any, urls: list[str], tensors: dict[str, torch.Tensor], bucket: int | None, key: str, rounds: int
+    http: Any,
+    client: Any,
+    urls: list[str],
+    tensors: dict[str, torch.Tensor],
+    bucket: int | None,
+    key: str,
+    rounds: int,
+    before: bool,
 ) -> dict[str, Any]:
-    """One point of the sweep: ``rounds`` rounds of floor, ours and ours with warm receive buffers (order rotated
-    per round), on one group."""
-    point: dict[str, Any] = {"floor_s": [], "pressure": []}
+    """One point of the sweep: ``rounds`` rounds of the floor, the engine floor, ours, ours with warm receive
+    buffers (and ``before``: ours with the packing before the staging buffers), order rotated per round, on one
+    group."""
+    point: dict[str, Any] = {"floor_s": [], "engine_floor_s": [], "pressure": []}
     for kind in ("", "_reuse", "_fresh_pack"):
         point["ours" + kind], point["standins" + kind] = [], []
     async with group_pusher(client, len(urls), bucket) as pusher:
@@ -618,6 +771,10 @@ async def measure_point(
 
         async def floor(r: int) -> None:
             point["floor_s"].append(await floor_once(pusher, http, urls, tensors))
+            await standin_stats(http, urls)
+
+        async def engine_floor(r: int) -> None:
+            point["engine_floor_s"].append(await floor_once(pusher, http, urls, tensors, engine=True))
             await standin_stats(http, urls)
 
         async def ours(r: int) -> None:
@@ -645,10 +802,10 @@ async def measure_point(
         await set_reuse(http, urls, False)
         await floor_once(pusher, http, urls, tensors)
         await standin_stats(http, urls)
-        kinds = [floor, ours, ours_fresh_pack, ours_reuse]
+        kinds = [floor, engine_floor, ours, ours_reuse] + ([ours_fresh_pack] if before else [])
         for r in range(rounds):
             point["pressure"].append(c.cpu_pressure())
-            for measure in kinds[r % 4 :] + kinds[: r % 4]:
+            for measure in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
                 await measure(r)
             trim()
         await push_once(pusher, tensors, f"{key}-check")
@@ -667,10 +824,10 @@ async def sweep(args: argparse.Namespace, standins: StandIns, results: dict[str,
             tensors = state_dict(size)
             for servers in [int(s) for s in args.servers.split(",")]:
                 urls = standins.urls[:servers]
-                async with make_client(urls) as client:
+                async with make_client(urls, standins.engine) as client:
                     for bucket in buckets:
                         key = f"{size}/{servers}/{bucket_label(bucket)}"
-                        point = await measure_point(http, client, urls, tensors, bucket, key, args.rounds)
+                        point = await measure_point(http, client, urls, tensors, bucket, key, args.rounds, args.before)
                         point |= {
                             "size": size,
                             "params": sum(t.numel() for t in tensors.values()),
@@ -678,6 +835,7 @@ async def sweep(args: argparse.Namespace, standins: StandIns, results: dict[str,
                             "bytes": nbytes(tensors),
                             "servers": servers,
                             "bucket": bucket,
+                            "engine": standins.engine,
                         }
                         results["sweep"][key] = point
                         print_point(key, point)
@@ -690,7 +848,16 @@ def print_point(key: str, point: dict[str, Any]) -> None:
     floor = point["floor_s"]
     wall = [o["wall_s"] for o in point["ours"]]
     ratios = [w / f for w, f in zip(wall, floor, strict=True)]
+    engine = point.get("engine_floor_s")
+    if engine:
+        print(
+            f"{key:28s} engine floor {c.summary([f * 1e3 for f in engine])} ms  ours ÷ engine floor "
+            f"{c.ratio_summary([w / f for w, f in zip(wall, engine, strict=True)])}",
+            flush=True,
+        )
     for kind, label in (("_fresh_pack", "before (torch.cat)"), ("_reuse", "warm receive buffers")):
+        if not point["ours" + kind]:
+            continue
         other = [o["wall_s"] for o in point["ours" + kind]]
         print(
             f"{key:28s} {label}: ours {c.summary([w * 1e3 for w in other])} ms  ratio "
@@ -863,48 +1030,48 @@ def report(results: dict[str, Any]) -> str:
         for point in sweep.values():
             k = (point["size"], point["servers"])
             best[k] = min(best.get(k, float("inf")), statistics.median(point["floor_s"]))
+        engine = all(point.get("engine_floor_s") for point in sweep.values())
+        before = all(point["ours_fresh_pack"] for point in sweep.values())
         rows = []
         for point in sweep.values():
             ours = point["ours"]
-            rows.append(
-                [
-                    f"{point['size']} ({point['bytes'] / 1e6:.0f} MB)",
-                    point["servers"],
-                    bucket_label(point["bucket"]),
-                    point["buckets"],
-                    _ms(point["floor_s"]),
-                    _ms([o["wall_s"] for o in ours]),
-                    f"**{_paired(ours, point['floor_s'])}**",
-                    f"{statistics.median(o['wall_s'] for o in ours) / best[(point['size'], point['servers'])]:.2f}",
-                    _paired(point["ours_fresh_pack"], point["floor_s"]),
-                    _paired(point["ours_reuse"], point["floor_s"]),
-                    _ms([o["send_s"] for o in ours]),
-                    _ms([o["admin_s"] for o in ours]),
-                    " / ".join(f"{_standin(point, field):.0f}" for field in ("alloc_s", "recv_s", "load_s")),
-                    f"{point['pack_s'] * 1e3:.0f} / {point['pack_staging_s'] * 1e3:.0f}",
-                ]
-            )
-        out.append(
-            c.table(
-                [
-                    "model",
-                    "servers",
-                    "bucket",
-                    "broadcasts",
-                    "floor ms",
-                    "ours ms",
-                    "ours ÷ floor",
-                    "÷ best floor",
-                    "before ÷ floor",
-                    "warm receivers ÷ floor",
-                    "send ms",
-                    "admin ms",
-                    "stand-in alloc / recv / load ms",
-                    "pack alone ms (new / staging)",
-                ],
-                rows,
-            )
-        )
+            row = [
+                f"{point['size']} ({point['bytes'] / 1e6:.0f} MB)",
+                point["servers"],
+                bucket_label(point["bucket"]),
+                point["buckets"],
+                _ms(point["floor_s"]),
+            ]
+            row += [_ms(point["engine_floor_s"])] if engine else []
+            row += [
+                _ms([o["wall_s"] for o in ours]),
+                f"**{_paired(ours, point['floor_s'])}**",
+            ]
+            row += [f"**{_paired(ours, point['engine_floor_s'])}**"] if engine else []
+            row += [f"{statistics.median(o['wall_s'] for o in ours) / best[(point['size'], point['servers'])]:.2f}"]
+            row += [_paired(point["ours_fresh_pack"], point["floor_s"])] if before else []
+            row += [
+                _paired(point["ours_reuse"], point["floor_s"]),
+                _ms([o["send_s"] for o in ours]),
+                _ms([o["admin_s"] for o in ours]),
+                " / ".join(f"{_standin(point, field):.0f}" for field in ("alloc_s", "recv_s", "load_s")),
+                f"{point['pack_s'] * 1e3:.0f} / {point['pack_staging_s'] * 1e3:.0f}",
+            ]
+            rows.append(row)
+        header = ["model", "servers", "bucket", "broadcasts", "floor ms"]
+        header += ["engine floor ms"] if engine else []
+        header += ["ours ms", "ours ÷ floor"]
+        header += ["ours ÷ engine floor"] if engine else []
+        header += ["÷ best floor"]
+        header += ["before ÷ floor"] if before else []
+        header += [
+            "warm receivers ÷ floor",
+            "send ms",
+            "admin ms",
+            "stand-in alloc / recv / load ms",
+            "pack alone ms (new / staging)",
+        ]
+        out.append(c.table(header, rows))
     checkpoint = results.get("checkpoint", {})
     if checkpoint:
         rows = []
@@ -992,13 +1159,26 @@ def main() -> None:
     parser.add_argument("--sglang", type=int, default=0, help="also the tiny model on this many real SGLang 0.5.23")
     parser.add_argument("--ckpt-dir", default=str(Path(tempfile.gettempdir()) / "bench-push-ckpt"))
     parser.add_argument("--out", default="push")
+    parser.add_argument(
+        "--engine",
+        default="sglang",
+        choices=["sglang", "vllm"],
+        help="whose receive the stand-ins run (vllm: --parts sweep only, no --sglang)",
+    )
+    parser.add_argument(
+        "--before", action="store_true", help="also push with the packing before the staging buffers (torch.cat)"
+    )
     args = parser.parse_args()
+    if args.engine == "vllm" and args.mode == "bench" and (args.sglang or args.parts != "sweep"):
+        parser.error("--engine vllm runs the size sweep only: give --parts sweep and no --sglang")
     if args.mode == "standin":
-        run_standin(args.url_file)
+        run_standin(args.url_file, args.engine)
         return
     if args.mode == "report":
         for path in args.results:
-            print(f"## {path}\n\n{report(json.loads(path.read_text()))}\n")
+            results = json.loads(path.read_text())
+            engine = results["args"].get("engine", "sglang")
+            print(f"## {path} (stand-ins receiving as {engine} does)\n\n{report(results)}\n")
         return
     results: dict[str, Any] = {
         "machine": c.machine() | {"torch": torch.__version__, "load_at_start": os.getloadavg()},
@@ -1009,7 +1189,7 @@ def main() -> None:
     Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="bench-push-"))
     n = max([int(s) for s in args.servers.split(",")] + [args.sglang])
-    standins = StandIns(n, logs)
+    standins = StandIns(n, logs, args.engine)
     print(f"{n} stand-ins up ({logs}); machine {results['machine']}", flush=True)
 
     async def run() -> None:
