@@ -1022,6 +1022,16 @@ def _standin(point: dict[str, Any], field: str) -> float:
     return float(statistics.median(max(s.get(field, 0.0) for s in stands) for stands in point["standins"])) * 1e3
 
 
+def _rest(point: dict[str, Any]) -> str:
+    """Per round: ours minus the engine floor minus the slowest stand-in's load into its parameters (what is left
+    for the HTTP calls, the admin part and the trainer's side), median [min-max] in ms."""
+    rest = [
+        (o["wall_s"] - f - max(s.get("load_s", 0.0) for s in stands)) * 1e3
+        for o, f, stands in zip(point["ours"], point["engine_floor_s"], point["standins"], strict=True)
+    ]
+    return c.summary(rest)
+
+
 def report(results: dict[str, Any]) -> str:
     out = []
     sweep = results.get("sweep", {})
@@ -1047,7 +1057,7 @@ def report(results: dict[str, Any]) -> str:
                 _ms([o["wall_s"] for o in ours]),
                 f"**{_paired(ours, point['floor_s'])}**",
             ]
-            row += [f"**{_paired(ours, point['engine_floor_s'])}**"] if engine else []
+            row += [f"**{_paired(ours, point['engine_floor_s'])}**", _rest(point)] if engine else []
             row += [f"{statistics.median(o['wall_s'] for o in ours) / best[(point['size'], point['servers'])]:.2f}"]
             row += [_paired(point["ours_fresh_pack"], point["floor_s"])] if before else []
             row += [
@@ -1061,7 +1071,7 @@ def report(results: dict[str, Any]) -> str:
         header = ["model", "servers", "bucket", "broadcasts", "floor ms"]
         header += ["engine floor ms"] if engine else []
         header += ["ours ms", "ours ÷ floor"]
-        header += ["ours ÷ engine floor"] if engine else []
+        header += ["ours ÷ engine floor", "ours − engine floor − load ms"] if engine else []
         header += ["÷ best floor"]
         header += ["before ÷ floor"] if before else []
         header += [
