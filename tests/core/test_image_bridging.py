@@ -51,14 +51,18 @@ async def vision_client(on_break: Literal["raise", "rerender"]) -> AsyncIterator
         yield client, script
 
 
-async def first_turn(client: Client, **how: Any) -> tuple[list[dict[str, Any]], Any]:
-    history: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "text", "text": "What?"}, picture(RED)]}]
-    first = await client.generate(messages=history, sampling=GREEDY, **how)
-    return [*history, client.parse_completion(first), {"role": "user", "content": "Sure?"}], first
-
-
-def with_image(history: list[dict[str, Any]], png: str) -> list[dict[str, Any]]:
-    return [{"role": "user", "content": [{"type": "text", "text": "What?"}, picture(png)]}, *history[1:]]
+async def changed_image_turn(client: Client, how: str) -> tuple[Any, list[dict[str, Any]], dict[str, Any]]:
+    """A first turn with one picture, then the next turn's history with another picture in its place, and how that
+    turn extends the first (the same stateless session, or ``previous=`` the first result)."""
+    session: dict[str, Any] = {"session": "s"} if how == "session" else {}
+    asked = [{"role": "user", "content": [{"type": "text", "text": "What?"}, picture(RED)]}]
+    first = await client.generate(messages=asked, sampling=GREEDY, **session)
+    changed = [
+        {"role": "user", "content": [{"type": "text", "text": "What?"}, picture(other_png())]},
+        client.parse_completion(first),
+        {"role": "user", "content": "Sure?"},
+    ]
+    return first, changed, session or {"previous": first}
 
 
 BREAKS = [("session", "no_prefix"), ("previous", "image_changed")]
@@ -67,9 +71,7 @@ BREAKS = [("session", "no_prefix"), ("previous", "image_changed")]
 @pytest.mark.parametrize(("how", "reason"), BREAKS)
 async def test_a_changed_image_is_a_counted_break_under_raise(tiny_models: Any, how: str, reason: str) -> None:
     async with vision_client("raise") as (client, script):
-        history, first = await first_turn(client, **({"session": "s"} if how == "session" else {}))
-        changed = with_image(history, other_png())
-        extend: dict[str, Any] = {"session": "s"} if how == "session" else {"previous": first}
+        _, changed, extend = await changed_image_turn(client, how)
         with pytest.raises(BridgeError) as info:
             await client.generate(messages=changed, sampling=GREEDY, **extend)
         assert info.value.reason == reason
@@ -80,9 +82,7 @@ async def test_a_changed_image_is_a_counted_break_under_raise(tiny_models: Any, 
 @pytest.mark.parametrize(("how", "reason"), BREAKS)
 async def test_a_changed_image_is_rendered_afresh_under_rerender(tiny_models: Any, how: str, reason: str) -> None:
     async with vision_client("rerender") as (client, script):
-        history, first = await first_turn(client, **({"session": "s"} if how == "session" else {}))
-        changed = with_image(history, other_png())
-        extend: dict[str, Any] = {"session": "s"} if how == "session" else {"previous": first}
+        first, changed, extend = await changed_image_turn(client, how)
         second = await client.generate(messages=changed, sampling=GREEDY, **extend)
         assert client.bridge_stats.failures == {reason: 1} and client.bridge_stats.rerendered == 1
         assert second.reused_ids == 0
