@@ -62,7 +62,7 @@ BAD = [
         "unsupported_content",
     ),
     ("max_tokens 0", body(max_tokens=0), "max_tokens", "invalid_value"),
-    ("max_tokens past the limit", body(max_tokens=10**6), "max_tokens", "invalid_value"),
+    ("max_tokens past the limit", body(max_tokens=10**6), "max_tokens", "max_tokens_too_large"),
     ("temperature a string", body(temperature="hot"), "temperature", "invalid_type"),
     ("top_p out of range", body(top_p=1.5), "top_p", "invalid_value"),
     ("stream_options without stream", body(stream_options={"include_usage": True}), "stream_options", "invalid_value"),

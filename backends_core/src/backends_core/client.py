@@ -414,6 +414,7 @@ class Client:
         previous: Previous | None = None,
         images: tuple[Image, ...] = (),
         image_spans: tuple[ImageSpan, ...] = (),
+        context_length: int | None = None,
         **fields: Any,
     ) -> tuple[GenerateRequest, Callable[[GenerateResult], GenerateResult] | None]:
         """The request, and for a prompt rendered from messages what each result gets: its message spans and how
@@ -477,7 +478,10 @@ class Client:
                     raise UnsupportedOperationError(self.backend, f"images ({where})", hint=self.driver.image_refusal)
                 fields["images"] = images
                 fields["image_spans"] = self._image_placement(ids, images, image_spans)
-        request = GenerateRequest(prompt_ids=ids, sampling=_required(sampling), **fields)
+        sampling = _required(sampling)
+        if context_length is not None:
+            sampling = _fit(sampling, len(ids), context_length)
+        request = GenerateRequest(prompt_ids=ids, sampling=sampling, **fields)
         return self.driver.prepare_request(request), attribute
 
     def _check_images(self, messages: list[dict[str, Any]]) -> None:
@@ -707,6 +711,7 @@ class Client:
         previous: Previous | None = None,
         images: Sequence[Image] = (),
         image_spans: Sequence[ImageSpan] = (),
+        context_length: int | None = None,
     ) -> list[GenerateResult]:
         """Generate ``sampling.n`` samples for one prompt; see :meth:`generate` for the arguments."""
         request, attribute = self._build_request(
@@ -726,6 +731,7 @@ class Client:
             previous=previous,
             images=tuple(images),
             image_spans=tuple(image_spans),
+            context_length=context_length,
         )
         results = await self.send(request, server=server, session=session)
         if attribute is not None:
@@ -926,6 +932,7 @@ class Client:
         previous: Previous | None = None,
         images: Sequence[Image] = (),
         image_spans: Sequence[ImageSpan] = (),
+        context_length: int | None = None,
     ) -> GenerateResult:
         """Generate one sample, token in / token out.
 
@@ -956,6 +963,9 @@ class Client:
         :param images: with ``prompt_ids``: the prompt's images in order (messages carry their own).
         :param image_spans: with ``prompt_ids``: the spans of the first images, already widened in ``prompt_ids`` (a
             result's ``image_spans``); every later image is one placeholder id.
+        :param context_length: the model's context (prompt and completion ids at most): ``sampling.max_tokens`` is
+            then a ceiling, lowered to the room the prompt leaves (for a caller whose user named no limit: "as
+            many as the model allows"); a prompt that leaves no room is refused, nothing sent.
         :raises InvalidRequestError: bad arguments (nothing is sent).
         :raises RenderError: the chat template rejected ``messages``.
         :raises RequestError: the server could not be reached or answered non-2xx.
@@ -983,6 +993,7 @@ class Client:
             previous=previous,
             images=images,
             image_spans=image_spans,
+            context_length=context_length,
         )
         return results[0]
 
@@ -1061,6 +1072,7 @@ class Client:
         server: int | str | None = None,
         session: str | None = None,
         previous: Previous | None = None,
+        context_length: int | None = None,
     ) -> GenerateStream:
         """Generate one sample and see its tokens as the engine produces them::
 
@@ -1097,6 +1109,7 @@ class Client:
             model=model,
             session=session,
             previous=previous,
+            context_length=context_length,
         )
         self.driver.check_sampling(request.sampling)  # before a server is picked or asked anything
         plain = None
@@ -1328,6 +1341,19 @@ class GenerateStream:
                     self._client.balancer.release(self._index, ok=False)
                 self._ended = True
         self._ended = True
+
+
+def _fit(sampling: SamplingParams, prompt: int, context_length: int) -> SamplingParams:
+    """``sampling`` with ``max_tokens`` lowered to the room a prompt of ``prompt`` ids leaves in the context."""
+    room = context_length - prompt
+    if room < 1:
+        raise InvalidRequestError(
+            f"the prompt is {prompt} ids: it leaves no room for a completion in the model's context of "
+            f"{context_length} ids"
+        )
+    if sampling.max_tokens <= room:
+        return sampling
+    return attrs.evolve(sampling, max_tokens=room, min_tokens=min(sampling.min_tokens, room))
 
 
 def _required(sampling: SamplingParams | None) -> SamplingParams:

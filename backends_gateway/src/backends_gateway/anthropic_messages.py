@@ -30,7 +30,7 @@ import orjson
 
 from backends_core import GenerateResult, SamplingParams
 from backends_gateway.errors import GatewayError
-from backends_gateway.fields import bad, check_image, integer, number
+from backends_gateway.fields import CompletionLimit, bad, check_image, completion_tokens, integer, number
 from backends_gateway.sessions import TurnRequest
 
 __all__ = [
@@ -458,10 +458,11 @@ def _metadata(value: Any) -> dict[str, Any] | None:
     return value
 
 
-def parse_messages_request(body: Any, *, max_completion_tokens: int, counting: bool = False) -> MessagesCall:
+def parse_messages_request(body: Any, *, limit: CompletionLimit, counting: bool = False) -> MessagesCall:
     """Check a Messages body (decoded JSON) and turn it into a :class:`MessagesCall`.
 
-    :param max_completion_tokens: the gateway's bound on a turn's completion (``max_tokens`` past it is refused).
+    :param limit: the gateway's bound on a turn's completion (``max_tokens`` past it is refused, saying which
+        bound and how to raise it).
     :param counting: the body of ``/v1/messages/count_tokens`` (no sampling fields; the turn's sampling is a
         placeholder).
     :raises GatewayError: naming the field (400), before anything is sent.
@@ -479,7 +480,7 @@ def parse_messages_request(body: Any, *, max_completion_tokens: int, counting: b
         raise bad("model must be a non-empty string", "model", "invalid_type")
     if not counting and body.get("max_tokens") is None:
         raise bad("max_tokens is required", "max_tokens", "missing_parameter")
-    max_tokens = integer(body, "max_tokens", low=1, high=max_completion_tokens)
+    max_tokens = completion_tokens(body, "max_tokens", limit)
     messages = _messages(body.get("messages"), body.get("system"))
     tools = _tools(body.get("tools"))
     _tool_choice(body.get("tool_choice"), tools)
@@ -492,7 +493,7 @@ def parse_messages_request(body: Any, *, max_completion_tokens: int, counting: b
     temperature = number(body, "temperature", low=0.0, high=1.0)
     top_p = number(body, "top_p", low=0.0, high=1.0)
     sampling = SamplingParams(
-        max_tokens=max_tokens or max_completion_tokens,
+        max_tokens=max_tokens or limit.tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
         top_k=-1 if top_k in (None, 0) else top_k,
@@ -670,8 +671,9 @@ class MessageStream:
             delta = {"type": "text_delta", "text": text}
         return out + _event("content_block_delta", {"index": self.index, "delta": delta})
 
-    def finish(self, message: Mapping[str, Any], result: GenerateResult) -> bytes:
+    def finish(self, served: Any) -> bytes:
         """The rest, once the turn is durable: its tool calls, the stop reason and usage, ``message_stop``."""
+        message, result = served.message, served.result
         out = self._close()
         for call in message.get("tool_calls") or ():
             block = _tool_use(call)
@@ -684,3 +686,7 @@ class MessageStream:
             "message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": _usage(result)}
         )
         return out + _event("message_stop", {})
+
+    def error(self, exc: GatewayError) -> bytes:
+        """The stream's ``error`` event (the SDK raises it as the status's error)."""
+        return error_event(exc)

@@ -31,19 +31,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from backends_gateway import anthropic_messages as anthropic
 from backends_gateway import ui
 from backends_gateway.errors import GatewayError, Overloaded
-from backends_gateway.gateway import Gateway, Served, Started, TextDelta, check_session_id
+from backends_gateway.gateway import Gateway, check_session_id
 from backends_gateway.keys import Keys
-from backends_gateway.openai_chat import ChatCall, chat_completion, chunk, error_body, finish_reason, parse_chat_request
+from backends_gateway.openai_chat import ChatStream, chat_completion, error_body, parse_chat_request, token_logprobs
 from backends_gateway.openai_responses import create_response
 from backends_gateway.routing import (
     GATEWAY_KEY,
@@ -52,6 +50,8 @@ from backends_gateway.routing import (
     auth,
     check_model,
     gateway_of,
+    harness_session_of,
+    is_retry,
     json_response,
     owner_of,
     read_json,
@@ -60,6 +60,7 @@ from backends_gateway.routing import (
     session_of,
     turn_headers,
 )
+from backends_gateway.streaming import deliver, stream_turn
 
 __all__ = ["create_app", "serve"]
 
@@ -115,163 +116,71 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
         return _error(request, GatewayError(500, f"{type(exc).__name__}: {exc}", kind="server_error", code="internal"))
 
 
-def _logprobs(gateway: Gateway, served: Served) -> list[dict[str, Any]]:
-    tokenizer = gateway.client.tokenizer
-    result = served.result
-    tops = result.top_logprobs
-
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    out = []
-    for i, (token_id, logprob) in enumerate(zip(result.completion_ids, result.logprobs.tolist(), strict=True)):
-        item = entry(token_id, logprob)
-        item["top_logprobs"] = [] if tops is None else [entry(t.token_id, t.logprob) for t in tops[i]]
-        out.append(item)
-    return out
+def _turn_args(request: web.Request, body: Any) -> dict[str, Any]:
+    """Where a turn goes and who sent it, from its request."""
+    return {
+        "session": session_of(request),
+        "harness_session": harness_session_of(request, body),
+        "group": request.headers.get("X-Session-Group") or None,
+        "owner": owner_of(request),
+        "retry": is_retry(request),
+    }
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     gateway = gateway_of(request)
-    call = parse_chat_request(await read_json(request), max_completion_tokens=gateway.limits.max_completion_tokens)
+    body = await read_json(request)
+    call = parse_chat_request(body, limit=gateway.completion_limit)
     check_model(gateway, call.model)
-    session = session_of(request)
-    group = request.headers.get("X-Session-Group") or None
+    args = _turn_args(request, body)
+    tokenizer = gateway.client.tokenizer
     if call.stream:
-        return await _stream(request, gateway, call, session, group)
-    served = await gateway.turn(call.turn, session=session, group=group, owner=owner_of(request))
+        events = gateway.stream_turn(call.turn, **args)
+        return await stream_turn(request, gateway, events, lambda first: ChatStream(call, first.session, tokenizer))
+    served = await gateway.turn(call.turn, **args)
     result = served.result
-    body = chat_completion(
+    answer = chat_completion(
         id=f"chatcmpl-{served.session}-{served.record.turn}",
         model=call.model,
         message=served.message,
         finish=result.finish_reason,
         prompt_tokens=len(result.prompt_ids),
         completion_tokens=len(result.completion_ids),
-        logprobs=_logprobs(gateway, served) if call.logprobs else None,
+        logprobs=token_logprobs(tokenizer, result) if call.logprobs else None,
         fingerprint=result.weight_version,
     )
-    return json_response(body, headers=turn_headers(served))
-
-
-async def _stream(
-    request: web.Request, gateway: Gateway, call: ChatCall, session: str | None, group: str | None
-) -> web.StreamResponse:
-    events: AsyncGenerator[Started | TextDelta | Served, None] = gateway.stream_turn(
-        call.turn, session=session, group=group, owner=owner_of(request)
-    )
-    first = await anext(events)  # the session is placed (or the request refused) before anything is sent
-    assert isinstance(first, Started)
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **turn_headers(first)}
-    )
-    await response.prepare(request)
-    created = int(time.time())
-    ident = f"chatcmpl-{first.session}-{uuid_suffix()}"
-
-    async def send(body: dict[str, Any]) -> None:
-        await response.write(b"data: " + orjson.dumps(body) + b"\n\n")
-
-    await send(chunk(id=ident, model=call.model, created=created, delta={"role": "assistant", "content": ""}))
-    try:
-        async for event in events:
-            if isinstance(event, TextDelta):
-                key = "content" if event.kind == "content" else "reasoning_content"
-                await send(chunk(id=ident, model=call.model, created=created, delta={key: event.text}))
-            elif isinstance(event, Served):
-                await _finish_stream(send, gateway, call, event, ident, created)
-    except GatewayError as exc:
-        await send(error_body(exc))
-    finally:
-        with contextlib.suppress(Exception):
-            await events.aclose()
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
-
-
-async def _finish_stream(
-    send: Callable[[dict[str, Any]], Awaitable[None]],
-    gateway: Gateway,
-    call: ChatCall,
-    served: Served,
-    ident: str,
-    created: int,
-) -> None:
-    message = served.message
-    for i, tool_call in enumerate(message.get("tool_calls") or ()):
-        delta = {"tool_calls": [{"index": i, **tool_call}]}
-        await send(chunk(id=ident, model=call.model, created=created, delta=delta))
-    result = served.result
-    await send(
-        chunk(
-            id=ident,
-            model=call.model,
-            created=created,
-            delta={},
-            finish=finish_reason(message, result.finish_reason),
-            logprobs=_logprobs(gateway, served) if call.logprobs else None,
-        )
-    )
-    if call.include_usage:
-        prompt, completion = len(result.prompt_ids), len(result.completion_ids)
-        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-        await send(chunk(id=ident, model=call.model, created=created, delta=None, usage_=usage))
+    return await deliver(request, gateway, served, json_response(answer, headers=turn_headers(served)))
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
     """A turn over Anthropic's Messages API (:mod:`backends_gateway.anthropic_messages`)."""
     gateway = gateway_of(request)
     body = await read_json(request)
-    call = anthropic.parse_messages_request(body, max_completion_tokens=gateway.limits.max_completion_tokens)
+    call = anthropic.parse_messages_request(body, limit=gateway.completion_limit)
     check_model(gateway, call.model)
-    session, group = session_of(request), request.headers.get("X-Session-Group") or None
+    args = _turn_args(request, body)
     stop = call.turn.sampling.stop
-    if not call.stream:
-        served = await gateway.turn(call.turn, session=session, group=group, owner=owner_of(request))
-        message = anthropic.message_body(
-            id=anthropic.new_message_id(), model=call.model, message=served.message, result=served.result, stop=stop
+    if call.stream:
+        events = gateway.stream_turn(call.turn, **args)
+        return await stream_turn(
+            request,
+            gateway,
+            events,
+            lambda first: anthropic.MessageStream(id=anthropic.new_message_id(), model=call.model, stop=stop),
         )
-        return json_response(message, headers=turn_headers(served))
-    events = gateway.stream_turn(call.turn, session=session, group=group, owner=owner_of(request))
-    first = await anext(events)  # the session is placed (or the request refused) before anything is sent
-    assert isinstance(first, Started)
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **turn_headers(first)}
+    served = await gateway.turn(call.turn, **args)
+    message = anthropic.message_body(
+        id=anthropic.new_message_id(), model=call.model, message=served.message, result=served.result, stop=stop
     )
-    await response.prepare(request)
-    stream = anthropic.MessageStream(id=anthropic.new_message_id(), model=call.model, stop=stop)
-    await response.write(stream.start())
-    try:
-        async for event in events:
-            if isinstance(event, TextDelta):
-                await response.write(stream.text(event.kind, event.text))
-            elif isinstance(event, Served):  # durable: the rest ends with message_stop
-                await response.write(stream.finish(event.message, event.result))
-    except GatewayError as exc:
-        await response.write(anthropic.error_event(exc))
-    finally:
-        with contextlib.suppress(Exception):
-            await events.aclose()
-    await response.write_eof()
-    return response
+    return await deliver(request, gateway, served, json_response(message, headers=turn_headers(served)))
 
 
 async def count_tokens(request: web.Request) -> web.Response:
     gateway = gateway_of(request)
     body = await read_json(request)
-    call = anthropic.parse_messages_request(
-        body, max_completion_tokens=gateway.limits.max_completion_tokens, counting=True
-    )
+    call = anthropic.parse_messages_request(body, limit=gateway.completion_limit, counting=True)
     check_model(gateway, call.model)
     return json_response({"input_tokens": len(gateway.prompt_ids(call.turn))})
-
-
-def uuid_suffix() -> str:
-    import uuid
-
-    return uuid.uuid4().hex[:12]
 
 
 async def models(request: web.Request) -> web.Response:
@@ -355,7 +264,20 @@ async def close(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     gateway = gateway_of(request)
-    return json_response({"status": "ok", "model": gateway.model, "open_sessions": gateway.open_sessions})
+    return json_response(
+        {
+            "status": "ok",
+            "model": gateway.model,
+            "open_sessions": gateway.open_sessions,
+            "unplaced": gateway.unplaced,
+        }
+    )
+
+
+async def root(request: web.Request) -> web.Response:
+    """``GET /`` (and ``HEAD /``, which harnesses send to see the server is up): what serves here."""
+    gateway = gateway_of(request)
+    return json_response({"service": "backends gateway", "model": gateway.model, "health": "/health"})
 
 
 def create_app(gateway: Gateway, *, keys: Keys | None = None) -> web.Application:
@@ -377,6 +299,7 @@ def create_app(gateway: Gateway, *, keys: Keys | None = None) -> web.Application
     app.router.add_post("/v1/sessions/{id}/reward", reward)
     app.router.add_post("/v1/sessions/{id}/close", close)
     app.router.add_get("/health", health)
+    app.router.add_get("/", root)
     ui.add_routes(app)
     return app
 
@@ -392,7 +315,10 @@ async def serve(
         aiohttp's default, 128, is too few for a rollout batch connecting at once: the overflow ends in connection
         resets and SYN retries (``bench/bench_gateway.py --parts scale``).
     """
-    runner = web.AppRunner(create_app(gateway, keys=keys), access_log=None, handle_signals=False)
+    # handler_cancellation: a turn whose client went away is cancelled, and its generation aborted on the engine
+    runner = web.AppRunner(
+        create_app(gateway, keys=keys), access_log=None, handle_signals=False, handler_cancellation=True
+    )
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port, backlog=backlog)

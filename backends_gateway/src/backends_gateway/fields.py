@@ -6,15 +6,48 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
+
 from backends_core import InvalidRequestError
 from backends_core.images import image_of_url
 from backends_gateway.errors import GatewayError
 
-__all__ = ["bad", "check_image", "check_image_detail", "integer", "number", "refuse_unenforceable_tool_choice"]
+__all__ = [
+    "CompletionLimit",
+    "bad",
+    "check_image",
+    "completion_tokens",
+    "check_image_detail",
+    "integer",
+    "number",
+    "refuse_unenforceable_tool_choice",
+]
 
 
 def bad(message: str, param: str, code: str = "invalid_value") -> GatewayError:
     return GatewayError(400, message, param=param, code=code)
+
+
+@attrs.frozen(kw_only=True)
+class CompletionLimit:
+    """The most completion ids a turn may ask for, and what sets that bound (said when a request asks more)."""
+
+    tokens: int
+    why: str
+
+
+def completion_tokens(body: Mapping[str, Any], key: str, limit: CompletionLimit) -> int | None:
+    """The completion limit ``body[key]`` names (``None``: none named), refused past ``limit`` with what sets it
+    and how to raise it."""
+    value = integer(body, key, low=1)
+    if value is not None and value > limit.tokens:
+        raise bad(
+            f"{key} {value} is more than this gateway serves: {limit.why}. Ask for at most {limit.tokens}, or serve "
+            "a model with a longer context (the gateway's --context-length, --max-completion-tokens)",
+            key,
+            "max_tokens_too_large",
+        )
+    return value
 
 
 def number(body: Mapping[str, Any], key: str, *, low: float, high: float) -> float | None:

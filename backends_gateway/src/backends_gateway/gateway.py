@@ -7,19 +7,25 @@ before it is answered. The routes (:mod:`backends_gateway.app`) only translate w
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import logging
 import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
 import numpy as np
+import orjson
 
 from backends_core import BackendError, BridgeError, Client, ConfigError, GenerateResult, UnsupportedOperationError
 from backends_core.images import image_token_id
 from backends_gateway.errors import GatewayError, Overloaded, from_backend_error
+from backends_gateway.fields import CompletionLimit
+from backends_gateway.roles import TemplateRoles
 from backends_gateway.sessions import (
     STATUSES,
     Branch,
@@ -29,11 +35,12 @@ from backends_gateway.sessions import (
     TurnRequest,
     chain_digests,
     next_digest,
+    request_key,
 )
 from backends_gateway.store import Store
 from backends_gateway.trajectory import trajectory_json
 
-__all__ = ["Gateway", "GatewayLimits", "Served", "Started", "TextDelta"]
+__all__ = ["CompletionLimit", "Gateway", "GatewayLimits", "Served", "Started", "TextDelta", "model_context_length"]
 
 log = logging.getLogger("backends_gateway")
 _SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
@@ -48,7 +55,10 @@ class GatewayLimits:
     :param max_turns_per_session: answered turns of one session.
     :param max_tokens_per_session: a session's longest sequence plus a turn's ``max_tokens``.
     :param max_in_flight: turns generating at once (past it: 429 with ``Retry-After``).
-    :param max_completion_tokens: a turn's completion at most; a request naming none may use all of it.
+    :param max_completion_tokens: a turn's completion at most (``None``: the model's context length); a request
+        naming more is refused, one naming none may use what its prompt leaves of the context.
+    :param context_length: the served model's context, prompt and completion (``None``: ``max_position_embeddings``
+        of the model's ``config.json`` beside the tokenizer). A request that cannot fit is refused by name.
     :param retry_after_s: the ``Retry-After`` of a 429.
     """
 
@@ -57,7 +67,8 @@ class GatewayLimits:
     max_turns_per_session: int = 1024
     max_tokens_per_session: int = 1 << 20
     max_in_flight: int = 4096
-    max_completion_tokens: int = 4096
+    max_completion_tokens: int | None = None
+    context_length: int | None = None
     retry_after_s: int = 1
 
 
@@ -71,9 +82,11 @@ class TextDelta:
 
 @attrs.frozen(kw_only=True)
 class Started:
-    """A streamed turn's first event: the session it joined (sent before any text)."""
+    """A streamed turn's first event: the session it joined (sent before any text); ``replay``: the turn a retry
+    is answered with (nothing is generated)."""
 
     session: str
+    replay: TurnRecord | None = None
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -84,6 +97,9 @@ class Served:
     record: TurnRecord
     result: GenerateResult
     message: Mapping[str, Any]
+    #: the request's :func:`~backends_gateway.sessions.request_key` (what a retry of it sends again)
+    key: bytes = b""
+    owner: str | None = None
 
 
 @attrs.define(kw_only=True)
@@ -96,6 +112,31 @@ class _Plan:
     reason: str | None
     parent_branch: int | None
     digests: list[bytes]
+    key: bytes = b""
+
+
+def _key_of(turn: TurnRecord) -> bytes:
+    """The :func:`~backends_gateway.sessions.request_key` of the request ``turn`` answered, from what it keeps."""
+    digests = chain_digests(turn.messages, turn.tools, turn.chat_template_kwargs)
+    sampling = turn.request.get("sampling") or {}
+    return hashlib.blake2b(digests[-1] + orjson.dumps(sampling, option=orjson.OPT_SORT_KEYS), digest_size=16).digest()
+
+
+def model_context_length(tokenizer: str | None) -> int | None:
+    """``max_position_embeddings`` of the model's ``config.json`` beside ``tokenizer`` (a directory), ``None``
+    when there is none (a multimodal config keeps it in its ``text_config``)."""
+    if not tokenizer:
+        return None
+    path = Path(tokenizer) / "config.json"
+    try:
+        config = orjson.loads(path.read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return None
+    for where in (config, config.get("text_config") or {}):
+        value = where.get("max_position_embeddings") if isinstance(where, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def new_session_id() -> str:
@@ -136,8 +177,17 @@ class Gateway:
         self.limits = limits or GatewayLimits()
         self._sessions: dict[str, SessionState] = {}
         self._loading: dict[str, asyncio.Future[SessionState | None]] = {}
-        self._joined: dict[bytes, str] = {}  # a turn's digest -> its open session (for requests naming none)
+        # a turn's digest -> the open sessions holding it (for requests naming none)
+        self._joined: dict[bytes, set[str]] = {}
+        # (owner, request key) -> the session holding an answer no harness received (a retry naming no session)
+        self._orphans: dict[tuple[str | None, bytes], str] = {}
         self._in_flight = 0
+        #: requests naming no session whose history could not be placed in one open session for sure (it matched
+        #: several, or a turn another request already continued): each started a session of its own
+        self.unplaced = 0
+        self.roles: TemplateRoles | None = None
+        self.context_length: int | None = None
+        self._context_source = ""
         self.started = time.time()
 
     @property
@@ -150,7 +200,35 @@ class Gateway:
         """The served model name (``config.model``)."""
         return self.client.config.model
 
+    @property
+    def completion_limit(self) -> CompletionLimit:
+        """What a turn's completion may be at most, and why."""
+        cap = self.limits.max_completion_tokens
+        context = self.context_length
+        if cap is not None and (context is None or cap <= context):
+            return CompletionLimit(
+                tokens=cap, why=f"the gateway's max_completion_tokens ({cap}; --max-completion-tokens)"
+            )
+        if context is None:
+            return CompletionLimit(tokens=1 << 20, why="no context length is known")
+        return CompletionLimit(
+            tokens=context, why=f"the served model's context length ({context} ids{self._context_source})"
+        )
+
     async def open(self) -> None:
+        """Load the tokenizer and probe its template (a missing or broken one fails here, naming its path, not at
+        the first turn), then open the store."""
+        try:
+            self.client.tokenizer  # noqa: B018  (loading it is the point)
+        except BackendError as exc:
+            raise ConfigError(
+                f"the gateway cannot start: the tokenizer {self.client.config.tokenizer!r} does not load: {exc}"
+            ) from exc
+        self.roles = TemplateRoles.probe(self.client)
+        self.context_length, self._context_source = self.limits.context_length, "; --context-length"
+        if self.context_length is None:
+            self.context_length = model_context_length(self.client.config.tokenizer)
+            self._context_source = "; max_position_embeddings of the model's config.json, or --context-length"
         await self.store.open()
 
     async def aclose(self) -> None:
@@ -165,6 +243,16 @@ class Gateway:
 
     # -- sessions ------------------------------------------------------------------------------------------
 
+    def _join(self, digest: bytes, session: str) -> None:
+        self._joined.setdefault(digest, set()).add(session)
+
+    def _leave(self, digest: bytes, session: str) -> None:
+        holders = self._joined.get(digest)
+        if holders is not None:
+            holders.discard(session)
+            if not holders:
+                del self._joined[digest]
+
     async def _load(self, session: str) -> SessionState | None:
         """A stored session into memory (after a restart, or one another process wrote); ``None``: unknown."""
         record = await self.store.get_session(session)
@@ -177,7 +265,11 @@ class Gateway:
             digest = state.key(turn)
             state.add(turn, digest)
             if record.status == "open":
-                self._joined[digest] = session
+                self._join(digest, session)
+                if not turn.delivered:
+                    key = _key_of(turn)
+                    state.orphans[key] = turn
+                    self._orphans[(record.owner, key)] = session
         return state
 
     async def state(self, session: str) -> SessionState | None:
@@ -220,30 +312,63 @@ class Gateway:
             raise
         return state
 
+    async def _named(self, session: str, group: str | None, owner: str | None) -> SessionState:
+        state = await self.state(session)
+        if state is None:
+            state = self._sessions.get(session) or await self._create(session, group, owner)
+        if state.record.owner != owner:
+            raise _no_session(session)
+        return state
+
+    def _guess(
+        self, owner: str | None, digests: Sequence[bytes], messages: Sequence[Mapping[str, Any]]
+    ) -> SessionState | None:
+        """The open session of ``owner`` whose turn the history extends, when exactly one can be: ``None`` when
+        none can, or when it would be a guess (several sessions hold that turn, or another request already
+        continued it: two rollouts of one task look alike until they differ), counted in :attr:`unplaced`."""
+        for i in range(len(digests) - 1, -1, -1):
+            if messages[i].get("role") != "assistant":
+                continue
+            holders = [
+                state
+                for name in self._joined.get(digests[i], ())
+                if (state := self._sessions.get(name)) is not None and state.record.owner == owner
+            ]
+            if not holders:
+                continue
+            if len(holders) == 1:
+                state = holders[0]
+                turn = state.index.get(digests[i])
+                if turn is not None and turn not in state.continued and state.branch_of.get(turn) not in state.claimed:
+                    return state
+            self.unplaced += 1
+            log.info("a request naming no session extends a turn of %d sessions: it starts its own", len(holders))
+            return None
+        return None
+
     async def _session_for(
         self,
         session: str | None,
+        harness_session: str | None,
         group: str | None,
         owner: str | None,
         digests: Sequence[bytes],
+        key: bytes,
         messages: Sequence[Mapping[str, Any]],
     ) -> SessionState:
         if session is not None:
-            state = await self.state(session)
-            if state is None:
-                state = self._sessions.get(session) or await self._create(session, group, owner)
-            if state.record.owner != owner:
-                raise _no_session(session)
-        else:
-            state = None
-            for i in range(len(digests) - 1, -1, -1):
-                if messages[i].get("role") == "assistant" and digests[i] in self._joined:
-                    state = self._sessions.get(self._joined[digests[i]])
-                    if state is not None and state.record.owner == owner:
-                        break
-                    state = None
-            if state is None:
+            state = await self._named(session, group, owner)
+        elif harness_session is not None:
+            try:
+                state = await self._named(harness_session, group, owner)
+            except GatewayError:  # another key's session of that name: this harness's turns are not its
                 state = await self._create(new_session_id(), group, owner)
+        else:
+            orphaned = self._sessions.get(self._orphans.get((owner, key), ""))
+            found = orphaned if orphaned is not None and key in orphaned.orphans else None
+            if found is None:
+                found = self._guess(owner, digests, messages)
+            state = found if found is not None else await self._create(new_session_id(), group, owner)
         record = state.record
         if record.status != "open":
             raise GatewayError(409, f"session {record.id} is closed", param="session", code="session_closed")
@@ -256,22 +381,27 @@ class Gateway:
             )
         return state
 
-    def _plan(self, state: SessionState, request: TurnRequest, digests: list[bytes]) -> _Plan:
+    def _plan(self, state: SessionState, request: TurnRequest, digests: list[bytes], key: bytes) -> _Plan:
         anchor = state.anchor(digests, request.messages)
         if anchor is None:
             if not state.branch_of:
-                return _Plan(previous=None, branch=None, reason="first", parent_branch=None, digests=digests)
+                return _Plan(previous=None, branch=None, reason="first", parent_branch=None, digests=digests, key=key)
             return _Plan(
-                previous=None, branch=None, reason="rewritten", parent_branch=state.last_branch, digests=digests
+                previous=None,
+                branch=None,
+                reason="rewritten",
+                parent_branch=state.last_branch,
+                digests=digests,
+                key=key,
             )
         branch = state.branch_of[anchor]
         tip = state.tips[branch]
         if tip.turn == anchor and branch not in state.claimed:
             state.claimed.add(branch)
-            return _Plan(previous=tip, branch=branch, reason=None, parent_branch=None, digests=digests)
+            return _Plan(previous=tip, branch=branch, reason=None, parent_branch=None, digests=digests, key=key)
         if tip.turn == anchor:  # another turn in flight extends this tip: both keep its ids, this one branches
-            return _Plan(previous=tip, branch=None, reason="concurrent", parent_branch=branch, digests=digests)
-        return _Plan(previous=None, branch=None, reason="edited", parent_branch=branch, digests=digests)
+            return _Plan(previous=tip, branch=None, reason="concurrent", parent_branch=branch, digests=digests, key=key)
+        return _Plan(previous=None, branch=None, reason="edited", parent_branch=branch, digests=digests, key=key)
 
     async def _previous(self, state: SessionState, plan: _Plan, anchor_turn: int | None) -> None:
         """Fill ``plan.previous`` for a new branch extending a turn that is no branch's tip (from the store)."""
@@ -330,22 +460,106 @@ class Gateway:
                 code="too_many_requests",
             )
 
+    def adapt(self, request: TurnRequest) -> TurnRequest:
+        """``request`` with its messages mapped onto the roles the template renders (:mod:`backends_gateway.roles`)."""
+        if self.roles is None:
+            raise RuntimeError("the gateway is not open (async with Gateway(...) or await gateway.open())")
+        messages = self.roles.adapt(request.messages)
+        return request if list(messages) == list(request.messages) else attrs.evolve(request, messages=messages)
+
     async def _begin(
-        self, request: TurnRequest, session: str | None, group: str | None, owner: str | None
-    ) -> tuple[SessionState, _Plan]:
+        self,
+        request: TurnRequest,
+        session: str | None,
+        harness_session: str | None,
+        group: str | None,
+        owner: str | None,
+        retry: bool,
+    ) -> tuple[SessionState, _Plan, TurnRecord | None]:
         if session is not None:
             check_session_id(session, "session")
+        if harness_session is not None and not _SESSION_ID.fullmatch(harness_session):
+            harness_session = None  # a harness's own id this gateway cannot name a session by: history decides
         if group is not None:
             check_session_id(group, "X-Session-Group")
         self._check_images(request)
-        self._admit()
         digests = chain_digests(request.messages, request.tools, request.chat_template_kwargs)
-        state = await self._session_for(session, group, owner, digests, request.messages)
+        key = request_key(digests, request.sampling)
+        state = await self._session_for(session, harness_session, group, owner, digests, key, request.messages)
+        replay = self._replayable(state, key, retry)
+        if replay is not None:
+            return (
+                state,
+                _Plan(previous=None, branch=None, reason=None, parent_branch=None, digests=digests, key=key),
+                replay,
+            )
+        self._admit()
         self._check_limits(state, request)
-        plan = self._plan(state, request, digests)
+        plan = self._plan(state, request, digests, key)
         if plan.previous is None and plan.reason == "edited":
             await self._previous(state, plan, state.anchor(digests, request.messages))
-        return state, plan
+        return state, plan, None
+
+    def _replayable(self, state: SessionState, key: bytes, retry: bool) -> TurnRecord | None:
+        """The turn a retry of this request is answered with: one whose answer never reached its harness, or (for
+        a request the harness marks as a retry) a branch's last turn asked exactly so."""
+        orphan = state.orphans.get(key)
+        if orphan is not None:
+            return orphan
+        if retry:
+            for tip in state.tips.values():
+                if tip.turn not in state.continued and _key_of(tip) == key:
+                    return tip
+        return None
+
+    async def _replay(self, state: SessionState, key: bytes, turn: TurnRecord, owner: str | None) -> Served:
+        """Answer a retry with a kept turn (nothing is generated); it is delivered now."""
+        record = state.record
+        counts = dict(record.counts)
+        counts["replayed"] = counts.get("replayed", 0) + 1
+        if not turn.delivered:
+            counts["undelivered"] = counts.get("undelivered", 0) - 1
+            delivered = attrs.evolve(turn, delivered=True)
+            before = record.counts
+            record.counts = counts
+            try:
+                await self.store.set_delivered(delivered, record)
+            except BaseException:
+                record.counts = before
+                raise
+            state.orphans.pop(key, None)
+            self._orphans.pop((owner, key), None)
+            if state.tips.get(turn.branch) is turn:
+                state.tips[turn.branch] = delivered
+            turn = delivered
+        else:
+            record.counts = counts
+            await self.store.update_session(record)
+        return Served(session=record.id, record=turn, result=turn.result(), message=turn.reply, key=key, owner=owner)
+
+    async def undelivered(self, served: Served) -> None:
+        """Keep that ``served``'s answer never reached its harness: out of the training view, and what a retry of
+        the same request is answered with."""
+        state = self._sessions.get(served.session)
+        turn = served.record
+        if state is None or not turn.delivered:
+            return
+        record = state.record
+        counts = dict(record.counts)
+        counts["undelivered"] = counts.get("undelivered", 0) + 1
+        orphan = attrs.evolve(turn, delivered=False)
+        before = record.counts
+        record.counts = counts
+        try:
+            await self.store.set_delivered(orphan, record)
+        except BaseException:
+            record.counts = before
+            raise
+        if state.tips.get(turn.branch) is turn:
+            state.tips[turn.branch] = orphan
+        state.orphans[served.key] = orphan
+        self._orphans[(served.owner, served.key)] = record.id
+        log.info("session %s: turn %d never reached its harness: kept out of the training view", record.id, turn.turn)
 
     def _end(self, state: SessionState, plan: _Plan) -> None:
         if plan.branch is not None:
@@ -361,6 +575,7 @@ class Gateway:
             "session": state.record.id,
             "previous": None if plan.previous is None else plan.previous.result(),
             "request_id": f"{state.record.id}-{uuid.uuid4().hex[:12]}",
+            "context_length": self.context_length if request.fit_context else None,
         }
 
     def _refused(self, state: SessionState, plan: _Plan, exc: BridgeError) -> None:
@@ -370,9 +585,16 @@ class Gateway:
         parent = plan.branch if plan.branch is not None else plan.parent_branch
         plan.previous, plan.branch, plan.reason, plan.parent_branch = None, None, exc.reason, parent
 
-    async def _record(self, state: SessionState, plan: _Plan, request: TurnRequest, result: GenerateResult) -> Served:
+    async def _record(
+        self,
+        state: SessionState,
+        plan: _Plan,
+        request: TurnRequest,
+        result: GenerateResult,
+        message: Mapping[str, Any],
+        owner: str | None,
+    ) -> Served:
         record = state.record
-        message = self.client.parse_completion(result)
         counts = dict(record.counts)
         new_branch = None
         if plan.branch is None:
@@ -408,6 +630,7 @@ class Gateway:
         counts["turns"] += 1
         digest = next_digest(plan.digests[-1], message)  # the request's messages, then the reply
         before = (dict(record.counts), state.tips.get(branch), state.last_branch, state.longest)
+        continued = turn.parent if turn.parent is not None and turn.parent not in state.continued else None
         record.counts = counts
         state.add(turn, digest)  # before the store answers, so a concurrent turn numbers after it
         try:
@@ -416,6 +639,8 @@ class Gateway:
             record.counts, tip, state.last_branch, state.longest = before
             state.index.pop(digest, None)
             state.branch_of.pop(turn.turn, None)
+            if continued is not None:
+                state.continued.discard(continued)
             if tip is None:
                 state.tips.pop(branch, None)
             else:
@@ -423,20 +648,51 @@ class Gateway:
             if new_branch is not None:
                 state.branches.pop(new_branch.branch, None)
             raise
-        self._joined[digest] = record.id
-        return Served(session=record.id, record=turn, result=result, message=message)
+        self._join(digest, record.id)
+        return Served(session=record.id, record=turn, result=result, message=message, key=plan.key, owner=owner)
+
+    async def _keep(
+        self,
+        state: SessionState,
+        plan: _Plan,
+        request: TurnRequest,
+        result: GenerateResult,
+        message: Mapping[str, Any],
+        owner: str | None,
+    ) -> Served:
+        """:meth:`_record`, run to its end even when the request is cancelled (its client went away): a generated
+        turn is kept, as never delivered, so that memory and store agree and a retry gets it."""
+        keeping = asyncio.ensure_future(self._record(state, plan, request, result, message, owner))
+        try:
+            return await asyncio.shield(keeping)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await self.undelivered(await keeping)
+            raise
 
     # -- turns ---------------------------------------------------------------------------------------------
 
     async def turn(
-        self, request: TurnRequest, *, session: str | None = None, group: str | None = None, owner: str | None = None
+        self,
+        request: TurnRequest,
+        *,
+        session: str | None = None,
+        harness_session: str | None = None,
+        group: str | None = None,
+        owner: str | None = None,
+        retry: bool = False,
     ) -> Served:
         """Generate and keep one turn; returns once it is durable. ``owner``: the key sending it (a session belongs
-        to the key that started it; another key's session is not found).
+        to the key that started it; another key's session is not found). ``harness_session``: the harness's own
+        id for its conversation, the session when ``session`` names none. ``retry``: the harness says this
+        request repeats one it sent (an SDK's retry header): answered with that turn if it was kept.
 
         :raises GatewayError: bad input (400), a closed session (409), a limit (429), an engine failure (5xx).
         """
-        state, plan = await self._begin(request, session, group, owner)
+        request = self.adapt(request)
+        state, plan, replay = await self._begin(request, session, harness_session, group, owner, retry)
+        if replay is not None:
+            return await self._replay(state, plan.key, replay, owner)
         self._in_flight += 1
         try:
             try:
@@ -444,7 +700,8 @@ class Gateway:
             except BridgeError as exc:
                 self._refused(state, plan, exc)
                 result = await self.client.generate(**self._generate_args(state, request, plan))
-            return await self._record(state, plan, request, result)
+            message = self.client.parse_completion(result)
+            return await self._keep(state, plan, request, result, message, owner)
         except BackendError as exc:
             raise from_backend_error(exc) from exc
         finally:
@@ -452,17 +709,35 @@ class Gateway:
             self._end(state, plan)
 
     async def stream_turn(
-        self, request: TurnRequest, *, session: str | None = None, group: str | None = None, owner: str | None = None
+        self,
+        request: TurnRequest,
+        *,
+        session: str | None = None,
+        harness_session: str | None = None,
+        group: str | None = None,
+        owner: str | None = None,
+        retry: bool = False,
     ) -> AsyncGenerator[Started | TextDelta | Served, None]:
         """Generate one turn as a stream: :class:`Started` (the session), :class:`TextDelta` s of the reply as it
         is sampled, then (once the turn is durable) the rest of the text the whole parse gives, then the
         :class:`Served` turn.
 
         Text is only sent once no later token can change how it parses: content once the reasoning block (if the
-        template has one) is closed, and never past a ``<`` that may open tool-call markup. Leaving the iterator
-        early aborts the generation on the engine.
+        template has one) is closed, never past a ``<`` that may open tool-call markup, never its trailing
+        whitespace (a parser drops what separates the content from a call). The whole parse is checked against
+        what was sent before the turn is kept: a turn whose answer could not be sent as parsed is not kept.
+        Leaving the iterator early aborts the generation on the engine.
         """
-        state, plan = await self._begin(request, session, group, owner)
+        request = self.adapt(request)
+        state, plan, replay = await self._begin(request, session, harness_session, group, owner, retry)
+        if replay is not None:
+            yield Started(session=state.record.id, replay=replay)
+            served = await self._replay(state, plan.key, replay, owner)
+            for kind, key in (("reasoning", "reasoning_content"), ("content", "content")):
+                if served.message.get(key):
+                    yield TextDelta(kind=kind, text=served.message[key])
+            yield served
+            return
         self._in_flight += 1
         try:
             yield Started(session=state.record.id)
@@ -476,8 +751,10 @@ class Gateway:
                 async for delta in stream:
                     for event in splitter.feed(delta.completion_ids):
                         yield event
-            served = await self._record(state, plan, request, stream.result)
-            for event in splitter.finish(served.message):
+            message = self.client.parse_completion(stream.result)
+            rest = splitter.finish(message)  # before the turn is kept: a stream that cannot end as parsed is no turn
+            served = await self._keep(state, plan, request, stream.result, message, owner)
+            for event in rest:
                 yield event
             yield served
         except BackendError as exc:
@@ -500,6 +777,7 @@ class Gateway:
                 param=where,
                 code="unsupported_content",
             )
+        request = self.adapt(request)
         try:
             return self.client.render(
                 request.messages, tools=request.tools, chat_template_kwargs=request.chat_template_kwargs
@@ -555,8 +833,10 @@ class Gateway:
             state = self._sessions.pop(session, None)
             if state is not None:
                 for digest in state.index:
-                    if self._joined.get(digest) == session:
-                        del self._joined[digest]
+                    self._leave(digest, session)
+                for key in state.orphans:
+                    if self._orphans.get((record.owner, key)) == session:
+                        del self._orphans[(record.owner, key)]
         return record.as_json()
 
     async def sessions(
@@ -618,14 +898,14 @@ class _Splitter:
         reasoning = parsed.get("reasoning_content")
         if reasoning is not None:
             self.reasoned = True
-            event = self._release("reasoning", reasoning)
+            event = self._release("reasoning", _settled(reasoning))
             if event is not None:
                 out.append(event)
         if self.reasoned and not parsed.get("tool_calls"):
             content = parsed.get("content") or ""
             sent = self.sent["content"]
             cut = content.find("<", len(sent))
-            event = self._release("content", content if cut < 0 else content[:cut])
+            event = self._release("content", _settled(content if cut < 0 else content[:cut]))
             if event is not None:
                 out.append(event)
         return out
@@ -646,3 +926,9 @@ class _Splitter:
                 self.sent[kind] = text
                 out.append(TextDelta(kind=kind, text=text[len(sent) :]))
         return out
+
+
+def _settled(text: str) -> str:
+    """``text`` without its trailing whitespace: what separates it from what comes next (a tool call, the end of
+    a reasoning block) is the parser's to keep or drop, known only once the next text arrives."""
+    return text.rstrip()

@@ -9,24 +9,28 @@ The vLLM extensions harnesses send to open-weight servers (``top_k``, ``min_p``,
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
+import orjson
 
-from backends_core import JsonSchema, SamplingParams
+from backends_core import GenerateResult, JsonSchema, SamplingParams
 from backends_gateway.errors import GatewayError
 from backends_gateway.fields import (
+    CompletionLimit,
     bad,
     check_image,
     check_image_detail,
+    completion_tokens,
     integer,
     number,
     refuse_unenforceable_tool_choice,
 )
 from backends_gateway.sessions import TurnRequest
 
-__all__ = ["ChatCall", "chat_completion", "chunk", "error_body", "parse_chat_request"]
+__all__ = ["ChatCall", "ChatStream", "chat_completion", "chunk", "error_body", "parse_chat_request", "token_logprobs"]
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 # what the gateway cannot do faithfully, refused rather than ignored
@@ -210,11 +214,12 @@ def _response_format(value: Any) -> JsonSchema | None:
     raise bad(f"response_format.type must be text, json_object or json_schema, got {kind!r}", "response_format")
 
 
-def parse_chat_request(body: Any, *, max_completion_tokens: int) -> ChatCall:
+def parse_chat_request(body: Any, *, limit: CompletionLimit) -> ChatCall:
     """Check a chat-completions body (decoded JSON) and turn it into a :class:`ChatCall`.
 
-    :param max_completion_tokens: the gateway's bound on a turn's completion; a request naming no
-        ``max_completion_tokens``/``max_tokens`` may use all of it (OpenAI's "as many as the model allows").
+    :param limit: the gateway's bound on a turn's completion; a request naming no
+        ``max_completion_tokens``/``max_tokens`` may use what its prompt leaves of the model's context (OpenAI's
+        "as many as the model allows").
     :raises GatewayError: naming the field (400), before anything is sent.
     """
     if not isinstance(body, dict):
@@ -244,11 +249,11 @@ def parse_chat_request(body: Any, *, max_completion_tokens: int) -> ChatCall:
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise bad("stream_options takes include_usage only", "stream_options", "unsupported_parameter")
         include_usage = bool(options.get("include_usage"))
-    limit = body.get("max_completion_tokens")
+    named = body.get("max_completion_tokens")
     key = "max_completion_tokens"
-    if limit is None:
-        limit, key = body.get("max_tokens"), "max_tokens"
-    max_tokens = integer({key: limit}, key, low=1, high=max_completion_tokens)
+    if named is None:
+        named, key = body.get("max_tokens"), "max_tokens"
+    max_tokens = completion_tokens({key: named}, key, limit)
     logprobs = body.get("logprobs")
     if logprobs not in (None, True, False):
         raise bad("logprobs must be a boolean", "logprobs", "invalid_type")
@@ -276,7 +281,7 @@ def parse_chat_request(body: Any, *, max_completion_tokens: int) -> ChatCall:
     top_p = number(body, "top_p", low=0.0, high=1.0)
     top_k = integer(body, "top_k", low=-1)
     sampling = SamplingParams(
-        max_tokens=max_tokens or max_completion_tokens,
+        max_tokens=max_tokens or limit.tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
         top_k=-1 if top_k in (None, 0) else top_k,
@@ -301,6 +306,7 @@ def parse_chat_request(body: Any, *, max_completion_tokens: int) -> ChatCall:
         return_routed_experts=bool(body.get("return_routed_experts")),
         metadata={k: v for k, v in (("user", user), ("metadata", metadata)) if v is not None},
         image_parts=image_parts,
+        fit_context=max_tokens is None,
     )
     return ChatCall(turn=turn, model=model, stream=bool(stream), include_usage=include_usage, logprobs=bool(logprobs))
 
@@ -386,3 +392,58 @@ def chunk(
         }
     ]
     return body
+
+
+def token_logprobs(tokenizer: Any, result: GenerateResult) -> list[dict[str, Any]]:
+    """The completion's per-token logprobs in OpenAI's form (each token's text and bytes, its top alternatives)."""
+    tops = result.top_logprobs
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    out = []
+    for i, (token_id, logprob) in enumerate(zip(result.completion_ids, result.logprobs.tolist(), strict=True)):
+        item = entry(token_id, logprob)
+        item["top_logprobs"] = [] if tops is None else [entry(t.token_id, t.logprob) for t in tops[i]]
+        out.append(item)
+    return out
+
+
+class ChatStream:
+    """A streamed turn as ``chat.completion.chunk`` events: the role, the text as it streams, then (once the turn
+    is durable) the tool calls, the finish reason (with logprobs when asked) and usage, then ``[DONE]``."""
+
+    def __init__(self, call: ChatCall, session: str, tokenizer: Any) -> None:
+        self.call = call
+        self.tokenizer = tokenizer
+        self.id = f"chatcmpl-{session}-{uuid.uuid4().hex[:12]}"
+        self.created = int(time.time())
+
+    def _chunk(self, delta: Mapping[str, Any] | None, **fields: Any) -> bytes:
+        body = chunk(id=self.id, model=self.call.model, created=self.created, delta=delta, **fields)
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+    def start(self) -> bytes:
+        return self._chunk({"role": "assistant", "content": ""})
+
+    def text(self, kind: str, text: str) -> bytes:
+        return self._chunk({"content" if kind == "content" else "reasoning_content": text})
+
+    def finish(self, served: Any) -> bytes:
+        message, result = served.message, served.result
+        out = [
+            self._chunk({"tool_calls": [{"index": i, **call}]})
+            for i, call in enumerate(message.get("tool_calls") or ())
+        ]
+        logprobs = token_logprobs(self.tokenizer, result) if self.call.logprobs else None
+        out.append(self._chunk({}, finish=finish_reason(message, result.finish_reason), logprobs=logprobs))
+        if self.call.include_usage:
+            out.append(self._chunk(None, usage_=usage(len(result.prompt_ids), len(result.completion_ids))))
+        return b"".join(out) + _DONE
+
+    def error(self, exc: GatewayError) -> bytes:
+        return b"data: " + orjson.dumps(error_body(exc)) + b"\n\n" + _DONE
+
+
+_DONE = b"data: [DONE]\n\n"

@@ -16,11 +16,10 @@ Every field OpenAI defines is either honoured or refused by name; nothing is dro
 
 from __future__ import annotations
 
-import contextlib
 import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -30,18 +29,21 @@ from aiohttp import web
 from backends_core import JsonSchema, SamplingParams
 from backends_gateway.errors import GatewayError
 from backends_gateway.fields import (
+    CompletionLimit,
     bad,
     check_image,
     check_image_detail,
-    integer,
+    completion_tokens,
     number,
     refuse_unenforceable_tool_choice,
 )
-from backends_gateway.gateway import Gateway, Served, Started, TextDelta
+from backends_gateway.gateway import Gateway, Served, Started
 from backends_gateway.openai_chat import error_body
 from backends_gateway.routing import (
     check_model,
     gateway_of,
+    harness_session_of,
+    is_retry,
     json_response,
     owner_of,
     read_json,
@@ -49,6 +51,7 @@ from backends_gateway.routing import (
     turn_headers,
 )
 from backends_gateway.sessions import TurnRecord, TurnRequest
+from backends_gateway.streaming import deliver, stream_turn
 
 __all__ = ["ResponsesCall", "create_response", "input_messages", "parse_responses_request", "response_object"]
 
@@ -129,6 +132,8 @@ class ResponsesCall:
     echo: Mapping[str, Any]
     #: where each input_image part of ``input`` is (``input[2].content[1]``), in order
     image_parts: tuple[str, ...] = ()
+    #: no max_output_tokens named: the turn may use what its prompt leaves of the model's context
+    fit_context: bool = False
 
     def turn(self, suffix: str, previous: TurnRecord | None = None) -> TurnRequest:
         """The turn to generate: the previous response's messages and reply (its instructions replaced by this
@@ -157,6 +162,7 @@ class ResponsesCall:
             chat_template_kwargs=self.chat_template_kwargs,
             metadata={**self.metadata, "responses": responses},
             image_parts=(*earlier, *self.image_parts),
+            fit_context=self.fit_context,
         )
 
 
@@ -460,11 +466,11 @@ def parse_response_id(value: Any, where: str = "previous_response_id") -> tuple[
     return match[1], match[2]
 
 
-def parse_responses_request(body: Any, *, max_completion_tokens: int) -> ResponsesCall:
+def parse_responses_request(body: Any, *, limit: CompletionLimit) -> ResponsesCall:
     """Check a Responses body (decoded JSON) and turn it into a :class:`ResponsesCall`.
 
-    :param max_completion_tokens: the gateway's bound on a turn's completion; a request naming no
-        ``max_output_tokens`` may use all of it.
+    :param limit: the gateway's bound on a turn's completion; a request naming no ``max_output_tokens`` may use
+        what its prompt leaves of the model's context.
     :raises GatewayError: naming the field (400), before anything is sent.
     """
     if not isinstance(body, dict):
@@ -496,7 +502,7 @@ def parse_responses_request(body: Any, *, max_completion_tokens: int) -> Respons
             raise bad("stream_options is only allowed with stream=true", "stream_options")
         if not isinstance(options, dict) or set(options) - {"include_obfuscation"}:
             raise bad("stream_options takes include_obfuscation only", "stream_options", "unsupported_parameter")
-    max_tokens = integer(body, "max_output_tokens", low=1, high=max_completion_tokens)
+    max_tokens = completion_tokens(body, "max_output_tokens", limit)
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise bad("chat_template_kwargs must be an object", "chat_template_kwargs", "invalid_type")
@@ -523,7 +529,7 @@ def parse_responses_request(body: Any, *, max_completion_tokens: int) -> Respons
     temperature = number(body, "temperature", low=0.0, high=2.0)
     top_p = number(body, "top_p", low=0.0, high=1.0)
     sampling = SamplingParams(
-        max_tokens=max_tokens or max_completion_tokens,
+        max_tokens=max_tokens or limit.tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
         structured=structured,
@@ -557,6 +563,7 @@ def parse_responses_request(body: Any, *, max_completion_tokens: int) -> Respons
         metadata=recorded,
         echo=echo,
         image_parts=_image_parts(body.get("input")),
+        fit_context=max_tokens is None,
     )
 
 
@@ -705,7 +712,8 @@ async def _previous(gateway: Gateway, call: ResponsesCall, session: str | None, 
 async def create_response(request: web.Request) -> web.StreamResponse:
     """``POST /v1/responses``: a turn, answered as a ``response`` object or its event stream."""
     gateway = gateway_of(request)
-    call = parse_responses_request(await read_json(request), max_completion_tokens=gateway.limits.max_completion_tokens)
+    body = await read_json(request)
+    call = parse_responses_request(body, limit=gateway.completion_limit)
     check_model(gateway, call.model)
     session = session_of(request)
     owner = owner_of(request)
@@ -716,46 +724,62 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     suffix = uuid.uuid4().hex[:24]
     turn = call.turn(suffix, previous)
     group = request.headers.get("X-Session-Group") or None
+    harness = harness_session_of(request, body)
+    retry = is_retry(request)
     created = int(time.time())
     if call.stream:
-        return await _stream(request, gateway, call, turn, suffix, created, session=session, group=group)
-    served = await gateway.turn(turn, session=session, group=group, owner=owner)
-    ids = _Ids(response=f"resp_{served.session}_{suffix}", suffix=suffix)
-    return json_response(
+        return await _stream(
+            request,
+            gateway,
+            call,
+            turn,
+            suffix,
+            created,
+            session=session,
+            harness_session=harness,
+            group=group,
+            retry=retry,
+        )
+    served = await gateway.turn(turn, session=session, harness_session=harness, group=group, owner=owner, retry=retry)
+    kept = _suffix_of(served.record, suffix)
+    ids = _Ids(response=f"resp_{served.session}_{kept}", suffix=kept)
+    answer = json_response(
         response_object(call, ids, created, served=served, gateway=gateway), headers=turn_headers(served)
     )
+    return await deliver(request, gateway, served, answer)
 
 
 class _Events:
     """The Responses event stream of one turn: items opened as their text arrives, closed in order."""
 
-    def __init__(
-        self,
-        send: Callable[[dict[str, Any]], Awaitable[None]],
-        call: ResponsesCall,
-        ids: _Ids,
-        created: int,
-    ) -> None:
-        self._send = send
+    def __init__(self, call: ResponsesCall, ids: _Ids, created: int, gateway: Gateway) -> None:
+        self.out: list[bytes] = []
+        self.gateway = gateway
         self.call = call
         self.ids = ids
         self.created = created
         self.sequence = 0
         self.items: list[dict[str, Any]] = []  # items sent, the open one last
         self.open: str | None = None  # "reasoning" or "message": the item text is being sent to
-        self.text = ""
+        self.streamed = ""
 
-    async def send(self, kind: str, **fields: Any) -> None:
-        await self._send({"type": kind, "sequence_number": self.sequence, **fields})
+    def send(self, kind: str, **fields: Any) -> None:
+        body = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.out.append(b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(body) + b"\n\n")
         self.sequence += 1
 
-    async def start(self) -> None:
-        body = response_object(self.call, self.ids, self.created)
-        await self.send("response.created", response=body)
-        await self.send("response.in_progress", response=body)
+    def _flush(self) -> bytes:
+        out, self.out = b"".join(self.out), []
+        return out
 
-    async def _open(self, kind: str) -> None:
-        await self.close()
+    def start(self) -> bytes:
+        body = response_object(self.call, self.ids, self.created)
+        self.send("response.created", response=body)
+        self.send("response.in_progress", response=body)
+        return self._flush()
+
+    def _open(self, kind: str) -> None:
+        self.close()
         index = len(self.items)
         if kind == "reasoning":
             item = _reasoning_item(self.ids, "", "in_progress")
@@ -765,25 +789,25 @@ class _Events:
             item = _message_item(self.ids, "", "in_progress")
             part = {"type": "output_text", "text": "", "annotations": []}
         self.items.append(item)
-        self.open, self.text = kind, ""
-        await self.send("response.output_item.added", output_index=index, item=item)
-        await self.send(
-            "response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=part
-        )
+        self.open, self.streamed = kind, ""
+        self.send("response.output_item.added", output_index=index, item=item)
+        self.send("response.content_part.added", item_id=item["id"], output_index=index, content_index=0, part=part)
 
-    async def text_delta(self, kind: str, text: str) -> None:
+    def text(self, kind: str, text: str) -> bytes:
+        self._text(kind, text)
+        return self._flush()
+
+    def _text(self, kind: str, text: str) -> None:
         wanted = "reasoning" if kind == "reasoning" else "message"
         if self.open != wanted:
-            await self._open(wanted)
-        self.text += text
+            self._open(wanted)
+        self.streamed += text
         index = len(self.items) - 1
         item_id = self.items[-1]["id"]
         if wanted == "reasoning":
-            await self.send(
-                "response.reasoning_text.delta", item_id=item_id, output_index=index, content_index=0, delta=text
-            )
+            self.send("response.reasoning_text.delta", item_id=item_id, output_index=index, content_index=0, delta=text)
         else:
-            await self.send(
+            self.send(
                 "response.output_text.delta",
                 item_id=item_id,
                 output_index=index,
@@ -792,7 +816,7 @@ class _Events:
                 logprobs=[],
             )
 
-    async def close(self, final: Mapping[str, Any] | None = None) -> None:
+    def close(self, final: Mapping[str, Any] | None = None) -> None:
         """Close the open item (``final``: its whole form, from the answered turn)."""
         if self.open is None:
             return
@@ -800,13 +824,13 @@ class _Events:
         item = self.items[-1]
         if final is None:
             final = (
-                _reasoning_item(self.ids, self.text, "completed")
+                _reasoning_item(self.ids, self.streamed, "completed")
                 if self.open == "reasoning"
-                else _message_item(self.ids, self.text, "completed")
+                else _message_item(self.ids, self.streamed, "completed")
             )
         part = final["content"][0]
         if self.open == "reasoning":
-            await self.send(
+            self.send(
                 "response.reasoning_text.done",
                 item_id=item["id"],
                 output_index=index,
@@ -814,7 +838,7 @@ class _Events:
                 text=part["text"],
             )
         else:
-            await self.send(
+            self.send(
                 "response.output_text.done",
                 item_id=item["id"],
                 output_index=index,
@@ -822,16 +846,23 @@ class _Events:
                 text=part["text"],
                 logprobs=[],
             )
-        await self.send(
-            "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part
-        )
-        await self.send("response.output_item.done", output_index=index, item=final)
+        self.send("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part)
+        self.send("response.output_item.done", output_index=index, item=final)
         self.items[-1] = dict(final)
         self.open = None
 
-    async def finish(self, gateway: Gateway, served: Served) -> None:
+    def finish(self, served: Served) -> bytes:
+        self._finish(served)
+        return self._flush()
+
+    def error(self, exc: GatewayError) -> bytes:
+        error = error_body(exc)["error"]
+        self.send("error", code=exc.code, message=exc.message, param=exc.param, error=error)
+        return self._flush()
+
+    def _finish(self, served: Served) -> None:
         """The items the streamed text did not open (an empty message, the calls), then the whole response."""
-        body = response_object(self.call, self.ids, self.created, served=served, gateway=gateway)
+        body = response_object(self.call, self.ids, self.created, served=served, gateway=self.gateway)
         output = body["output"]
         if [i["type"] for i in self.items] != [i["type"] for i in output[: len(self.items)]]:
             raise GatewayError(
@@ -842,34 +873,34 @@ class _Events:
                 code="stream_parse",
             )
         if self.open is not None:
-            await self.close(output[len(self.items) - 1])
+            self.close(output[len(self.items) - 1])
         for index in range(len(self.items), len(output)):
             item = output[index]
             if item["type"] == "message":
-                self.open, self.text = None, ""
-                await self._open("message")
-                await self.close(item)
+                self.open, self.streamed = None, ""
+                self._open("message")
+                self.close(item)
                 continue
             added = {**item, "arguments": "", "status": "in_progress"}
             self.items.append(added)
-            await self.send("response.output_item.added", output_index=index, item=added)
-            await self.send(
+            self.send("response.output_item.added", output_index=index, item=added)
+            self.send(
                 "response.function_call_arguments.delta",
                 item_id=item["id"],
                 output_index=index,
                 delta=item["arguments"],
             )
-            await self.send(
+            self.send(
                 "response.function_call_arguments.done",
                 item_id=item["id"],
                 output_index=index,
                 name=item["name"],
                 arguments=item["arguments"],
             )
-            await self.send("response.output_item.done", output_index=index, item=item)
+            self.send("response.output_item.done", output_index=index, item=item)
             self.items[-1] = item
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
-        await self.send(kind, response=body)
+        self.send(kind, response=body)
 
 
 async def _stream(
@@ -881,34 +912,27 @@ async def _stream(
     created: int,
     *,
     session: str | None,
+    harness_session: str | None,
     group: str | None,
+    retry: bool,
 ) -> web.StreamResponse:
-    events: AsyncGenerator[Started | TextDelta | Served, None] = gateway.stream_turn(
-        turn, session=session, group=group, owner=owner_of(request)
+    events = gateway.stream_turn(
+        turn,
+        session=session,
+        harness_session=harness_session,
+        group=group,
+        owner=owner_of(request),
+        retry=retry,
     )
-    first = await anext(events)  # the session is placed (or the request refused) before anything is sent
-    assert isinstance(first, Started)
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **turn_headers(first)}
-    )
-    await response.prepare(request)
 
-    async def send(body: dict[str, Any]) -> None:
-        await response.write(b"event: " + body["type"].encode() + b"\ndata: " + orjson.dumps(body) + b"\n\n")
+    def wire(first: Started) -> _Events:
+        kept = suffix if first.replay is None else _suffix_of(first.replay, suffix)
+        return _Events(call, _Ids(response=f"resp_{first.session}_{kept}", suffix=kept), created, gateway)
 
-    stream = _Events(send, call, _Ids(response=f"resp_{first.session}_{suffix}", suffix=suffix), created)
-    await stream.start()
-    try:
-        async for event in events:
-            if isinstance(event, TextDelta):
-                await stream.text_delta(event.kind, event.text)
-            elif isinstance(event, Served):  # durable: the stream_turn yields it once the turn is kept
-                await stream.finish(gateway, event)
-    except GatewayError as exc:
-        error = error_body(exc)["error"]
-        await stream.send("error", code=exc.code, message=exc.message, param=exc.param, error=error)
-    finally:
-        with contextlib.suppress(Exception):
-            await events.aclose()
-    await response.write_eof()
-    return response
+    return await stream_turn(request, gateway, events, wire)
+
+
+def _suffix_of(turn: TurnRecord, default: str) -> str:
+    """The response id suffix a kept turn was answered under (a retry answered with it gets the same ids)."""
+    suffix = turn.request.get("responses", {}).get("id")
+    return suffix if isinstance(suffix, str) else default

@@ -3,6 +3,7 @@ request (the keys middleware) and what it may read, the session a request names,
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -22,6 +23,8 @@ __all__ = [
     "auth",
     "check_model",
     "gateway_of",
+    "harness_session_of",
+    "is_retry",
     "json_response",
     "owner_of",
     "read_json",
@@ -35,7 +38,7 @@ GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 KEYS_KEY: web.AppKey[Keys | None] = web.AppKey("keys")
 PRINCIPAL_KEY: web.RequestKey[Principal | None] = web.RequestKey("principal")
 #: routes anyone may call on a gateway with keys: nothing in them is a session's
-PUBLIC_PATHS = frozenset({"/health", "/ui"})
+PUBLIC_PATHS = frozenset({"/", "/health", "/ui"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -103,7 +106,43 @@ async def read_json(request: web.Request) -> Any:
 
 
 def session_of(request: web.Request) -> str | None:
+    """The session a request names: the path's ``/s/{session}``, else its ``X-Session-ID`` header."""
     return request.match_info.get("session") or request.headers.get("X-Session-ID") or None
+
+
+#: headers in which harnesses name their own conversation: Claude Code's, then Codex's (its thread is the
+#: conversation, resumed by ``codex exec resume``; its session-id names the same thread in ``exec`` mode)
+HARNESS_SESSION_HEADERS = ("x-claude-code-session-id", "thread-id", "session-id", "conversation_id")
+
+
+def harness_session_of(request: web.Request, body: Any) -> str | None:
+    """The harness's own id for its conversation, when it sends one: a header of
+    :data:`HARNESS_SESSION_HEADERS`, else the ``session_id`` of Anthropic's ``metadata.user_id`` (Claude Code
+    sends a JSON object there as a string), else a Responses ``prompt_cache_key``. The session of a request
+    naming none (no ``/s/{id}``, no ``X-Session-ID``)."""
+    for name in HARNESS_SESSION_HEADERS:
+        value = request.headers.get(name)
+        if value:
+            return value
+    if not isinstance(body, dict):
+        return None
+    metadata = body.get("metadata")
+    user = metadata.get("user_id") if isinstance(metadata, dict) else None
+    if isinstance(user, str) and user.startswith("{"):
+        with contextlib.suppress(orjson.JSONDecodeError):
+            parsed = orjson.loads(user)
+            if isinstance(parsed, dict) and isinstance(parsed.get("session_id"), str) and parsed["session_id"]:
+                return str(parsed["session_id"])
+    elif isinstance(user, str) and "_session_" in user:  # user_<hash>_account_<uuid>_session_<uuid>
+        return user.rsplit("_session_", 1)[1] or None
+    key = body.get("prompt_cache_key")
+    return key if isinstance(key, str) and key else None
+
+
+def is_retry(request: web.Request) -> bool:
+    """Whether the request says it repeats an earlier attempt: the official SDKs' ``x-stainless-retry-count``."""
+    count = request.headers.get("x-stainless-retry-count", "0").strip()
+    return count.isdigit() and int(count) > 0
 
 
 def gateway_of(request: web.Request) -> Gateway:

@@ -31,10 +31,21 @@ from backends_core.images import Image, ImageSpan, json_default
 from backends_core.multiturn import normalize_message
 from backends_core.multiturn.messages import images_of
 
-__all__ = ["Branch", "SessionRecord", "SessionState", "TurnRecord", "TurnRequest", "chain_digests", "next_digest"]
+__all__ = [
+    "Branch",
+    "SessionRecord",
+    "SessionState",
+    "TurnRecord",
+    "TurnRequest",
+    "chain_digests",
+    "next_digest",
+    "request_key",
+]
 
 _REASONING = ("reasoning_content", "reasoning")
 STATUSES = ("open", "closed")
+#: a session's counters, each 0 when it starts (a stored session written before a counter existed reads it as 0)
+COUNTS = {"turns": 0, "bridged": 0, "branched": 0, "rerendered": 0, "undelivered": 0, "replayed": 0}
 
 
 @attrs.frozen(kw_only=True)
@@ -50,6 +61,9 @@ class TurnRequest:
     #: where each image part of ``messages`` is in the harness's request (``messages[1].content[2]``), in prompt
     #: order: a backend or model that takes no images is refused naming the first
     image_parts: tuple[str, ...] = ()
+    #: the harness named no completion limit: ``sampling.max_tokens`` is a ceiling, lowered to what the prompt
+    #: leaves of the model's context
+    fit_context: bool = False
 
 
 def _ids(values: Any) -> npt.NDArray[np.int32]:
@@ -90,6 +104,9 @@ class TurnRecord:
     routed_experts: RoutedExperts | None = None
     request: Mapping[str, Any] = attrs.field(factory=dict)
     image_spans: tuple[ImageSpan, ...] = ()
+    #: whether the harness was answered with it: an answer that never reached its harness (the client went away
+    #: as it was written) is kept, but is no training sample until a retry of the same request receives it
+    delivered: bool = True
 
     @classmethod
     def of(
@@ -185,6 +202,7 @@ class TurnRecord:
             "messages": list(self.messages),
             "reply": dict(self.reply),
             "request": dict(self.request),
+            "delivered": self.delivered,
         }
         if self.routed_experts is not None:
             out["routed_experts"] = {
@@ -229,7 +247,9 @@ class Branch:
 @attrs.define(kw_only=True)
 class SessionRecord:
     """A session's summary. ``counts``: ``turns``, ``bridged`` (prompt reused a turn's exact ids), ``branched``
-    (a new branch started after the first), ``rerendered`` (a turn after the first rendered whole)."""
+    (a new branch started after the first), ``rerendered`` (a turn after the first rendered whole),
+    ``undelivered`` (answers that never reached the harness, out of the training view), ``replayed`` (retries
+    answered with the answer kept for an earlier attempt, nothing generated)."""
 
     id: str
     group: str | None = None
@@ -238,7 +258,7 @@ class SessionRecord:
     reward_info: Mapping[str, Any] | None = None
     created: float = attrs.field(factory=time.time)
     closed: float | None = None
-    counts: dict[str, int] = attrs.field(factory=lambda: {"turns": 0, "bridged": 0, "branched": 0, "rerendered": 0})
+    counts: dict[str, int] = attrs.field(factory=lambda: dict(COUNTS))
     #: the name of the harness key the session belongs to (None on a gateway without keys)
     owner: str | None = None
 
@@ -252,6 +272,7 @@ class SessionRecord:
             "created": self.created,
             "closed": self.closed,
             "owner": self.owner,
+            **COUNTS,
             **self.counts,
         }
 
@@ -272,6 +293,14 @@ def next_digest(previous: bytes, message: Mapping[str, Any]) -> bytes:
     """The digest of a message list one message longer than the list ``previous`` identifies."""
     return hashlib.blake2b(
         previous + orjson.dumps(_form(message), option=orjson.OPT_SORT_KEYS, default=json_default), digest_size=16
+    ).digest()
+
+
+def request_key(digests: Sequence[bytes], sampling: SamplingParams) -> bytes:
+    """What makes two requests the same request: the same messages (as the template sees them), tools, template
+    arguments and sampling. A retry of a request is the same request."""
+    return hashlib.blake2b(
+        digests[-1] + orjson.dumps(_sampling_json(sampling), option=orjson.OPT_SORT_KEYS), digest_size=16
     ).digest()
 
 
@@ -301,9 +330,12 @@ class SessionState:
     branch_of: dict[int, int] = attrs.field(factory=dict)
     tips: dict[int, TurnRecord] = attrs.field(factory=dict)
     claimed: set[int] = attrs.field(factory=set)  # branches whose tip a turn in flight is extending
-    turns_started: int = 0
     longest: int = 0  # ids of the session's longest sequence
     last_branch: int | None = None
+    #: answered turns whose answer never reached the harness, by :func:`request_key`: a retry gets them
+    orphans: dict[bytes, TurnRecord] = attrs.field(factory=dict)
+    #: turns some later turn extends (their continuation exists): history that extends one is not guessed
+    continued: set[int] = attrs.field(factory=set)
 
     def key(self, turn: TurnRecord) -> bytes:
         return chain_digests([*turn.messages, turn.reply], turn.tools, turn.chat_template_kwargs)[-1]
@@ -312,6 +344,8 @@ class SessionState:
         """Remember an answered turn."""
         self.index[digest if digest is not None else self.key(turn)] = turn.turn
         self.branch_of[turn.turn] = turn.branch
+        if turn.parent is not None:
+            self.continued.add(turn.parent)
         self.tips[turn.branch] = turn
         self.last_branch = turn.branch
         self.longest = max(self.longest, turn.length)

@@ -58,6 +58,11 @@ class Store(abc.ABC):
         """Keep a session's status, reward and counts."""
 
     @abc.abstractmethod
+    async def set_delivered(self, turn: TurnRecord, session: SessionRecord) -> None:
+        """Keep whether ``turn``'s answer reached its harness (``turn.delivered``) and the session's counts, in one
+        durable transaction."""
+
+    @abc.abstractmethod
     async def get_session(self, session: str) -> SessionRecord | None: ...
 
     @abc.abstractmethod
@@ -110,7 +115,7 @@ _SESSION_COLUMNS = "id, grp, status, reward, reward_info, created, closed, count
 _TURN_COLUMNS = (
     "session, turn, branch, parent, created, messages, tools, template_kwargs, reply, prompt_ids, completion_ids, "
     "logprobs, finish_reason, weight_version, weight_versions, message_spans, server, reused_ids, routed_experts, "
-    "routed_start, request, image_spans"
+    "routed_start, request, image_spans, delivered"
 )
 #: how many columns a turn's row has
 _TURN_WIDTH = _TURN_COLUMNS.count(",") + 1
@@ -181,6 +186,7 @@ def _turn_row(t: TurnRecord) -> tuple[Any, ...]:
         None if t.routed_experts is None else t.routed_experts.start,
         orjson.dumps(dict(t.request), default=json_default),
         orjson.dumps([[s.start, s.end] for s in t.image_spans]),
+        int(t.delivered),
     )
 
 
@@ -213,6 +219,7 @@ def _turn(row: Sequence[Any]) -> TurnRecord:
         request=orjson.loads(row[20]),
         # NULL: a turn kept before image spans were (a text turn, or one that cannot be extended)
         image_spans=() if row[21] is None else tuple(ImageSpan(s, e) for s, e in orjson.loads(row[21])),
+        delivered=bool(row[22]),
     )
 
 
@@ -443,6 +450,18 @@ class SQLiteStore(_BlockingReads, Store):
             if branch_row is not None:
                 db.execute("INSERT INTO branches VALUES (?,?,?,?,?,?)", branch_row)
             db.execute(f"INSERT INTO turns ({_TURN_COLUMNS}) VALUES ({','.join('?' * _TURN_WIDTH)})", row)
+            db.execute("UPDATE sessions SET counts = ? WHERE id = ?", (counts, session.id))
+
+        await self._write(write)
+
+    async def set_delivered(self, turn: TurnRecord, session: SessionRecord) -> None:
+        counts = orjson.dumps(session.counts)
+
+        def write(db: sqlite3.Connection) -> None:
+            db.execute(
+                "UPDATE turns SET delivered = ? WHERE session = ? AND turn = ?",
+                (int(turn.delivered), turn.session, turn.turn),
+            )
             db.execute("UPDATE sessions SET counts = ? WHERE id = ?", (counts, session.id))
 
         await self._write(write)

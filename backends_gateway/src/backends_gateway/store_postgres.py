@@ -58,6 +58,7 @@ MIGRATION_LOCK = 0x6261636B656E6473 & 0x7FFFFFFFFFFFFFFF  # "backends"
 _Statement = tuple[str, Sequence[Any]]
 _INSERT_SESSION = f"INSERT INTO sessions ({_SESSION_COLUMNS}) VALUES ({', '.join(['%s'] * 9)})"
 _INSERT_BRANCH = f"INSERT INTO branches ({_BRANCH_COLUMNS}) VALUES ({', '.join(['%s'] * 6)})"
+_SET_DELIVERED = "UPDATE turns SET delivered = %s WHERE session = %s AND turn = %s"
 _INSERT_TURN = f"INSERT INTO turns ({_TURN_COLUMNS}) VALUES ({', '.join(['%s'] * _TURN_WIDTH)})"
 _UPDATE_COUNTS = "UPDATE sessions SET counts = %s WHERE id = %s"
 _UPDATE_SESSION = (
@@ -243,6 +244,14 @@ class PostgresStore(_BlockingReads, Store):
     async def update_session(self, session: SessionRecord) -> None:
         row = _session_row(session)
         await self._write([(_UPDATE_SESSION, (*row[1:], row[0]))])
+
+    async def set_delivered(self, turn: TurnRecord, session: SessionRecord) -> None:
+        await self._write(
+            [
+                (_SET_DELIVERED, (int(turn.delivered), turn.session, turn.turn)),
+                (_UPDATE_COUNTS, (orjson.dumps(session.counts), session.id)),
+            ]
+        )
 
     # -- reads ---------------------------------------------------------------------------------------------
 

@@ -73,7 +73,7 @@ class Trajectory:
 
 
 def build(branches: Sequence[Branch], turns: Sequence[TurnRecord]) -> list[Sample]:
-    """A :class:`Sample` per branch that has turns.
+    """A :class:`Sample` per branch that has delivered turns, up to its last delivered turn.
 
     :raises TrajectoryError: a turn's prompt does not start with its parent turn's exact ids, or its images are
         not the first images of the sequence at the same spans, or it holds images without their spans.
@@ -81,7 +81,8 @@ def build(branches: Sequence[Branch], turns: Sequence[TurnRecord]) -> list[Sampl
     by_turn = {t.turn: t for t in turns}
     tips: dict[int, TurnRecord] = {}
     for t in turns:
-        tips[t.branch] = t
+        if t.delivered:  # an answer no harness received is no sample (nor the end of one)
+            tips[t.branch] = t
     samples = []
     for branch in branches:
         tip = tips.get(branch.branch)
