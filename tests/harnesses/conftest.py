@@ -13,8 +13,8 @@ from typing import Any
 import attrs
 import httpx
 import pytest
-
 from agent_engine import AgentEngine, ShellLoop
+
 from backends_core import Client, ClientConfig
 from backends_core.config import StatelessPolicy
 from backends_core.multiturn.rendering import load_tokenizer
@@ -101,8 +101,18 @@ def _served(
             raise failed[0]
 
 
+@pytest.fixture(scope="session")
+def long_context_model(tiny_models: Any) -> Path:
+    """The tiny dense model with a 128K context: real harnesses send prompts of tens of thousands of its ids."""
+    from backends_testkit.tinymodel import write_long_context_variant
+
+    return write_long_context_variant(tiny_models.dense, tiny_models.root / "tiny-qwen3-128k")
+
+
 @pytest.fixture
-def agent_gateway(tiny_models: Any, tmp_path: Path) -> Callable[..., contextlib.AbstractContextManager[AgentGateway]]:
+def agent_gateway(
+    long_context_model: Path, tmp_path: Path
+) -> Callable[..., contextlib.AbstractContextManager[AgentGateway]]:
     """``with agent_gateway(policy=ShellLoop(), limits=None, keys=None) as gw``: a gateway over the agent engine
     (its replies computed by ``policy`` from each prompt), serving at ``gw.url``."""
     names = iter(range(1000))
@@ -111,6 +121,6 @@ def agent_gateway(tiny_models: Any, tmp_path: Path) -> Callable[..., contextlib.
         policy: Callable[[str], str] | None = None, *, limits: GatewayLimits | None = None, keys: Keys | None = None
     ) -> contextlib.AbstractContextManager[AgentGateway]:
         store = tmp_path / f"gateway-{next(names)}.db"
-        return _served(tiny_models.dense, store, policy or ShellLoop(), limits, keys)
+        return _served(long_context_model, store, policy or ShellLoop(), limits, keys)
 
     return make

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -33,7 +34,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,6 @@ import aiohttp
 import attrs
 from aiohttp import web
 
-from backends_gateway import GatewayLimits
 from backends_testkit.live import ensure_venv, server_venvs_dir
 
 HERE = Path(__file__).resolve().parent
@@ -52,9 +52,6 @@ API_KEY = "sk-harness-probe"
 RUN_TIMEOUT_S = 120.0
 """Seconds one harness run may take (seen: 3-15 s; the first run of a fresh venv also compiles bytecode)."""
 RESULT_PREFIX = "HARNESS_RESULT "
-LIMITS = GatewayLimits(context_length=32768)
-"""The gateway's default limits but a context of 32k ids: the tiny model's 2048 hold less than one real harness's
-prompt (mini-swe-agent's first prompt is about 2000 ids), and the scripted engine runs no model."""
 PROBE = "backends-probe"
 ANSWER = "Done: the command printed its output twice."
 """:class:`~agent_engine.ShellLoop`'s final answer, without its end token."""
@@ -229,8 +226,10 @@ class Exchange:
         if self.streamed:
             for name, data in self.sse_events():
                 kind = data.get("type") if isinstance(data, dict) else None
-                if name in ("error", "response.failed") or kind in ("error", "response.failed") or (
-                    isinstance(data, dict) and "error" in data and data["error"]
+                if (
+                    name in ("error", "response.failed")
+                    or kind in ("error", "response.failed")
+                    or (isinstance(data, dict) and "error" in data and data["error"])
                 ):
                     return f"stream event {name or kind}: {json.dumps(data)[:600]}"
         if self.client_gone:
@@ -240,6 +239,32 @@ class Exchange:
     def received(self) -> bool:
         """The harness got this answer whole (an HTTP 200 without an error event)."""
         return self.failure() is None
+
+    def answer(self) -> tuple[str, list[str]]:
+        """The reply this exchange carried to the harness: its text and its tool-call ids (chat completions, whole
+        or streamed; Responses, whole or its ``response.completed`` event)."""
+        if self.streamed:
+            text, ids = "", list[str]()
+            for _name, data in self.sse_events():
+                if not isinstance(data, dict):
+                    continue
+                if data.get("type") == "response.completed":
+                    return _responses_answer(data.get("response") or {})
+                for choice in data.get("choices") or []:
+                    delta = choice.get("delta") or {}
+                    text += delta.get("content") or ""
+                    ids.extend(c["id"] for c in delta.get("tool_calls") or [] if c.get("id"))
+            return text, ids
+        try:
+            body = json.loads(self.response)
+        except ValueError:
+            return "", []
+        if not isinstance(body, dict):
+            return "", []
+        if body.get("object") == "response":
+            return _responses_answer(body)
+        message = ((body.get("choices") or [{}])[0]).get("message") or {}
+        return message.get("content") or "", [c["id"] for c in message.get("tool_calls") or []]
 
     def as_json(self) -> dict[str, Any]:
         body = self.json()
@@ -256,12 +281,25 @@ class Exchange:
         }
 
 
+def _responses_answer(response: Mapping[str, Any]) -> tuple[str, list[str]]:
+    text, ids = "", list[str]()
+    for item in response.get("output") or []:
+        if item.get("type") == "message":
+            text += "".join(part.get("text", "") for part in item.get("content") or [])
+        elif item.get("type") == "function_call":
+            ids.append(item.get("call_id"))
+    return text, ids
+
+
 class CaptureProxy:
     """``with CaptureProxy(gw.url) as proxy``: a reverse proxy at :attr:`url` forwarding everything to ``upstream``
     and keeping each :class:`Exchange` in :attr:`exchanges` (in the order the requests arrived)."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, *, rewrite: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
         self.upstream = upstream.rstrip("/")
+        self.rewrite = rewrite
+        """Applied to each JSON request body before it is forwarded (the record keeps what the harness sent): to
+        see how far a harness gets past a field the gateway refuses."""
         self.exchanges: list[Exchange] = []
         self.url = ""
         self._loop = asyncio.new_event_loop()
@@ -281,6 +319,8 @@ class CaptureProxy:
         )
         self.exchanges.append(exchange)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        if self.rewrite is not None and isinstance(exchange.json(), dict):
+            body = json.dumps(self.rewrite(exchange.json())).encode()
         assert self._session is not None
         try:
             async with self._session.request(
@@ -359,7 +399,11 @@ class CaptureProxy:
 
     def turns(self) -> list[Exchange]:
         """The exchanges that asked for a model turn."""
-        return [e for e in self.exchanges if e.method == "POST" and re.search(r"/v1/(chat/completions|responses|messages)$", e.path.split("?")[0])]
+        return [
+            e
+            for e in self.exchanges
+            if e.method == "POST" and re.search(r"/v1/(chat/completions|responses|messages)$", e.path.split("?")[0])
+        ]
 
     def sessions(self) -> list[str]:
         """The sessions the gateway named in its answers, in order of first appearance."""
@@ -487,7 +531,11 @@ def run_harness(
     timeout: float = RUN_TIMEOUT_S,
 ) -> HarnessRun:
     """Run one harness script to its end (or its timeout)."""
-    return HarnessProcess(venv, script, args, base_url=base_url, workdir=workdir, env=env, timeout=timeout).start().finish()
+    return (
+        HarnessProcess(venv, script, args, base_url=base_url, workdir=workdir, env=env, timeout=timeout)
+        .start()
+        .finish()
+    )
 
 
 # -- what a test asserts -------------------------------------------------------------------------------------------
@@ -508,11 +556,13 @@ def prefix_breaks(trajectory: Mapping[str, Any]) -> list[str]:
     """Where a turn's ``prompt_ids`` does not start with the previous turn's ``prompt_ids + completion_ids``."""
     out = []
     turns = ordered_turns(trajectory)
-    for before, turn in zip(turns, turns[1:], strict=False):
+    for before, turn in itertools.pairwise(turns):
         want = list(before["prompt_ids"]) + list(before["completion_ids"])
         have = list(turn["prompt_ids"])
         if have[: len(want)] != want:
-            same = next((i for i, (a, b) in enumerate(zip(want, have, strict=False)) if a != b), min(len(want), len(have)))
+            same = next(
+                (i for i, (a, b) in enumerate(zip(want, have, strict=False)) if a != b), min(len(want), len(have))
+            )
             out.append(
                 f"turn {turn['turn']} (branch {turn['branch']}, parent {turn['parent']}) does not extend turn "
                 f"{before['turn']}: they part at id {same} of {len(want)}"
@@ -524,9 +574,7 @@ def reply_tool_ids(trajectory: Mapping[str, Any]) -> list[str]:
     return [call["id"] for turn in ordered_turns(trajectory) for call in (turn["reply"].get("tool_calls") or [])]
 
 
-def check_session(
-    trajectory: Mapping[str, Any], proxy: CaptureProxy, *, min_tool_calls: int = 2
-) -> list[str]:
+def check_session(trajectory: Mapping[str, Any], proxy: CaptureProxy, *, min_tool_calls: int = 2) -> list[str]:
     """The trajectory checks of one run's session: one branch, each turn extending the previous one's ids, distinct
     tool-call ids, no turn in the training view that the harness did not receive. The problems found (``[]``: none)."""
     problems: list[str] = []
@@ -543,11 +591,28 @@ def check_session(
     repeated = [i for i, n in Counter(ids).items() if n > 1]
     if repeated:
         problems.append(f"tool-call ids repeat: {repeated} (all: {ids})")
-    got = {(e.session, e.turn) for e in proxy.turns() if e.received()}
+    received = [e for e in proxy.turns() if e.received()]
+    numbered = {(e.session, e.turn) for e in received}
+    answers = [e.answer() for e in received]
+    got_ids = {i for _text, ids in answers for i in ids}
+    got_texts = {text.strip() for text, _ids in answers}
+    by_turn = {t["turn"]: t for t in trajectory["turns"]}
+
+    def was_received(number: int) -> bool:
+        if (trajectory["session"], number) in numbered:
+            return True
+        reply = by_turn[number]["reply"]
+        ids = [c["id"] for c in reply.get("tool_calls") or []]
+        if ids:
+            return all(i in got_ids for i in ids)
+        return str(reply.get("content") or "").strip() in got_texts
+
     for branch in branches:
-        unseen = [t for t in branch.get("turns") or [] if (trajectory["session"], t) not in got]
+        unseen = [t for t in branch.get("turns") or [] if not was_received(t)]
         if unseen:
-            problems.append(f"branch {branch['branch']}'s training view holds turns {unseen} the harness never received")
+            problems.append(
+                f"branch {branch['branch']}'s training view holds turns {unseen} the harness never received"
+            )
     return problems
 
 
@@ -618,7 +683,9 @@ def _content_kinds(content: Any) -> list[str]:
     if isinstance(content, str):
         return ["str"]
     if isinstance(content, list):
-        return sorted({str(part.get("type", "?")) if isinstance(part, dict) else type(part).__name__ for part in content})
+        return sorted(
+            {str(part.get("type", "?")) if isinstance(part, dict) else type(part).__name__ for part in content}
+        )
     return [type(content).__name__]
 
 
@@ -646,7 +713,10 @@ def describe_request(exchange: Exchange) -> dict[str, Any]:
             if item.get("type") and item.get("role"):
                 label = f"{item['type']}/{item['role']}"
             extra = sorted(k for k in item if k not in ("role", "content", "type"))
-            described.append(f"{label}[{','.join(_content_kinds(item.get('content')))}]" + (f"{{{','.join(extra)}}}" if extra else ""))
+            described.append(
+                f"{label}[{','.join(_content_kinds(item.get('content')))}]"
+                + (f"{{{','.join(extra)}}}" if extra else "")
+            )
         out["items"] = described
     tools = body.get("tools")
     if isinstance(tools, list):

@@ -9,9 +9,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from python_harnesses import AGENTS_SDK, LIMITS, assert_clean, captured, check_tool_loop, ensure_harness_venv, run_harness, save_probe
-
 from agent_engine import ShellLoop
+from python_harnesses import (
+    AGENTS_SDK,
+    assert_clean,
+    captured,
+    check_tool_loop,
+    ensure_harness_venv,
+    run_harness,
+    save_probe,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +33,7 @@ def venv() -> Path:
 def test_agents_sdk_runs_the_shell_loop(
     agent_gateway: Callable[..., Any], venv: Path, tmp_path: Path, api: str, mode: str
 ) -> None:
-    with agent_gateway(ShellLoop(), limits=LIMITS) as gw, captured(gw) as proxy:
+    with agent_gateway(ShellLoop()) as gw, captured(gw) as proxy:
         run = run_harness(
             venv, "agents_sdk.py", ["--api", api, "--mode", mode], base_url=proxy.url + "/v1", workdir=tmp_path
         )

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from agent_engine import ShellLoop
 from npm_clis import CODEX, RecordingProxy, base_env, check_harness_run, ensure_cli, probe_log, run_cli
 

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from agent_engine import END, ShellLoop, last_task, tools_in
 from python_harnesses import (
     ANSWER,
     MINI_SWE_AGENT,
-    LIMITS,
     HarnessProcess,
     assert_clean,
     captured,
@@ -23,8 +23,6 @@ from python_harnesses import (
     ensure_harness_venv,
     save_probe,
 )
-
-from agent_engine import END, ShellLoop, last_task, tools_in
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +56,7 @@ def mini(venv: Path, base_url: str, workdir: Path) -> HarnessProcess:
 
 
 def test_mini_swe_agent_runs_the_shell_loop(agent_gateway: Callable[..., Any], venv: Path, tmp_path: Path) -> None:
-    with agent_gateway(MiniLoop(), limits=LIMITS) as gw, captured(gw) as proxy:
+    with agent_gateway(MiniLoop()) as gw, captured(gw) as proxy:
         run = mini(venv, proxy.url + "/v1", tmp_path).start().finish()
         save_probe("mini-swe-agent", proxy, run, tmp_path)
         assert_clean(check_tool_loop(gw, proxy, run, final=ANSWER))
@@ -69,7 +67,7 @@ def test_two_identical_mini_runs_at_once_keep_their_own_sessions(
     agent_gateway: Callable[..., Any], venv: Path, tmp_path: Path
 ) -> None:
     """Two runs of the same task at the same time, no session in the URL: each must end in a session of its own."""
-    with agent_gateway(MiniLoop(), limits=LIMITS) as gw, captured(gw) as first, captured(gw) as second:
+    with agent_gateway(MiniLoop()) as gw, captured(gw) as first, captured(gw) as second:
         procs = [mini(venv, p.url + "/v1", tmp_path / f"run-{i}").start() for i, p in enumerate((first, second))]
         runs = [p.finish() for p in procs]
         for i, (proxy, run) in enumerate(zip((first, second), runs, strict=True)):
@@ -81,7 +79,9 @@ def test_two_identical_mini_runs_at_once_keep_their_own_sessions(
             if len(proxy.sessions()) != 1:
                 problems.append(f"run {i}'s answers name sessions {proxy.sessions()}")
             for session in proxy.sessions()[:2]:
-                problems.extend(f"run {i}, session {session}: {p}" for p in check_session(gw.trajectory(session), proxy))
+                problems.extend(
+                    f"run {i}, session {session}: {p}" for p in check_session(gw.trajectory(session), proxy)
+                )
         if set(first.sessions()) & set(second.sessions()):
             problems.append(f"the runs share sessions: {set(first.sessions()) & set(second.sessions())}")
         all_sessions = [s["session"] for s in gw.sessions()]
@@ -96,11 +96,9 @@ def test_grpo_rollouts_with_a_session_in_the_url_keep_their_own_sessions(
     """A GRPO group: the same task three times at once, each rollout at ``/s/<id>/v1``; each rollout's turns must be
     in its own session, one branch each."""
     ids = [f"grpo-rollout-{i}" for i in range(3)]
-    with agent_gateway(MiniLoop(), limits=LIMITS) as gw, captured(gw) as a, captured(gw) as b, captured(gw) as c:
+    with agent_gateway(MiniLoop()) as gw, captured(gw) as a, captured(gw) as b, captured(gw) as c:
         proxies = [a, b, c]
-        procs = [
-            mini(venv, f"{p.url}/s/{sid}/v1", tmp_path / sid).start() for p, sid in zip(proxies, ids, strict=True)
-        ]
+        procs = [mini(venv, f"{p.url}/s/{sid}/v1", tmp_path / sid).start() for p, sid in zip(proxies, ids, strict=True)]
         runs = [p.finish() for p in procs]
         problems = []
         for sid, proxy, run in zip(ids, proxies, runs, strict=True):
@@ -112,4 +110,3 @@ def test_grpo_rollouts_with_a_session_in_the_url_keep_their_own_sessions(
             problems.extend(f"{sid}: {p}" for p in check_session(gw.trajectory(sid), proxy))
         assert_clean(problems)
         assert sorted(s["session"] for s in gw.sessions()) == ids
-

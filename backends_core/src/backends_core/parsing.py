@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
+import numpy as np
 
 from backends_core.errors import BridgeError, ConfigError, ParserNotFoundError
 from backends_core.types import GenerateResult
@@ -225,10 +226,16 @@ BUILTIN_REASONING_PARSERS: Mapping[str, ReasoningParserFactory] = {"qwen3": Qwen
 # -- the client's parser ----------------------------------------------------------------------------------------
 
 
-def _call_id(completion_ids: Sequence[int], index: int) -> str:
-    """A tool call's id, derived from the completion (the same completion always parses to the same message)."""
-    digest = hashlib.blake2b(repr((tuple(completion_ids), index)).encode(), digest_size=12).hexdigest()
-    return f"call_{digest}"
+def _call_id(prompt_ids: Sequence[int], completion_ids: Sequence[int], index: int) -> str:
+    """A tool call's id, derived from the whole sequence, prompt and completion: the same turn always parses to
+    the same message, and the same call made again later in a conversation (its prompt is longer by then) gets
+    another id, as harnesses that key their tool results by id need."""
+    h = hashlib.blake2b(digest_size=12)
+    h.update(np.asarray(prompt_ids, dtype="<i8").tobytes())
+    h.update(b"|")
+    h.update(np.asarray(completion_ids, dtype="<i8").tobytes())
+    h.update(index.to_bytes(4, "little"))
+    return f"call_{h.hexdigest()}"
 
 
 class CompletionParser:
@@ -300,7 +307,7 @@ class CompletionParser:
             "reasoning_content": reasoning,
             "tool_calls": [
                 {
-                    "id": _call_id(result.completion_ids, i),
+                    "id": _call_id(result.prompt_ids, result.completion_ids, i),
                     "type": "function",
                     "function": {"name": call.name, "arguments": call.arguments},
                 }

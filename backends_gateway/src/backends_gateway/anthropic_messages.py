@@ -28,7 +28,7 @@ from typing import Any
 import attrs
 import orjson
 
-from backends_core import GenerateResult, SamplingParams
+from backends_core import GenerateResult, JsonSchema, SamplingParams
 from backends_gateway.errors import GatewayError
 from backends_gateway.fields import CompletionLimit, bad, check_image, completion_tokens, integer, number
 from backends_gateway.sessions import TurnRequest
@@ -47,8 +47,6 @@ __all__ = [
 _REFUSED = {
     "container": "containers (server-side code execution)",
     "mcp_servers": "MCP servers (run the tools in the harness and send their results)",
-    "context_management": "server-side context management (the harness keeps its history)",
-    "output_config": "output configuration (effort, output formats)",
     "service_tier": "service tiers",
     "speed": "speed modes",
     "inference_geo": "inference regions",
@@ -74,10 +72,24 @@ _KNOWN = frozenset(
         "cache_control",
         # vLLM's extension, as on the chat-completions route
         "chat_template_kwargs",
+        "context_management",
+        "output_config",
         *_REFUSED,
     }
 )
-_COUNT_KNOWN = frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control"})
+_COUNT_KNOWN = frozenset(
+    {
+        "model",
+        "messages",
+        "system",
+        "tools",
+        "tool_choice",
+        "thinking",
+        "cache_control",
+        "context_management",
+        "output_config",
+    }
+)
 # keys a block may carry that change nothing here when null (what the SDK sends back of a block it parsed)
 _CACHE = ("cache_control",)
 _BLOCK_KEYS = {
@@ -304,8 +316,10 @@ def _messages(value: Any, system: Any) -> list[dict[str, Any]]:
             out.extend(_user(message.get("content"), where))
         elif role == "assistant":
             out.append(_assistant(message.get("content"), where))
+        elif role == "system":  # a system message within the conversation (Anthropic's mid-conversation system)
+            out.append({"role": "system", "content": _text_content(message.get("content"), f"{where}.content")})
         else:
-            raise bad(f"{where}.role must be 'user' or 'assistant', got {role!r}", f"{where}.role")
+            raise bad(f"{where}.role must be 'user', 'assistant' or 'system', got {role!r}", f"{where}.role")
     if value[-1].get("role") == "assistant":
         raise bad(
             f"messages[{len(value) - 1}]: a last assistant message (prefill) is not supported: the gateway renders "
@@ -458,6 +472,71 @@ def _metadata(value: Any) -> dict[str, Any] | None:
     return value
 
 
+#: the system block Claude Code puts first: its version and entry point, for Anthropic's billing (it changes with
+#: each release). It is addressed to the API, not the model: kept with the turn's request, not rendered.
+_BILLING_HEADER = "x-anthropic-billing-header:"
+#: the context-management edits that change nothing for a harness that sends its whole history: keeping all
+#: thinking blocks is what the gateway does anyway
+_NO_OP_EDITS = {"clear_thinking_20251015": {"keep": "all"}}
+_EFFORTS = ("low", "medium", "high", "max", "xhigh")
+
+
+def _billing_header(system: Any) -> tuple[Any, str | None]:
+    """``system`` without Claude Code's billing block, and that block's text (``None``: none sent)."""
+    if not isinstance(system, list) or not system:
+        return system, None
+    first = system[0]
+    text = first.get("text") if isinstance(first, dict) and first.get("type") == "text" else None
+    if isinstance(text, str) and text.startswith(_BILLING_HEADER):
+        return system[1:], text
+    return system, None
+
+
+def _context_management(value: Any) -> None:
+    """Accept the edits that change nothing here; refuse, by name, any that would drop history server-side."""
+    if value is None:
+        return
+    if not isinstance(value, dict) or set(value) - {"edits"} or not isinstance(value.get("edits"), list):
+        raise bad('context_management must be {"edits": [...]}', "context_management", "invalid_type")
+    for i, edit in enumerate(value["edits"]):
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        keep = _NO_OP_EDITS.get(kind) if isinstance(kind, str) else None
+        settings = {k: v for k, v in edit.items() if k != "type"} if isinstance(edit, dict) else None
+        if keep is None or settings != keep:
+            raise bad(
+                f"context_management.edits[{i}] ({kind!r}) would clear history server-side, which the gateway does "
+                f"not do (the harness keeps its history; accepted: {_NO_OP_EDITS})",
+                f"context_management.edits[{i}]",
+                "unsupported_parameter",
+            )
+
+
+def _output_config(value: Any) -> tuple[str | None, JsonSchema | None]:
+    """The effort asked for (recorded with the turn: a chat template has no effort setting, so it changes nothing
+    on the served model) and the output format (a JSON schema the engine constrains the reply to)."""
+    if value is None:
+        return None, None
+    if not isinstance(value, dict):
+        raise bad("output_config must be an object", "output_config", "invalid_type")
+    extra = sorted(set(value) - {"effort", "format"})
+    if extra:
+        raise bad(f"output_config.{extra[0]} is not supported", f"output_config.{extra[0]}", "unknown_parameter")
+    effort = value.get("effort")
+    if effort is not None and effort not in _EFFORTS:
+        raise bad(f"output_config.effort must be one of {list(_EFFORTS)}, got {effort!r}", "output_config.effort")
+    fmt = value.get("format")
+    if fmt is None:
+        return effort, None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise bad(
+            'output_config.format must be {"type": "json_schema", "schema": {...}}',
+            "output_config.format",
+            "invalid_value",
+        )
+    return effort, JsonSchema(fmt["schema"])
+
+
 def parse_messages_request(body: Any, *, limit: CompletionLimit, counting: bool = False) -> MessagesCall:
     """Check a Messages body (decoded JSON) and turn it into a :class:`MessagesCall`.
 
@@ -481,7 +560,10 @@ def parse_messages_request(body: Any, *, limit: CompletionLimit, counting: bool 
     if not counting and body.get("max_tokens") is None:
         raise bad("max_tokens is required", "max_tokens", "missing_parameter")
     max_tokens = completion_tokens(body, "max_tokens", limit)
-    messages = _messages(body.get("messages"), body.get("system"))
+    system, billing = _billing_header(body.get("system"))
+    messages = _messages(body.get("messages"), system)
+    effort, structured = _output_config(body.get("output_config"))
+    _context_management(body.get("context_management"))
     tools = _tools(body.get("tools"))
     _tool_choice(body.get("tool_choice"), tools)
     kwargs = _template_kwargs(body, max_tokens)
@@ -498,13 +580,16 @@ def parse_messages_request(body: Any, *, limit: CompletionLimit, counting: bool 
         top_p=1.0 if top_p is None else top_p,
         top_k=-1 if top_k in (None, 0) else top_k,
         stop=_stop_sequences(body.get("stop_sequences")),
+        structured=structured,
     )
     turn = TurnRequest(
         messages=messages,
         tools=tools,
         sampling=sampling,
         chat_template_kwargs=kwargs,
-        metadata={} if metadata is None else {"metadata": metadata},
+        metadata={
+            k: v for k, v in (("metadata", metadata), ("effort", effort), ("billing_header", billing)) if v is not None
+        },
         image_parts=_image_parts(body["messages"]),
     )
     return MessagesCall(turn=turn, model=model, stream=bool(stream))

@@ -216,20 +216,24 @@ class Gateway:
         )
 
     async def open(self) -> None:
-        """Load the tokenizer and probe its template (a missing or broken one fails here, naming its path, not at
-        the first turn), then open the store."""
+        """Open the store, then load the tokenizer and probe its template (a missing or broken one fails here,
+        naming its path, not at the first turn)."""
+        await self.store.open()
         try:
-            self.client.tokenizer  # noqa: B018  (loading it is the point)
-        except BackendError as exc:
-            raise ConfigError(
-                f"the gateway cannot start: the tokenizer {self.client.config.tokenizer!r} does not load: {exc}"
-            ) from exc
-        self.roles = TemplateRoles.probe(self.client)
+            try:
+                self.client.tokenizer  # noqa: B018  (loading it is the point)
+            except BackendError as exc:
+                raise ConfigError(
+                    f"the gateway cannot start: the tokenizer {self.client.config.tokenizer!r} does not load: {exc}"
+                ) from exc
+            self.roles = TemplateRoles.probe(self.client)
+        except BaseException:
+            await self.store.aclose()
+            raise
         self.context_length, self._context_source = self.limits.context_length, "; --context-length"
         if self.context_length is None:
             self.context_length = model_context_length(self.client.config.tokenizer)
             self._context_source = "; max_position_embeddings of the model's config.json, or --context-length"
-        await self.store.open()
 
     async def aclose(self) -> None:
         await self.store.aclose()
@@ -303,13 +307,8 @@ class Gateway:
                 retry_after=self.limits.retry_after_s,
                 code="too_many_sessions",
             )
-        state = SessionState(record=SessionRecord(id=session, group=group, owner=owner))
+        state = SessionState(record=SessionRecord(id=session, group=group, owner=owner), saved=False)
         self._sessions[session] = state
-        try:
-            await self.store.create_session(state.record)
-        except BaseException:
-            self._sessions.pop(session, None)
-            raise
         return state
 
     async def _named(self, session: str, group: str | None, owner: str | None) -> SessionState:
@@ -564,6 +563,13 @@ class Gateway:
     def _end(self, state: SessionState, plan: _Plan) -> None:
         if plan.branch is not None:
             state.claimed.discard(plan.branch)
+        plan.branch = None
+
+    def _leave_session(self, state: SessionState) -> None:
+        """A request placed in ``state`` ended: a new session it answered nothing in is gone with it."""
+        state.pending -= 1
+        if not state.saved and state.pending == 0 and self._sessions.get(state.record.id) is state:
+            del self._sessions[state.record.id]
 
     def _generate_args(self, state: SessionState, request: TurnRequest, plan: _Plan) -> dict[str, Any]:
         return {
@@ -633,7 +639,11 @@ class Gateway:
         continued = turn.parent if turn.parent is not None and turn.parent not in state.continued else None
         record.counts = counts
         state.add(turn, digest)  # before the store answers, so a concurrent turn numbers after it
+        creating = not state.saved
+        state.saved = True
         try:
+            if creating:
+                await self.store.create_session(record)
             await self.store.record_turn(turn, record, new_branch)
         except BaseException:  # not kept, so not answered: the session must not extend it
             record.counts, tip, state.last_branch, state.longest = before
@@ -647,6 +657,8 @@ class Gateway:
                 state.tips[branch] = tip
             if new_branch is not None:
                 state.branches.pop(new_branch.branch, None)
+            if creating:
+                state.saved = False
             raise
         self._join(digest, record.id)
         return Served(session=record.id, record=turn, result=result, message=message, key=plan.key, owner=owner)

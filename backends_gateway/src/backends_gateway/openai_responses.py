@@ -92,6 +92,7 @@ _KNOWN = frozenset(
         "truncation",
         "previous_response_id",
         "prompt_cache_key",
+        "client_metadata",
         # vLLM's extension, as on the chat route
         "chat_template_kwargs",
         *_REFUSED,
@@ -359,15 +360,30 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def _tools(value: Any) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]]]:
-    """The function tools as the chat template takes them, and as the response echoes them."""
+#: tools the gateway does not offer to the model, each turn recording them (``request.tools_not_offered``): a
+#: hosted web search runs on OpenAI's servers (nothing here can run it), and a namespace's tools (Codex's
+#: sub-agents) have no rendering in a chat template, which takes function tools only
+_NOT_OFFERED = {
+    "web_search": "a hosted tool: OpenAI runs it, no local engine can",
+    "web_search_preview": "a hosted tool: OpenAI runs it, no local engine can",
+    "namespace": "a namespace of tools: the chat template renders function tools only",
+}
+
+
+def _tools(value: Any) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]], list[dict[str, Any]]]:
+    """The function tools as the chat template takes them, as the response echoes them, and the tools not
+    offered to the model (:data:`_NOT_OFFERED`, with why)."""
     if value is None:
-        return None, []
+        return None, [], []
     if not isinstance(value, list):
         raise bad("tools must be a list", "tools", "invalid_type")
-    chat, echo = [], []
+    chat, echo, skipped = [], [], []
     for i, tool in enumerate(value):
         kind = tool.get("type") if isinstance(tool, dict) else None
+        if isinstance(kind, str) and kind in _NOT_OFFERED:
+            assert isinstance(tool, dict)
+            skipped.append({"tool": dict(tool), "why": _NOT_OFFERED[kind]})
+            continue
         if kind != "function":
             raise bad(
                 f"tools[{i}] is a {kind!r} tool: this gateway serves function tools only (the harness runs them)",
@@ -392,7 +408,7 @@ def _tools(value: Any) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]
                 "strict": tool.get("strict"),
             }
         )
-    return chat or None, echo
+    return chat or None, echo, skipped
 
 
 def _text_format(value: Any) -> JsonSchema | None:
@@ -427,11 +443,14 @@ def _check_reasoning(value: Any) -> None:
     extra = sorted(set(value) - {"effort", "summary", "generate_summary"})
     if extra:
         raise bad(f"unknown parameter reasoning.{extra[0]}", f"reasoning.{extra[0]}", "unknown_parameter")
-    for key, why in (
-        ("effort", "reasoning effort (pass chat_template_kwargs, e.g. enable_thinking)"),
-        ("summary", "reasoning summaries (the reasoning itself is answered as reasoning_text content)"),
-        ("generate_summary", "reasoning summaries (the reasoning itself is answered as reasoning_text content)"),
-    ):
+    for key in ("summary", "generate_summary"):
+        if value.get(key) not in (None, "auto", "concise", "detailed"):
+            raise bad(
+                f"reasoning.{key} must be auto, concise or detailed, got {value[key]!r}",
+                f"reasoning.{key}",
+                "invalid_value",
+            )
+    for key, why in (("effort", "reasoning effort (pass chat_template_kwargs, e.g. enable_thinking)"),):
         if value.get(key) is not None:
             raise bad(
                 f"reasoning.{key} is not supported by this gateway: {why}", f"reasoning.{key}", "unsupported_parameter"
@@ -490,7 +509,7 @@ def parse_responses_request(body: Any, *, limit: CompletionLimit) -> ResponsesCa
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad("instructions must be a string", "instructions", "invalid_type")
-    tools, tools_echo = _tools(body.get("tools"))
+    tools, tools_echo, not_offered = _tools(body.get("tools"))
     choice = body.get("tool_choice")
     refuse_unenforceable_tool_choice(choice, body.get("parallel_tool_calls"), has_tools=tools is not None)
     stream = body.get("stream")
@@ -541,7 +560,7 @@ def parse_responses_request(body: Any, *, limit: CompletionLimit) -> ResponsesCa
         "parallel_tool_calls": True,
         "previous_response_id": previous,
         "reasoning": {"effort": None, "summary": None},
-        "store": True,
+        "store": body.get("store", True),
         "temperature": sampling.temperature,
         "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
         "tool_choice": choice or "auto",
@@ -550,7 +569,14 @@ def parse_responses_request(body: Any, *, limit: CompletionLimit) -> ResponsesCa
         "truncation": "disabled",
         "user": body.get("user"),
     }
-    recorded = {k: body[k] for k in ("user", "metadata", "prompt_cache_key") if body.get(k) is not None}
+    client_metadata = body.get("client_metadata")
+    if client_metadata is not None and not isinstance(client_metadata, dict):
+        raise bad("client_metadata must be an object", "client_metadata", "invalid_type")
+    recorded = {
+        k: body[k] for k in ("user", "metadata", "prompt_cache_key", "client_metadata") if body.get(k) is not None
+    }
+    if not_offered:
+        recorded["tools_not_offered"] = not_offered
     return ResponsesCall(
         model=model,
         stream=bool(stream),

@@ -336,6 +336,11 @@ class SessionState:
     orphans: dict[bytes, TurnRecord] = attrs.field(factory=dict)
     #: turns some later turn extends (their continuation exists): history that extends one is not guessed
     continued: set[int] = attrs.field(factory=set)
+    #: whether the store has the session: a new one is kept with its first answered turn, so that a request
+    #: refused or failed before it was answered leaves no session behind
+    saved: bool = True
+    #: requests placed in the session and not yet ended
+    pending: int = 0
 
     def key(self, turn: TurnRecord) -> bytes:
         return chain_digests([*turn.messages, turn.reply], turn.tools, turn.chat_template_kwargs)[-1]

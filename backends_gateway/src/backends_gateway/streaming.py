@@ -71,6 +71,7 @@ async def stream_turn(
                 elif isinstance(event, Served):  # durable: the rest ends the stream
                     served = event
                     await response.write(wire.finish(event))
+                    ended = True  # every event of the answer is written (a harness may hang up before the end)
         except (_GONE, asyncio.CancelledError):
             raise
         except GatewayError as exc:
@@ -80,7 +81,6 @@ async def stream_turn(
             error = GatewayError(500, f"{type(exc).__name__}: {exc}", kind="server_error", code="internal")
             await response.write(wire.error(error))
         await response.write_eof()
-        ended = True
     except _GONE:
         log.info("%s %s: the client went away during the stream", request.method, request.path)
     finally:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import filecmp
 import hashlib
 import json
 import os
@@ -165,6 +166,42 @@ def write_perturbed_weights(src: Path, dst: Path, *, seed: int, scale: float) ->
     tensors = load_file(str(src / _WEIGHTS))
     noisy = {name: (t + scale * rng.standard_normal(t.shape)).astype(np.float32) for name, t in sorted(tensors.items())}
     save_file(noisy, str(dst / _WEIGHTS), metadata=_SAFETENSORS_META)
+    return dst
+
+
+def write_long_context_variant(src: Path, dst: Path, *, max_position_embeddings: int = 131072) -> Path:
+    """Write a copy of the model in ``src`` whose context is ``max_position_embeddings`` (``config.json``; the
+    tokenizer's ``model_max_length`` too): the weights are the same (rotary positions need none), so real agent
+    harnesses, whose prompts run to tens of thousands of ids with this tokenizer, fit.
+
+    Idempotent: a complete copy with that context is reused; one is written in a temporary directory and moved
+    into place under a lock, so concurrent callers never see half of it.
+
+    :returns: ``dst``.
+    """
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(dst.parent / f".{dst.name}.lock"):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            same = all(filecmp.cmp(src / name, dst / name, shallow=False) for name in (_WEIGHTS, "tokenizer.json"))
+            if (
+                same
+                and json.loads((dst / "config.json").read_text())["max_position_embeddings"] == max_position_embeddings
+            ):
+                return dst
+        with tempfile.TemporaryDirectory(prefix=f".{dst.name}-", dir=dst.parent) as tmp:
+            staging = Path(tmp) / dst.name
+            shutil.copytree(src, staging)
+            config = json.loads((staging / "config.json").read_text())
+            config["max_position_embeddings"] = max_position_embeddings
+            _atomic_write_text(staging / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+            tokenizer_config = staging / "tokenizer_config.json"
+            if tokenizer_config.exists():
+                settings = json.loads(tokenizer_config.read_text())
+                settings["model_max_length"] = max_position_embeddings
+                _atomic_write_text(tokenizer_config, json.dumps(settings, indent=2, sort_keys=True) + "\n")
+            if dst.exists():
+                shutil.rmtree(dst)
+            staging.rename(dst)
     return dst
 
 

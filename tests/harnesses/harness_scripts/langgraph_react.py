@@ -41,7 +41,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=["invoke", "values", "updates", "messages"], default="invoke")
     args = parser.parse_args()
-    llm = ChatOpenAI(model=model(), base_url=base_url(), api_key=api_key())  # type: ignore[arg-type]
+    llm = ChatOpenAI(model=model(), base_url=base_url(), api_key=api_key())
     graph: Any = create_react_agent(llm, [run_shell], prompt=SYSTEM)
     inputs = {"messages": [("user", TASK)]}
     messages: list[BaseMessage] = []

@@ -7,7 +7,6 @@ at the end), ``--task``. The model is ``openai/<name>`` (LiteLLM's OpenAI-compat
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,4 +31,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
