@@ -50,7 +50,7 @@ BAD = [
     ("max_tokens past the limit", body(max_tokens=10**6), "max_tokens", "max_tokens_too_large"),
     ("no model", {"max_tokens": 8, "messages": USER}, "model", "invalid_type"),
     ("no messages", body(messages=[]), "messages", "invalid_type"),
-    ("a system role", body(messages=[{"role": "system", "content": "x"}]), "messages[0].role", "invalid_value"),
+    ("a tool role", body(messages=[{"role": "tool", "content": "x"}]), "messages[0].role", "invalid_value"),
     ("a message field", body(messages=[{**USER[0], "name": "bob"}]), "messages[0].name", "unknown_parameter"),
     (
         "an image in a tool result",
@@ -171,8 +171,13 @@ BAD = [
         "mcp_servers",
         "unsupported_parameter",
     ),
-    ("context_management", body(context_management={"edits": []}), "context_management", "unsupported_parameter"),
-    ("output_config", body(output_config={"effort": "low"}), "output_config", "unsupported_parameter"),
+    (
+        "context_management clearing tool uses",
+        body(context_management={"edits": [{"type": "clear_tool_uses_20250919"}]}),
+        "context_management.edits[0]",
+        "unsupported_parameter",
+    ),
+    ("output_config verbosity", body(output_config={"verbosity": "low"}), "output_config.verbosity", "unknown_parameter"),
     ("stream not a boolean", body(stream="yes"), "stream", "invalid_type"),
 ]
 

@@ -46,6 +46,7 @@ from backends_core.server import REQUEST_ID, Server
 from backends_core.types import (
     GenerateRequest,
     GenerateResult,
+    Grammar,
     Message,
     MessageSpan,
     SamplingParams,
@@ -323,6 +324,9 @@ class Client:
         """
         if not isinstance(result, GenerateResult):
             raise InvalidRequestError(f"parse_completion takes a GenerateResult, got {type(result).__name__}")
+        return self._completion_parser().parse(result)
+
+    def _completion_parser(self) -> CompletionParser:
         if self._parser is None:
             chosen = self.parsers
             driver = self.driver
@@ -331,7 +335,20 @@ class Client:
                 tool_parser=None if chosen["tool"] is None else driver.tool_parsers[chosen["tool"]],
                 reasoning_parser=None if chosen["reasoning"] is None else driver.reasoning_parsers[chosen["reasoning"]],
             )
-        return self._parser.parse(result)
+        return self._parser
+
+    def tool_call_grammar(self, names: Sequence[str], *, single: bool = False) -> Grammar | None:
+        """A structured-output constraint (:class:`Grammar`) under which the engine can only answer with calls of
+        the tools ``names``, written as :meth:`parse_completion` reads them (one call if ``single``): how
+        ``tool_choice`` "required" or a named function is honoured. ``None``: the tool parser in use offers no
+        grammar (a third-party parser without ``call_grammar``), or there is none.
+
+        :raises InvalidRequestError: no names.
+        """
+        if not names:
+            raise InvalidRequestError("tool_call_grammar needs at least one tool name")
+        grammar = self._completion_parser().call_grammar(list(names), single=single)
+        return None if grammar is None else Grammar(grammar)
 
     @property
     def parsers(self) -> dict[str, str | None]:

@@ -118,6 +118,10 @@ class Qwen3ReasoningParser:
             return "none"
         return "open" if opened > closed else "closed"
 
+    #: the reasoning a reply constrained by a grammar may start with (an EBNF rule body): a whole block, text
+    #: without ``<`` in it
+    grammar_prefix = '"<think>" [^<]* "</think>" [\\n]*'
+
     def __call__(self, text: str, *, prompt_ids: Sequence[int]) -> tuple[str | None, str]:
         state = self._prompt_state(prompt_ids)
         if state == "closed":
@@ -213,6 +217,44 @@ class HermesToolParser:
             at = _WS.match(text, close + len(_END_TOOL_CALL)).end()  # type: ignore[union-attr]
         return text[:first].removesuffix("\n"), calls
 
+    def call_grammar(self, names: Sequence[str], *, single: bool) -> str:
+        """An EBNF grammar (xgrammar's dialect, which vLLM and SGLang take) of replies that are only tool calls,
+        as the template writes them: one block (``single``) or several, each calling one of ``names`` with a
+        JSON object of arguments. The engine constrained to it honours ``tool_choice`` "required" or a named
+        function."""
+        calls = "call" if single else 'call ("\\n" call)*'
+        return (
+            f"root ::= {calls}\n"
+            'call ::= "<tool_call>\\n{\\"name\\": \\"" name "\\", \\"arguments\\": " object "}\\n</tool_call>"\n'
+            f"name ::= {' | '.join(_ebnf_literal(name) for name in names)}\n" + _JSON_GRAMMAR
+        )
+
+
+#: Generic JSON values in EBNF, the rules a tool-call grammar's ``object`` names.
+_JSON_GRAMMAR = "\n".join(
+    [
+        'object ::= "{" ws ( member ( ws "," ws member )* )? ws "}"',
+        'member ::= string ws ":" ws value',
+        'array ::= "[" ws ( value ( ws "," ws value )* )? ws "]"',
+        'value ::= object | array | string | number | "true" | "false" | "null"',
+        'string ::= "\\"" char* "\\""',
+        'char ::= [^"\\\\] | "\\\\" escape',
+        'escape ::= ["\\\\/bfnrt] | "u" hex hex hex hex',
+        "hex ::= [0-9a-fA-F]",
+        'number ::= "-"? int frac? exp?',
+        'int ::= "0" | [1-9] [0-9]*',
+        'frac ::= "." [0-9]+',
+        "exp ::= [eE] [-+]? [0-9]+",
+        "ws ::= [ \\t\\n]*",
+    ]
+)
+
+
+def _ebnf_literal(text: str) -> str:
+    """``text`` as an EBNF string literal: the JSON string of a name, quotes included, written inside one."""
+    quoted = json.dumps(text)
+    return '"' + quoted.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
 
 #: What ``"auto"`` looks for in a chat template: a parser factory's ``template_markers`` attribute, the strings a
 #: template that writes its convention contains (a third-party factory sets it to be chosen the same way).
@@ -290,6 +332,18 @@ class CompletionParser:
         return str(
             self.tokenizer.decode(self.body_ids(result), skip_special_tokens=False, clean_up_tokenization_spaces=False)
         )
+
+    def call_grammar(self, names: Sequence[str], *, single: bool) -> str | None:
+        """A grammar of replies that only call tools named ``names`` (after a reasoning block where the reasoning
+        parser allows one), ``None`` when the tool parser offers none (a parser without ``call_grammar``)."""
+        make = getattr(self.tool_parser, "call_grammar", None)
+        if make is None:
+            return None
+        grammar = str(make(names, single=single))
+        prefix = getattr(self.reasoning_parser, "grammar_prefix", None)
+        if prefix:
+            grammar = grammar.replace("root ::= ", f"root ::= ( {prefix} )? ", 1)
+        return grammar
 
     def parse(self, result: GenerateResult) -> dict[str, Any]:
         """The assistant message of ``result``: ``role``, ``content`` (a string), ``reasoning_content`` (``None``

@@ -30,7 +30,16 @@ import orjson
 
 from backends_core import GenerateResult, JsonSchema, SamplingParams
 from backends_gateway.errors import GatewayError
-from backends_gateway.fields import CompletionLimit, bad, check_image, completion_tokens, integer, number
+from backends_gateway.fields import (
+    CompletionLimit,
+    ToolChoice,
+    bad,
+    check_image,
+    completion_tokens,
+    integer,
+    number,
+    tool_choice,
+)
 from backends_gateway.sessions import TurnRequest
 
 __all__ = [
@@ -384,23 +393,34 @@ def _tools(value: Any) -> list[dict[str, Any]] | None:
     return out or None
 
 
-def _tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> None:
+def _tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> ToolChoice | None:
+    """Anthropic's tool choice: ``auto``, ``any`` (a call is required), ``tool`` (that tool), ``none`` (no
+    tools sent); ``disable_parallel_tool_use`` with ``any`` or ``tool`` (one call)."""
     if value is None:
-        return
+        return None
     kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "auto" or (kind == "none" and tools is None):
-        if value.get("disable_parallel_tool_use"):
-            raise bad(
-                "tool_choice.disable_parallel_tool_use cannot be enforced by the gateway",
-                "tool_choice.disable_parallel_tool_use",
-                "unsupported_parameter",
-            )
-        return
-    raise bad(
-        f"tool_choice {value!r} cannot be enforced by the gateway: send {{'type': 'auto'}} (or omit it)",
-        "tool_choice",
-        "unsupported_parameter",
-    )
+    if not isinstance(value, dict) or kind not in ("auto", "any", "tool", "none"):
+        raise bad("tool_choice.type must be auto, any, tool or none", "tool_choice")
+    extra = sorted(set(value) - {"type", "name", "disable_parallel_tool_use"})
+    if extra:
+        raise bad(
+            f"tool_choice.{extra[0]} is not a field of a tool choice", f"tool_choice.{extra[0]}", "unknown_parameter"
+        )
+    single = value.get("disable_parallel_tool_use")
+    if single not in (None, True, False):
+        raise bad("tool_choice.disable_parallel_tool_use must be a boolean", "tool_choice.disable_parallel_tool_use")
+    choice = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[kind]
+    name = value.get("name")
+    if kind == "tool" and not isinstance(name, str):
+        raise bad("tool_choice.name must name a tool", "tool_choice.name", "invalid_type")
+    parallel = None if single is None else not single
+    if kind in ("auto", "none") and single:
+        raise bad(
+            "tool_choice.disable_parallel_tool_use can only be enforced with tool_choice any or tool",
+            "tool_choice.disable_parallel_tool_use",
+            "unsupported_parameter",
+        )
+    return tool_choice(choice, None if kind in ("auto", "none") else parallel, tools=tools, named=name)
 
 
 def _thinking(value: Any, max_tokens: int | None) -> bool | None:
@@ -565,7 +585,7 @@ def parse_messages_request(body: Any, *, limit: CompletionLimit, counting: bool 
     effort, structured = _output_config(body.get("output_config"))
     _context_management(body.get("context_management"))
     tools = _tools(body.get("tools"))
-    _tool_choice(body.get("tool_choice"), tools)
+    forced = _tool_choice(body.get("tool_choice"), tools)
     kwargs = _template_kwargs(body, max_tokens)
     stream = body.get("stream")
     if stream not in (None, True, False):
@@ -591,6 +611,7 @@ def parse_messages_request(body: Any, *, limit: CompletionLimit, counting: bool 
             k: v for k, v in (("metadata", metadata), ("effort", effort), ("billing_header", billing)) if v is not None
         },
         image_parts=_image_parts(body["messages"]),
+        tool_choice=forced,
     )
     return MessagesCall(turn=turn, model=model, stream=bool(stream))
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -20,7 +20,8 @@ __all__ = [
     "check_image_detail",
     "integer",
     "number",
-    "refuse_unenforceable_tool_choice",
+    "ToolChoice",
+    "tool_choice",
 ]
 
 
@@ -72,22 +73,50 @@ def integer(body: Mapping[str, Any], key: str, *, low: int, high: int | None = N
     return value
 
 
-def refuse_unenforceable_tool_choice(choice: Any, parallel: Any, *, has_tools: bool) -> None:
-    """Refuse what a template-rendered prompt cannot make the model obey: a forced or named tool choice, and
-    ``parallel_tool_calls: false`` (nothing stops a sampled reply from calling two tools, and the answer must be
-    what was sampled)."""
-    if choice not in (None, "auto") and not (choice == "none" and not has_tools):
-        raise bad(
-            f"tool_choice {choice!r} cannot be enforced by the gateway: send 'auto' (or omit it)",
-            "tool_choice",
-            "unsupported_parameter",
-        )
-    if parallel not in (None, True):
-        raise bad(
-            "parallel_tool_calls=false cannot be enforced by the gateway",
-            "parallel_tool_calls",
-            "unsupported_parameter",
-        )
+@attrs.frozen(kw_only=True)
+class ToolChoice:
+    """A tool choice the engine is constrained to: the reply only calls tools (``name``: only that one), one call
+    (``single``) or several. Honoured with a grammar of the template's tool-call markup (the gateway refuses it,
+    naming ``param``, where the tool parser or the engine has none)."""
+
+    name: str | None
+    single: bool
+    param: str = "tool_choice"
+
+
+def tool_choice(
+    choice: Any, parallel: Any, *, tools: Sequence[Mapping[str, Any]] | None, named: str | None
+) -> ToolChoice | None:
+    """An OpenAI tool choice (``named``: the function a named choice names, already read from its wire's form),
+    as what constrains the engine (``None``: the model chooses). ``parallel_tool_calls: false`` is honoured with a
+    forced choice (one call) and refused without one: nothing else can stop a sampled reply from calling two
+    tools, and the answer must be what was sampled."""
+    names = [t["function"]["name"] for t in tools or ()]
+    if choice in (None, "auto"):
+        if parallel not in (None, True):
+            raise bad(
+                "parallel_tool_calls=false can only be enforced with tool_choice 'required' or a named function",
+                "parallel_tool_calls",
+                "unsupported_parameter",
+            )
+        return None
+    if choice == "none":
+        if names:
+            raise bad(
+                "tool_choice 'none' with tools cannot be enforced by the gateway: send no tools (or 'auto')",
+                "tool_choice",
+                "unsupported_parameter",
+            )
+        return None
+    if not names:
+        raise bad(f"tool_choice {choice!r} needs tools", "tool_choice")
+    if choice == "required":
+        return ToolChoice(name=None, single=parallel is False)
+    if named is None:
+        raise bad(f"tool_choice {choice!r} is not a tool choice this route takes", "tool_choice")
+    if named not in names:
+        raise bad(f"tool_choice names {named!r}, which is not one of the tools {names}", "tool_choice")
+    return ToolChoice(name=named, single=True)
 
 
 def check_image(url: Any, param: str) -> None:

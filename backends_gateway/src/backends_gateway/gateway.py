@@ -21,7 +21,15 @@ import attrs
 import numpy as np
 import orjson
 
-from backends_core import BackendError, BridgeError, Client, ConfigError, GenerateResult, UnsupportedOperationError
+from backends_core import (
+    BackendError,
+    BridgeError,
+    Client,
+    ConfigError,
+    GenerateResult,
+    SamplingParams,
+    UnsupportedOperationError,
+)
 from backends_core.images import image_token_id
 from backends_gateway.errors import GatewayError, Overloaded, from_backend_error
 from backends_gateway.fields import CompletionLimit
@@ -464,7 +472,49 @@ class Gateway:
         if self.roles is None:
             raise RuntimeError("the gateway is not open (async with Gateway(...) or await gateway.open())")
         messages = self.roles.adapt(request.messages)
-        return request if list(messages) == list(request.messages) else attrs.evolve(request, messages=messages)
+        if list(messages) != list(request.messages):
+            request = attrs.evolve(request, messages=messages)
+        if request.tool_choice is not None:
+            request = attrs.evolve(request, sampling=self._constrained(request))
+        return request
+
+    def _constrained(self, request: TurnRequest) -> SamplingParams:
+        """The request's sampling, the engine constrained to the template's tool-call markup (its tool choice).
+
+        :raises GatewayError: the tool parser offers no grammar, the engine takes none, or the request also asks
+            for a response format (400, naming the tool choice).
+        """
+        choice = request.tool_choice
+        assert choice is not None
+        names = [choice.name] if choice.name is not None else [t["function"]["name"] for t in request.tools or ()]
+        if request.sampling.structured is not None:
+            raise GatewayError(
+                400,
+                f"{choice.param} forces a tool call and the request also asks for a response format: send one",
+                param=choice.param,
+                code="unsupported_parameter",
+            )
+        grammar = self.client.tool_call_grammar(names, single=choice.single)
+        if grammar is None:
+            raise GatewayError(
+                400,
+                f"{choice.param} cannot be enforced: the tool parser {self.client.parsers['tool']!r} gives no "
+                "grammar of its markup to constrain the engine to (send 'auto')",
+                param=choice.param,
+                code="unsupported_parameter",
+            )
+        sampling = attrs.evolve(request.sampling, structured=grammar)
+        try:
+            self.client.driver.check_sampling(sampling)
+        except UnsupportedOperationError as exc:
+            raise GatewayError(
+                400,
+                f"{choice.param} cannot be enforced on this engine: it is honoured by constraining the engine to "
+                f"the tool-call markup (a grammar), which {exc}",
+                param=choice.param,
+                code="unsupported_parameter",
+            ) from exc
+        return sampling
 
     async def _begin(
         self,
@@ -644,6 +694,7 @@ class Gateway:
         try:
             if creating:
                 await self.store.create_session(record)
+                creating = False  # the store has it now, whatever happens to the turn
             await self.store.record_turn(turn, record, new_branch)
         except BaseException:  # not kept, so not answered: the session must not extend it
             record.counts, tip, state.last_branch, state.longest = before

@@ -26,7 +26,7 @@ from backends_gateway.fields import (
     completion_tokens,
     integer,
     number,
-    refuse_unenforceable_tool_choice,
+    tool_choice,
 )
 from backends_gateway.sessions import TurnRequest
 
@@ -235,8 +235,13 @@ def parse_chat_request(body: Any, *, limit: CompletionLimit) -> ChatCall:
         raise bad("model must be a non-empty string", "model", "invalid_type")
     messages, image_parts = _check_messages(body.get("messages"))
     tools = _check_tools(body.get("tools"))
-    refuse_unenforceable_tool_choice(
-        body.get("tool_choice"), body.get("parallel_tool_calls"), has_tools=tools is not None
+    choice = body.get("tool_choice")
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    forced = tool_choice(
+        choice,
+        body.get("parallel_tool_calls"),
+        tools=tools,
+        named=fn.get("name") if isinstance(fn, dict) and isinstance(fn.get("name"), str) else None,
     )
     stream = body.get("stream")
     if stream not in (None, True, False):
@@ -307,6 +312,7 @@ def parse_chat_request(body: Any, *, limit: CompletionLimit) -> ChatCall:
         metadata={k: v for k, v in (("user", user), ("metadata", metadata)) if v is not None},
         image_parts=image_parts,
         fit_context=max_tokens is None,
+        tool_choice=forced,
     )
     return ChatCall(turn=turn, model=model, stream=bool(stream), include_usage=include_usage, logprobs=bool(logprobs))
 

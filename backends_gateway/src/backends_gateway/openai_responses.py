@@ -30,12 +30,13 @@ from backends_core import JsonSchema, SamplingParams
 from backends_gateway.errors import GatewayError
 from backends_gateway.fields import (
     CompletionLimit,
+    ToolChoice,
     bad,
     check_image,
     check_image_detail,
     completion_tokens,
     number,
-    refuse_unenforceable_tool_choice,
+    tool_choice,
 )
 from backends_gateway.gateway import Gateway, Served, Started
 from backends_gateway.openai_chat import error_body
@@ -135,6 +136,7 @@ class ResponsesCall:
     image_parts: tuple[str, ...] = ()
     #: no max_output_tokens named: the turn may use what its prompt leaves of the model's context
     fit_context: bool = False
+    tool_choice: ToolChoice | None = None
 
     def turn(self, suffix: str, previous: TurnRecord | None = None) -> TurnRequest:
         """The turn to generate: the previous response's messages and reply (its instructions replaced by this
@@ -164,6 +166,7 @@ class ResponsesCall:
             metadata={**self.metadata, "responses": responses},
             image_parts=(*earlier, *self.image_parts),
             fit_context=self.fit_context,
+            tool_choice=self.tool_choice,
         )
 
 
@@ -511,7 +514,10 @@ def parse_responses_request(body: Any, *, limit: CompletionLimit) -> ResponsesCa
         raise bad("instructions must be a string", "instructions", "invalid_type")
     tools, tools_echo, not_offered = _tools(body.get("tools"))
     choice = body.get("tool_choice")
-    refuse_unenforceable_tool_choice(choice, body.get("parallel_tool_calls"), has_tools=tools is not None)
+    named = choice.get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    forced = tool_choice(
+        choice, body.get("parallel_tool_calls"), tools=tools, named=named if isinstance(named, str) else None
+    )
     stream = body.get("stream")
     if stream not in (None, True, False):
         raise bad("stream must be a boolean", "stream", "invalid_type")
@@ -590,6 +596,7 @@ def parse_responses_request(body: Any, *, limit: CompletionLimit) -> ResponsesCa
         echo=echo,
         image_parts=_image_parts(body.get("input")),
         fit_context=max_tokens is None,
+        tool_choice=forced,
     )
 
 

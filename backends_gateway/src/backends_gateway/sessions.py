@@ -30,6 +30,7 @@ from backends_core import BridgeError, GenerateResult, MessageSpan, RoutedExpert
 from backends_core.images import Image, ImageSpan, json_default
 from backends_core.multiturn import normalize_message
 from backends_core.multiturn.messages import images_of
+from backends_gateway.fields import ToolChoice
 
 __all__ = [
     "Branch",
@@ -64,6 +65,8 @@ class TurnRequest:
     #: the harness named no completion limit: ``sampling.max_tokens`` is a ceiling, lowered to what the prompt
     #: leaves of the model's context
     fit_context: bool = False
+    #: the engine constrained to call tools (``tool_choice`` "required" or a named function)
+    tool_choice: ToolChoice | None = None
 
 
 def _ids(values: Any) -> npt.NDArray[np.int32]:
