@@ -8,12 +8,15 @@ shell tool; calls the same command again (a harness must keep the two calls apar
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from backends_core import GenerateRequest
+import attrs
+
+from backends_core import GenerateRequest, GenerateResult, Grammar, hookimpl
 from scripted_stream import StreamingScript
 
 __all__ = ["AgentEngine", "ShellLoop", "last_task", "tools_in"]
@@ -60,6 +63,7 @@ class ShellLoop:
     def __init__(self, command: str = "echo backends-probe", *, shell_names: tuple[str, ...] | None = None) -> None:
         self.command = command
         self.shell_names = shell_names or self.SHELL_NAMES
+        self._runs = itertools.count(1)
         self.side_reply = "A short answer." + END
         self.answer = "Done: the command printed its output twice." + END
 
@@ -89,8 +93,8 @@ class ShellLoop:
         if tool is None:
             return self.side_reply
         done = last_task(prompt).count("<tool_response>")
-        if done == 0:
-            return self.call(tool, "I will run it.")
+        if done == 0:  # each run's first reply its own, as sampled ones are: runs of one task differ from here on
+            return self.call(tool, f"I will run it (run {next(self._runs)}).")
         if done == 1:
             return self.call(tool, "Once more, to be sure.")
         return self.answer
@@ -98,7 +102,22 @@ class ShellLoop:
 
 class AgentEngine(StreamingScript):
     """:class:`~scripted_stream.StreamingScript` whose replies come from ``policy(prompt text)``; keeps each
-    prompt's text (:attr:`prompts`) beside the requests."""
+    prompt's text (:attr:`prompts`) beside the requests.
+
+    It honours what harnesses ask of a real engine by default: stop strings (the reply ends before the first
+    one), and a grammar of tool calls (``tool_choice`` "required": the reply is its calls only, what an engine
+    constrained to the grammar could sample)."""
+
+    @hookimpl
+    def sampling_features(self) -> frozenset[str]:
+        return frozenset({"stop", "structured.grammar"})
+
+    def _result(self, raw: str, request: GenerateRequest, server_url: str) -> GenerateResult:
+        stops = [(raw.find(s), s) for s in request.sampling.stop if s in raw]
+        if not stops:
+            return super()._result(raw, request, server_url)
+        at, stop = min(stops)
+        return attrs.evolve(super()._result(raw[:at], request, server_url), finish_reason="stop", stop_reason=stop)
 
     def __init__(self, tokenizer: Any, policy: Callable[[str], str]) -> None:
         super().__init__(tokenizer, [])
@@ -112,4 +131,8 @@ class AgentEngine(StreamingScript):
         await self.gate.wait()
         prompt = self.tokenizer.decode(list(request.prompt_ids), skip_special_tokens=False)
         self.prompts.append(prompt)
-        return self.policy(prompt)
+        reply = self.policy(prompt)
+        if isinstance(request.sampling.structured, Grammar) and "<tool_call>" in reply:
+            calls = reply[reply.index("<tool_call>") : reply.rindex("</tool_call>") + len("</tool_call>")]
+            reply = calls + END
+        return reply

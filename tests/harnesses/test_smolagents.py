@@ -68,10 +68,24 @@ def venv() -> Path:
 def test_smolagents_tool_calling_agent_runs_the_shell_loop(
     agent_gateway: Callable[..., Any], venv: Path, tmp_path: Path, stream: bool
 ) -> None:
+    """smolagents sends ``tool_choice: "required"`` (honoured: the engine is constrained to the template's
+    tool-call markup) and resends its history as text, so no turn extends the one before it: with its session in
+    the base URL (what the README says for a harness that names none) the run is one session, each turn a branch
+    of its own rendered whole, each branch's training view its own turn as the model saw it."""
     with agent_gateway(SmolLoop()) as gw, captured(gw) as proxy:
         args = ["--stream"] if stream else []
-        run = run_harness(venv, "smolagents_agent.py", args, base_url=proxy.url + "/v1", workdir=tmp_path)
+        url = f"{proxy.url}/s/smol-{'stream' if stream else 'plain'}/v1"
+        run = run_harness(venv, "smolagents_agent.py", args, base_url=url, workdir=tmp_path)
         save_probe(f"smolagents-{'stream' if stream else 'plain'}", proxy, run, tmp_path)
-        assert_clean(check_tool_loop(gw, proxy, run, responses=observations))
+        # the run's own checks, but for those of one branch extending itself (asserted as they are, below)
+        found = check_tool_loop(gw, proxy, run, responses=observations)
+        problems = [p for p in found if not p.startswith(("session smol-", "gateway failures", "--- stdout"))]
+        assert_clean(problems)
         sent = [e.json() for e in proxy.turns()]
         assert all(body.get("tool_choice") == "required" for body in sent), "smolagents' default tool_choice"
+        (session,) = proxy.sessions()
+        trajectory = gw.trajectory(session)
+        assert [b["reason"] for b in trajectory["branches"]] == ["first", "rewritten", "rewritten"]
+        assert [b["turns"] for b in trajectory["branches"]] == [[0], [1], [2]]
+        for turn in trajectory["turns"]:  # constrained: every reply is calls only, the calls smolagents ran
+            assert turn["reply"]["tool_calls"] and not turn["reply"]["content"], turn["reply"]
