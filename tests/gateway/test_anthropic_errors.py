@@ -177,7 +177,12 @@ BAD = [
         "context_management.edits[0]",
         "unsupported_parameter",
     ),
-    ("output_config verbosity", body(output_config={"verbosity": "low"}), "output_config.verbosity", "unknown_parameter"),
+    (
+        "output_config verbosity",
+        body(output_config={"verbosity": "low"}),
+        "output_config.verbosity",
+        "unknown_parameter",
+    ),
     ("stream not a boolean", body(stream="yes"), "stream", "invalid_type"),
 ]
 

@@ -4,7 +4,6 @@ could not end as parsed keeps no turn (no harness received it)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 

@@ -157,7 +157,9 @@ def trajectory_json(session: SessionRecord, branches: Sequence[Branch], turns: S
             entry["image_spans"] = [attrs.asdict(s) for s in sample.image_spans]
             entry["images"] = [image.data_url() for image in sample.images]
         out_branches.append(entry)
-    return {**session.as_json(), "turns": [t.as_json() for t in turns], "branches": out_branches}
+    summary = session.as_json()
+    # the summary's fields at the top as well, but "turns" there is the list of turns: the count is the summary's
+    return {**summary, "summary": summary, "turns": [t.as_json() for t in turns], "branches": out_branches}
 
 
 class Trajectories:
