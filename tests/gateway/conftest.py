@@ -9,11 +9,10 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import attrs
 import pytest
+from served_gateway import OFF, Served
 
 from backends_core import Client, ClientConfig
-from backends_core.config import StatelessPolicy
 from backends_core.multiturn.rendering import load_tokenizer
 from backends_gateway import Gateway, GatewayLimits, Keys, SQLiteStore, serve
 from backends_testkit.engine import ReferenceEngine
@@ -21,8 +20,6 @@ from backends_testkit.postgres import PostgresServer
 from backends_vllm_testing.emulator import VllmEmulator
 from scripted_stream import StreamingScript
 
-#: the gateway keeps the turns itself
-OFF = StatelessPolicy(enabled=False)
 _DATABASES = itertools.count()
 
 
@@ -38,16 +35,6 @@ def postgres_server() -> Iterator[PostgresServer]:
 def postgres_dsn(postgres_server: PostgresServer) -> str:
     """A fresh empty database of that server for this test: its ``postgresql://`` URL (with a password)."""
     return postgres_server.create_database(f"t{next(_DATABASES)}")
-
-
-@attrs.frozen
-class Served:
-    url: str
-    gateway: Gateway
-    client: Client
-    model: str
-    store: Path
-    script: StreamingScript | None = None
 
 
 @pytest.fixture

@@ -123,8 +123,8 @@ async def test_an_engine_failure_maps_to_502_and_the_generation_is_never_resent(
         error = response.json()["error"]
         assert error["type"] == "server_error" and error["code"] == "engine" and "not re-sent" in error["message"]
         assert len(served.script.requests) == 1
-        traj = await served.gateway.trajectory("f")
-        assert traj["turns"] == []  # nothing answered, nothing kept
+        # nothing answered, nothing kept: not even the session the request named
+        assert await served.gateway.sessions(group=None, status=None, limit=10, after=None) == []
 
 
 async def test_turns_past_max_in_flight_get_429_with_retry_after(scripted_gateway) -> None:

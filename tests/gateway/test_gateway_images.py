@@ -18,13 +18,13 @@ import numpy as np
 import openai
 import pyarrow.parquet as pq
 import pytest
+from served_gateway import OFF, Served
 
 from backends_core import Client, ClientConfig, Image, ImageSpan, cli
 from backends_core.multiturn.rendering import load_tokenizer
 from backends_gateway import Gateway, SQLiteStore, Trajectories, serve
 from backends_testkit.tinymodel import default_models_dir
 from backends_testkit.tinymodel_vl import IMAGE_PAD_ID, build_tiny_vl_model
-from conftest import OFF, Served
 from scripted_vision import WIDTH, VisionScript
 
 PNG = base64.b64decode(

@@ -277,3 +277,23 @@ async def test_a_gateway_whose_tokenizer_does_not_load_refuses_to_start_naming_i
         gateway = Gateway(client, SQLiteStore(tmp_path / "g.db"))
         with pytest.raises(ConfigError, match="no-such-model"):
             await gateway.open()
+
+
+async def test_streamed_answers_name_their_turn_and_branch(scripted_gateway) -> None:
+    replies = ["<think>\nx\n</think>\n\none<|im_end|>", "<think>\ny\n</think>\n\ntwo<|im_end|>"]
+    async with scripted_gateway(replies) as served, httpx.AsyncClient(base_url=served.url, trust_env=False) as http:
+        seen = []
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+        for _ in range(2):
+            body = {"model": "tiny", "messages": messages, "max_tokens": 32, "stream": True}
+            async with http.stream("POST", "/s/streamed/v1/chat/completions", json=body) as response:
+                seen.append((response.headers["X-Turn"], response.headers["X-Branch"]))
+                text = "".join(
+                    json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                    async for line in response.aiter_lines()
+                    if line.startswith("data: {")
+                )
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
+        assert seen == [("0", "0"), ("1", "0")]
+        traj = await served.gateway.trajectory("streamed")
+        assert [(t["turn"], t["branch"]) for t in traj["turns"]] == [(0, 0), (1, 0)]

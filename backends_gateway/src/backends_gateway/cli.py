@@ -40,6 +40,11 @@ __all__ = ["export_rows", "register"]
 DEFAULT_STORE = "backends-gateway.db"
 _LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
 _LIMIT_FLAGS = {f.name: f.default for f in attrs.fields(GatewayLimits)}
+#: what a limit without a number defaults to
+_FROM_MODEL = {
+    "context_length": "max_position_embeddings of the model's config.json",
+    "max_completion_tokens": "the context length",
+}
 
 
 def register(sub: Any) -> None:
@@ -67,8 +72,9 @@ def register(sub: Any) -> None:
         "own sessions, the trainer key everything (default: no keys; anyone who reaches the port may call it)",
     )
     for name, default in _LIMIT_FLAGS.items():
+        shown = default if default is not None else _FROM_MODEL.get(name, "none")
         p.add_argument(
-            f"--{name.replace('_', '-')}", type=positive_int, default=default, help=f"limit (default: {default})"
+            f"--{name.replace('_', '-')}", type=positive_int, default=default, help=f"limit (default: {shown})"
         )
     p.set_defaults(func=_serve)
     actions = p.add_subparsers(dest="gateway_command", metavar="{export}")

@@ -94,6 +94,9 @@ class Started:
     is answered with (nothing is generated)."""
 
     session: str
+    #: the numbers the turn and its branch will have (``-1``: unknown)
+    turn: int = -1
+    branch: int = -1
     replay: TurnRecord | None = None
 
 
@@ -121,6 +124,9 @@ class _Plan:
     parent_branch: int | None
     digests: list[bytes]
     key: bytes = b""
+    #: the numbers the turn (and the new branch it starts, when ``branch`` is ``None``) will have
+    turn: int = -1
+    new_branch: int = -1
 
 
 def _key_of(turn: TurnRecord) -> bytes:
@@ -273,6 +279,7 @@ class Gateway:
         state = SessionState(record=record)
         for branch in await self.store.branches(session):
             state.branches[branch.branch] = branch
+            state.next_branch = max(state.next_branch, branch.branch + 1)
         for turn in await self.store.turns(session):
             digest = state.key(turn)
             state.add(turn, digest)
@@ -535,18 +542,27 @@ class Gateway:
         digests = chain_digests(request.messages, request.tools, request.chat_template_kwargs)
         key = request_key(digests, request.sampling)
         state = await self._session_for(session, harness_session, group, owner, digests, key, request.messages)
-        replay = self._replayable(state, key, retry)
-        if replay is not None:
-            return (
-                state,
-                _Plan(previous=None, branch=None, reason=None, parent_branch=None, digests=digests, key=key),
-                replay,
-            )
-        self._admit()
-        self._check_limits(state, request)
-        plan = self._plan(state, request, digests, key)
-        if plan.previous is None and plan.reason == "edited":
-            await self._previous(state, plan, state.anchor(digests, request.messages))
+        state.pending += 1
+        try:
+            replay = self._replayable(state, key, retry)
+            if replay is not None:
+                answered = _Plan(previous=None, branch=None, reason=None, parent_branch=None, digests=digests, key=key)
+                return state, answered, replay
+            self._admit()
+            self._check_limits(state, request)
+            plan = self._plan(state, request, digests, key)
+            try:
+                if plan.previous is None and plan.reason == "edited":
+                    await self._previous(state, plan, state.anchor(digests, request.messages))
+            except BaseException:
+                self._end(state, plan)
+                raise
+        except BaseException:
+            self._leave_session(state)
+            raise
+        plan.turn = state.next_turn
+        state.next_turn += 1
+        self._number_branch(state, plan)
         return state, plan, None
 
     def _replayable(self, state: SessionState, key: bytes, retry: bool) -> TurnRecord | None:
@@ -613,7 +629,28 @@ class Gateway:
     def _end(self, state: SessionState, plan: _Plan) -> None:
         if plan.branch is not None:
             state.claimed.discard(plan.branch)
-        plan.branch = None
+
+    @staticmethod
+    def _number_branch(state: SessionState, plan: _Plan) -> None:
+        """Give the new branch a planned turn starts its number."""
+        if plan.branch is None and plan.new_branch < 0:
+            plan.new_branch = state.next_branch
+            state.next_branch += 1
+
+    @staticmethod
+    def _unnumber(state: SessionState, plan: _Plan) -> None:
+        """A planned turn kept nothing: its numbers go back when no later turn took one after them."""
+        if plan.new_branch >= 0 and plan.new_branch == state.next_branch - 1 and plan.new_branch not in state.branches:
+            state.next_branch -= 1
+        if plan.turn >= 0 and plan.turn == state.next_turn - 1 and plan.turn not in state.branch_of:
+            state.next_turn -= 1
+        plan.turn = plan.new_branch = -1
+
+    def _finish(self, state: SessionState, plan: _Plan) -> None:
+        """A planned turn ended, kept or not."""
+        self._end(state, plan)
+        self._unnumber(state, plan)
+        self._leave_session(state)
 
     def _leave_session(self, state: SessionState) -> None:
         """A request placed in ``state`` ended: a new session it answered nothing in is gone with it."""
@@ -640,6 +677,7 @@ class Gateway:
         self._end(state, plan)
         parent = plan.branch if plan.branch is not None else plan.parent_branch
         plan.previous, plan.branch, plan.reason, plan.parent_branch = None, None, exc.reason, parent
+        self._number_branch(state, plan)
 
     async def _record(
         self,
@@ -654,7 +692,7 @@ class Gateway:
         counts = dict(record.counts)
         new_branch = None
         if plan.branch is None:
-            number = len(state.branches)
+            number = plan.new_branch
             new_branch = Branch(
                 session=record.id,
                 branch=number,
@@ -664,7 +702,7 @@ class Gateway:
                 created=time.time(),
             )
             state.branches[number] = new_branch
-            if number > 0:
+            if len(state.branches) > 1:
                 counts["branched"] += 1
             branch = number
         else:
@@ -676,7 +714,7 @@ class Gateway:
         turn = TurnRecord.of(
             result,
             session=record.id,
-            turn=counts["turns"],
+            turn=plan.turn,
             branch=branch,
             parent=None if plan.previous is None else plan.previous.turn,
             request=request,
@@ -755,7 +793,10 @@ class Gateway:
         request = self.adapt(request)
         state, plan, replay = await self._begin(request, session, harness_session, group, owner, retry)
         if replay is not None:
-            return await self._replay(state, plan.key, replay, owner)
+            try:
+                return await self._replay(state, plan.key, replay, owner)
+            finally:
+                self._leave_session(state)
         self._in_flight += 1
         try:
             try:
@@ -769,7 +810,7 @@ class Gateway:
             raise from_backend_error(exc) from exc
         finally:
             self._in_flight -= 1
-            self._end(state, plan)
+            self._finish(state, plan)
 
     async def stream_turn(
         self,
@@ -794,21 +835,25 @@ class Gateway:
         request = self.adapt(request)
         state, plan, replay = await self._begin(request, session, harness_session, group, owner, retry)
         if replay is not None:
-            yield Started(session=state.record.id, replay=replay)
-            served = await self._replay(state, plan.key, replay, owner)
-            for kind, key in (("reasoning", "reasoning_content"), ("content", "content")):
-                if served.message.get(key):
-                    yield TextDelta(kind=kind, text=served.message[key])
-            yield served
+            try:
+                yield Started(session=state.record.id, turn=replay.turn, branch=replay.branch, replay=replay)
+                served = await self._replay(state, plan.key, replay, owner)
+                for kind, key in (("reasoning", "reasoning_content"), ("content", "content")):
+                    if served.message.get(key):
+                        yield TextDelta(kind=kind, text=served.message[key])
+                yield served
+            finally:
+                self._leave_session(state)
             return
         self._in_flight += 1
         try:
-            yield Started(session=state.record.id)
-            try:
+            try:  # built (and the bridge proven or refused) before the stream starts, so its headers are final
                 stream = self.client.stream(**self._generate_args(state, request, plan))
             except BridgeError as exc:
                 self._refused(state, plan, exc)
                 stream = self.client.stream(**self._generate_args(state, request, plan))
+            branch = plan.branch if plan.branch is not None else plan.new_branch
+            yield Started(session=state.record.id, turn=plan.turn, branch=branch)
             splitter = _Splitter(self.client, stream.request.prompt_ids)
             async with stream:
                 async for delta in stream:
@@ -824,7 +869,7 @@ class Gateway:
             raise from_backend_error(exc) from exc
         finally:
             self._in_flight -= 1
-            self._end(state, plan)
+            self._finish(state, plan)
 
     def prompt_ids(self, request: TurnRequest) -> list[int]:
         """The ids ``request``'s messages render to, as a turn rendered whole would send them.

@@ -162,8 +162,12 @@ def check_model(gateway: Gateway, model: str) -> None:
 
 
 def turn_headers(served: Served | Started) -> dict[str, str]:
+    """The session, turn and branch a turn's answer names (a stream's, before its turn is generated)."""
     headers = {"X-Session-ID": served.session}
     if isinstance(served, Served):
         headers["X-Turn"] = str(served.record.turn)
         headers["X-Branch"] = str(served.record.branch)
+    elif served.turn >= 0:
+        headers["X-Turn"] = str(served.turn)
+        headers["X-Branch"] = str(served.branch)
     return headers

@@ -344,6 +344,10 @@ class SessionState:
     saved: bool = True
     #: requests placed in the session and not yet ended
     pending: int = 0
+    #: the number the next turn (branch) that starts gets: a turn knows its number and its branch's before it is
+    #: generated (a stream's headers name them); a turn that fails gives its number back when no later one took one
+    next_turn: int = 0
+    next_branch: int = 0
 
     def key(self, turn: TurnRecord) -> bytes:
         return chain_digests([*turn.messages, turn.reply], turn.tools, turn.chat_template_kwargs)[-1]
@@ -352,6 +356,8 @@ class SessionState:
         """Remember an answered turn."""
         self.index[digest if digest is not None else self.key(turn)] = turn.turn
         self.branch_of[turn.turn] = turn.branch
+        self.next_turn = max(self.next_turn, turn.turn + 1)
+        self.next_branch = max(self.next_branch, turn.branch + 1)
         if turn.parent is not None:
             self.continued.add(turn.parent)
         self.tips[turn.branch] = turn

@@ -43,7 +43,9 @@ __all__ = [
     "build_tiny_models",
     "default_models_dir",
     "write_eos_variant",
+    "write_long_context_variant",
     "write_perturbed_weights",
+    "write_short_reply_variant",
 ]
 
 BUILDER_VERSION = 1
@@ -234,6 +236,114 @@ def write_eos_variant(src: Path, dst: Path, *, eos_token_ids: list[int]) -> Path
             data["eos_token"] = token
             _write_json(path, data)
     return dst
+
+
+SHORT_REPLY_VERSION = 1
+"""Bumped whenever :func:`write_short_reply_variant`'s weights change; part of its marker."""
+_SHORT_REPLY_MARKER = ".short-reply.json"
+
+#: Residual-stream dimensions the short-reply variant keeps for itself (no layer writes to them, so each holds its
+#: embedding value up to the final norm: features of the current token that ``lm_head`` reads as a bigram table).
+_BIAS_DIM, _END_GATE_DIM, _BRACE_DIM = -1, -2, -3
+_FEATURE = 2.0
+"""The feature dimensions' value in the embedding: about the size of the other dimensions after the layers, so the
+final RMSNorm leaves it at 1-2."""
+_END_LOGIT = 40.0
+"""``<|im_end|>``'s weight on the end gate (and minus half of it on the bias unit): + this after a gated token,
+- this otherwise, against random logits of a few units."""
+_CLOSE_LOGIT = 20.0
+_SUPPRESS_LOGIT = 30.0
+_MILD_SUPPRESS_LOGIT = 8.0
+_CALL_MARKUP_LOGIT = 6.0
+
+
+def write_short_reply_variant(src: Path, dst: Path) -> Path:
+    """Write a copy of the model in ``src`` (config, tokenizer and context as they are: typically a
+    :func:`write_long_context_variant` copy) whose weights end every reply after about one visible token, so real
+    agent harnesses, which ask tens of thousands of completion ids, get a short text answer from a real engine on a
+    CPU. Random weights otherwise, unchanged but for three residual dimensions and ``lm_head``:
+
+    * a bias unit (the same value in every token's embedding): markup (``<|im_start|>``, ``<|endoftext|>``, thinking
+      and tool-response tags, BPE pieces holding ``<``), ids beyond the tokenizer, ``{"`` / `` {"``, and (less so)
+      whitespace, control characters and pieces of UTF-8 sequences are unlikely; ``<tool_call>`` / ``</tool_call>`` mildly so (a tool-call grammar still writes them as the one
+      added id each, not spelled out);
+    * an end gate, set in every token of visible text and in ``</tool_call>`` (not in whitespace, which ends a
+      generation prompt): after such a token ``<|im_end|>`` is all but certain, otherwise all but impossible. So a
+      free reply is one visible token (after a rare whitespace one) and the end of turn, at any temperature;
+    * an open-brace feature in ``{`` and `` {``: ``}`` follows. Under a tool-call grammar (``tool_choice``
+      "required") the arguments close at once, ``{}``, and the call ends the reply.
+
+    No layer writes to those dimensions (their rows of ``o_proj`` and ``down_proj`` are zero), so each holds its
+    embedding value up to the final norm: the last token's features reach ``lm_head`` as a bigram table.
+
+    Idempotent: a copy made from the same source by this version is reused (a marker holds the source's hashes); one
+    is written in a temporary directory and moved into place under a lock.
+
+    :returns: ``dst``.
+    """
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(dst.parent / f".{dst.name}.lock"):
+        source = {
+            name: hashlib.sha256((src / name).read_bytes()).hexdigest()
+            for name in sorted(p.name for p in src.iterdir() if p.is_file())
+        }
+        marker = {"version": SHORT_REPLY_VERSION, "source": source}
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads((dst / _SHORT_REPLY_MARKER).read_text(encoding="utf-8")) == marker:
+                return dst
+        with tempfile.TemporaryDirectory(prefix=f".{dst.name}-", dir=dst.parent) as tmp:
+            staging = Path(tmp) / dst.name
+            shutil.copytree(src, staging)
+            tokenizer = Tokenizer.from_file(str(staging / "tokenizer.json"))
+            config = json.loads((staging / "config.json").read_text(encoding="utf-8"))
+            tensors = load_file(str(staging / _WEIGHTS))
+            save_file(
+                _short_reply_weights(tensors, config, tokenizer), str(staging / _WEIGHTS), metadata=_SAFETENSORS_META
+            )
+            (staging / _WEIGHTS).chmod(0o644)
+            _atomic_write_text(staging / _SHORT_REPLY_MARKER, json.dumps(marker, indent=2, sort_keys=True) + "\n")
+            if dst.exists():
+                shutil.rmtree(dst)
+            staging.rename(dst)
+    return dst
+
+
+def _short_reply_weights(tensors: Tensors, config: Mapping[str, Any], tokenizer: Tokenizer) -> Tensors:
+    out = {name: np.array(t, dtype=np.float32, copy=True) for name, t in tensors.items()}
+    embed, head = out["model.embed_tokens.weight"], out["lm_head.weight"]
+    vocab = embed.shape[0]
+    texts = [tokenizer.decode([i], skip_special_tokens=False) for i in range(min(vocab, TOKENIZER_SIZE))]
+    dims = [_BIAS_DIM, _END_GATE_DIM, _BRACE_DIM]
+    for layer in range(config["num_hidden_layers"]):
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            out[f"model.layers.{layer}.{name}.weight"][dims, :] = 0.0
+    out["model.norm.weight"][dims] = 1.0
+    embed[:, dims] = 0.0
+    embed[:, _BIAS_DIM] = _FEATURE
+    head[:, dims] = 0.0
+    markup = {t for t, _ in SPECIAL_TOKENS} - {"<|im_end|>", "<tool_call>", "</tool_call>"}
+    for token_id, text in enumerate(texts):
+        if text in markup or (token_id < BPE_VOCAB_SIZE and ("<" in text or text in ('{"', ' {"'))):
+            head[token_id, _BIAS_DIM] = -_SUPPRESS_LOGIT / _FEATURE
+        elif text in ("<tool_call>", "</tool_call>"):
+            head[token_id, _BIAS_DIM] = -_CALL_MARKUP_LOGIT / _FEATURE
+        elif not _visible(text):
+            head[token_id, _BIAS_DIM] = -_MILD_SUPPRESS_LOGIT / _FEATURE
+        if (_visible(text) and token_id < BPE_VOCAB_SIZE) or text == "</tool_call>":
+            embed[token_id, _END_GATE_DIM] = _FEATURE
+        if text in ("{", " {"):
+            embed[token_id, _BRACE_DIM] = _FEATURE
+    head[len(texts) :, _BIAS_DIM] = -_SUPPRESS_LOGIT / _FEATURE  # rows beyond the tokenizer
+    head[IM_END_ID, :] = 0.0
+    head[IM_END_ID, _END_GATE_DIM] = 2 * _END_LOGIT / _FEATURE
+    head[IM_END_ID, _BIAS_DIM] = -_END_LOGIT / _FEATURE
+    head[texts.index("}"), _BRACE_DIM] = _CLOSE_LOGIT / _FEATURE
+    return out
+
+
+def _visible(text: str) -> bool:
+    """Text a reply may show: not only whitespace, no control characters, no piece of a UTF-8 sequence."""
+    return bool(text.strip()) and text.isprintable() and "\ufffd" not in text
 
 
 # -- building ----------------------------------------------------------------------------------
