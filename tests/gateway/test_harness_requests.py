@@ -288,11 +288,12 @@ async def test_streamed_answers_name_their_turn_and_branch(scripted_gateway) -> 
             body = {"model": "tiny", "messages": messages, "max_tokens": 32, "stream": True}
             async with http.stream("POST", "/s/streamed/v1/chat/completions", json=body) as response:
                 seen.append((response.headers["X-Turn"], response.headers["X-Branch"]))
-                text = "".join(
+                pieces = [
                     json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
                     async for line in response.aiter_lines()
                     if line.startswith("data: {")
-                )
+                ]
+            text = "".join(pieces)
             messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
         assert seen == [("0", "0"), ("1", "0")]
         traj = await served.gateway.trajectory("streamed")
