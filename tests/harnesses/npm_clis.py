@@ -466,6 +466,30 @@ def answered_call_ids(exchange: Exchange) -> list[str]:
     return ids
 
 
+def answered_text(exchange: Exchange) -> str:
+    """The text an answer gave the harness, on whichever wire (Anthropic ``text`` blocks or their deltas, Responses
+    ``output_text`` parts of its whole body or of ``response.completed``, chat ``content`` or its deltas)."""
+    text: list[str] = []
+    for event in _events(exchange.response):
+        if not isinstance(event, dict):
+            continue
+        if event.get("type") == "content_block_delta":  # anthropic stream
+            delta = event.get("delta") or {}
+            if delta.get("type") == "text_delta":
+                text.append(str(delta.get("text") or ""))
+        if event.get("type") == "message":  # anthropic whole message
+            text += [str(b.get("text") or "") for b in event.get("content") or [] if b.get("type") == "text"]
+        response = event.get("response") if event.get("type") == "response.completed" else event
+        if isinstance(response, dict) and response.get("object") == "response":  # responses, whole or completed
+            for item in response.get("output") or []:
+                if isinstance(item, dict) and item.get("type") == "message":
+                    text += [str(p.get("text") or "") for p in item.get("content") or [] if p.get("type") == "output_text"]
+        for choice in event.get("choices") or []:  # chat, streamed (delta) or not (message)
+            part = choice.get("delta") or choice.get("message") or {}
+            text.append(str(part.get("content") or ""))
+    return "".join(text)
+
+
 def check_trajectory(trajectory: Mapping[str, Any], *, expected_turns: int) -> list[dict[str, Any]]:
     """Assert the session is one branch whose every turn's prompt starts with the previous turn's exact prompt and
     completion ids; returns its turns in order."""
