@@ -11,6 +11,8 @@ from typing import Any
 import httpx
 import openai
 
+from backends_gateway import GatewayLimits
+
 USER = [{"role": "user", "content": "hi"}]
 
 
@@ -114,3 +116,13 @@ async def test_requests_refused_before_generation_leave_no_session(scripted_gate
         assert (await http.post("/s/named/v1/chat/completions", json=body(messages=bad_image))).status_code == 400
         assert (await http.get("/v1/sessions")).json()["data"] == []
         assert served.gateway.open_sessions == 0
+
+
+async def test_a_request_refused_once_placed_in_a_new_session_leaves_no_session(scripted_gateway) -> None:
+    async with scripted_gateway([], limits=GatewayLimits(max_tokens_per_session=8)) as served:
+        async with httpx.AsyncClient(base_url=served.url, trust_env=False) as http:
+            for _ in range(3):  # a harness retrying what the session's limit refuses
+                refused = await http.post("/s/limited/v1/chat/completions", json=body(max_tokens=16))
+                assert refused.status_code == 400 and refused.json()["error"]["code"] == "session_token_limit"
+            assert (await http.get("/v1/sessions")).json()["data"] == []
+        assert served.gateway.open_sessions == 0  # nothing counts toward max_sessions

@@ -22,7 +22,8 @@ from backends_gateway.gateway import _Splitter
 from scripted_stream import StreamingScript
 
 CALL = '<tool_call>\n{"name": "run", "arguments": {"command": "ls"}}\n</tool_call>'
-TEXT_THEN_CALL = f"I will run it.\n{CALL}<|im_end|>"
+# as a Qwen3 model writes it: its reasoning, then text, then the call the template puts after a newline
+TEXT_THEN_CALL = f"<think>\nrun ls\n</think>\n\nI will run it.\n{CALL}<|im_end|>"
 TOOL = {"type": "function", "function": {"name": "run", "parameters": {"type": "object", "properties": {}}}}
 ANTHROPIC_TOOL = {"name": "run", "input_schema": {"type": "object", "properties": {}}}
 
@@ -53,7 +54,7 @@ async def test_text_then_a_tool_call_streams_on_responses(scripted_gateway) -> N
         await sdk.close()
     assert "error" not in kinds and kinds[-1] == "response.completed"
     assert final.output_text == "I will run it."
-    assert [item.type for item in final.output] == ["message", "function_call"]
+    assert [item.type for item in final.output] == ["reasoning", "message", "function_call"]
 
 
 async def test_text_then_a_tool_call_streams_on_messages(scripted_gateway) -> None:
@@ -66,8 +67,8 @@ async def test_text_then_a_tool_call_streams_on_messages(scripted_gateway) -> No
                 pass
             final = await stream.get_final_message()
         await sdk.close()
-    assert [block.type for block in final.content] == ["text", "tool_use"]
-    assert final.content[0].text == "I will run it."  # type: ignore[union-attr]
+    assert [block.type for block in final.content] == ["thinking", "text", "tool_use"]
+    assert final.content[1].text == "I will run it."  # type: ignore[union-attr]
     assert final.stop_reason == "tool_use"
 
 

@@ -483,11 +483,22 @@ def answered_text(exchange: Exchange) -> str:
         if isinstance(response, dict) and response.get("object") == "response":  # responses, whole or completed
             for item in response.get("output") or []:
                 if isinstance(item, dict) and item.get("type") == "message":
-                    text += [str(p.get("text") or "") for p in item.get("content") or [] if p.get("type") == "output_text"]
+                    text += [
+                        str(p.get("text") or "") for p in item.get("content") or [] if p.get("type") == "output_text"
+                    ]
         for choice in event.get("choices") or []:  # chat, streamed (delta) or not (message)
             part = choice.get("delta") or choice.get("message") or {}
             text.append(str(part.get("content") or ""))
     return "".join(text)
+
+
+def answer_error(exchange: Exchange) -> str | None:
+    """The error an answer carried in its body after a 200 (a stream's ``error`` or ``response.failed`` event), or
+    ``None``."""
+    for event in _events(exchange.response):
+        if isinstance(event, dict) and (event.get("type") in ("error", "response.failed") or event.get("error")):
+            return json.dumps(event)[:1000]
+    return None
 
 
 def check_trajectory(trajectory: Mapping[str, Any], *, expected_turns: int) -> list[dict[str, Any]]:
