@@ -577,30 +577,34 @@ class Gateway:
                     return tip
         return None
 
-    async def _replay(self, state: SessionState, key: bytes, turn: TurnRecord, owner: str | None) -> Served:
-        """Answer a retry with a kept turn (nothing is generated); it is delivered now."""
+    async def _mark(self, state: SessionState, turn: TurnRecord, *, delivered: bool, **counted: int) -> TurnRecord:
+        """Keep whether ``turn`` reached its harness and the session's counters moved by ``counted``: in the store
+        first, then in memory (a failed write changes nothing)."""
         record = state.record
         counts = dict(record.counts)
-        counts["replayed"] = counts.get("replayed", 0) + 1
-        if not turn.delivered:
-            counts["undelivered"] = counts.get("undelivered", 0) - 1
-            delivered = attrs.evolve(turn, delivered=True)
-            before = record.counts
-            record.counts = counts
-            try:
-                await self.store.set_delivered(delivered, record)
-            except BaseException:
-                record.counts = before
-                raise
+        for name, delta in counted.items():
+            counts[name] = counts.get(name, 0) + delta
+        marked = attrs.evolve(turn, delivered=delivered)
+        written = attrs.evolve(record, counts=counts)
+        if delivered == turn.delivered:
+            await self.store.update_session(written)
+        else:
+            await self.store.set_delivered(marked, written)
+        record.counts = counts
+        if state.tips.get(turn.branch) is turn:
+            state.tips[turn.branch] = marked
+        return marked
+
+    async def _replay(self, state: SessionState, key: bytes, turn: TurnRecord, owner: str | None) -> Served:
+        """Answer a retry with a kept turn (nothing is generated); it is delivered now."""
+        if turn.delivered:
+            turn = await self._mark(state, turn, delivered=True, replayed=1)
+        else:
+            turn = await self._mark(state, turn, delivered=True, replayed=1, undelivered=-1)
             state.orphans.pop(key, None)
             self._orphans.pop((owner, key), None)
-            if state.tips.get(turn.branch) is turn:
-                state.tips[turn.branch] = delivered
-            turn = delivered
-        else:
-            record.counts = counts
-            await self.store.update_session(record)
-        return Served(session=record.id, record=turn, result=turn.result(), message=turn.reply, key=key, owner=owner)
+        result = turn.result()
+        return Served(session=state.record.id, record=turn, result=result, message=turn.reply, key=key, owner=owner)
 
     async def undelivered(self, served: Served) -> None:
         """Keep that ``served``'s answer never reached its harness: out of the training view, and what a retry of
@@ -609,22 +613,10 @@ class Gateway:
         turn = served.record
         if state is None or not turn.delivered:
             return
-        record = state.record
-        counts = dict(record.counts)
-        counts["undelivered"] = counts.get("undelivered", 0) + 1
-        orphan = attrs.evolve(turn, delivered=False)
-        before = record.counts
-        record.counts = counts
-        try:
-            await self.store.set_delivered(orphan, record)
-        except BaseException:
-            record.counts = before
-            raise
-        if state.tips.get(turn.branch) is turn:
-            state.tips[turn.branch] = orphan
+        orphan = await self._mark(state, turn, delivered=False, undelivered=1)
         state.orphans[served.key] = orphan
-        self._orphans[(served.owner, served.key)] = record.id
-        log.info("session %s: turn %d never reached its harness: kept out of the training view", record.id, turn.turn)
+        self._orphans[(served.owner, served.key)] = state.record.id
+        log.info("session %s: turn %d never reached its harness: out of the training view", state.record.id, turn.turn)
 
     def _end(self, state: SessionState, plan: _Plan) -> None:
         if plan.branch is not None:
