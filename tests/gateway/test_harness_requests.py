@@ -11,9 +11,11 @@ from typing import Any
 import httpx
 import pytest
 
-from backends_core import Client, ClientConfig, ConfigError
+from backends_core import Client, ClientConfig, ConfigError, Grammar, hookimpl
 from backends_core.config import StatelessPolicy
-from backends_gateway import Gateway, SQLiteStore
+from backends_core.multiturn.rendering import load_tokenizer
+from backends_gateway import Gateway, SQLiteStore, serve
+from scripted_stream import StreamingScript
 
 TOOL = {"name": "Bash", "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}
 CALL = '<tool_call>\n{"name": "Bash", "arguments": {"command": "ls"}}\n</tool_call><|im_end|>'
@@ -298,3 +300,49 @@ async def test_streamed_answers_name_their_turn_and_branch(scripted_gateway) -> 
         assert seen == [("0", "0"), ("1", "0")]
         traj = await served.gateway.trajectory("streamed")
         assert [(t["turn"], t["branch"]) for t in traj["turns"]] == [(0, 0), (1, 0)]
+
+
+class GrammarScript(StreamingScript):
+    """A scripted engine that takes grammars (and, scripted, keeps to none)."""
+
+    @hookimpl
+    def sampling_features(self) -> frozenset[str]:
+        return frozenset({"structured.grammar"})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_forced_tool_choice_goes_to_the_engine_as_its_markups_grammar(tiny_models, tmp_path, stream) -> None:
+    tokenizer = load_tokenizer(str(tiny_models.dense))
+    script = GrammarScript(tokenizer, [CALL, "no call here<|im_end|>"])
+    config = ClientConfig(
+        backend="scripted",
+        base_url="http://scripted",
+        model="tiny",
+        tokenizer=str(tiny_models.dense),
+        stateless=StatelessPolicy(enabled=False),
+    )
+    tools = [{"type": "function", "function": {"name": "Bash", "parameters": TOOL["input_schema"]}}]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "tools": tools, "stream": stream}
+    async with (
+        Client(config, plugin=script) as client,
+        Gateway(client, SQLiteStore(tmp_path / "g.db")) as gateway,
+        serve(gateway) as url,
+    ):
+        answered = await post(url, "/v1/chat/completions", {**body, "tool_choice": "required"})
+        assert answered.status_code == 200 and "Bash" in answered.text
+        grammar = script.requests[0].sampling.structured
+        assert isinstance(grammar, Grammar) and '"\\"Bash\\""' in grammar.grammar
+        named = {"type": "function", "function": {"name": "Bash"}}
+        unmet = await post(url, "/v1/chat/completions", {**body, "tool_choice": named, "parallel_tool_calls": False})
+        # an engine that ignored its grammar: no call to answer a forced choice with, and no turn kept
+        if stream:  # found once the stream had started: its error event
+            assert unmet.status_code == 200 and '"code":"tool_choice_unmet"' in unmet.text
+        else:
+            assert unmet.status_code == 502 and unmet.json()["error"]["code"] == "tool_choice_unmet"
+        assert rules_of(script.requests[1].sampling.structured)["root"].endswith("call")  # one call at most
+        sessions = await gateway.sessions(group=None, status=None, limit=10, after=None)
+        assert sum(s["turns"] for s in sessions) == 1
+
+
+def rules_of(grammar: Any) -> dict[str, str]:
+    return dict(line.split(" ::= ", 1) for line in grammar.grammar.splitlines())

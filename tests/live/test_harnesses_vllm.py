@@ -4,13 +4,21 @@ LangGraph and smolagents from PyPI, each installed and run as ``tests/harnesses/
 (the same pins, environments and scripts).
 
 The server serves a copy of the tiny dense model with a 128K context (harness prompts run to tens of thousands of ids
-with its tokenizer) whose weights end every reply after about one visible token
-(:func:`~backends_testkit.tinymodel.write_short_reply_variant`): the harnesses ask for tens of thousands of completion
-ids, which random weights on a CPU would take far too long to fill. So each harness gets a short text answer and ends
-(no tool loop: random weights call no tool, but smolagents, whose ``tool_choice: "required"`` constrains the engine
-to the template's tool-call markup). Each run must end as the harness ends on a text answer, every request it sent
-answered 200, and each session hold exactly the turns the harness received, one exact branch (smolagents, which
-resends its history as text: a branch per turn), with the harness's system prompt in the ids of its first prompt.
+with its tokenizer: Claude Code's is 42K, Qwen Code's 41K, Codex's 14K) whose weights end every reply after one visible
+token (:func:`~backends_testkit.tinymodel.write_short_reply_variant`): the harnesses ask for up to tens of thousands of
+completion ids, which random weights on a CPU would take far too long to fill. So each harness gets a short text
+answer and ends: no tool loop, but for smolagents, whose ``tool_choice: "required"`` the gateway honours with a
+grammar of the template's tool-call markup (vLLM's ``structured_outputs.grammar``, xgrammar): every reply of its must
+be a call (arguments ``{}`` on this model; smolagents then errs on the missing argument, runs to its 20 steps and asks
+a last answer without tools).
+
+Each run must end as the harness ends on a text answer (exit 0; mini-swe-agent stops with ``RepeatedFormatError``
+after three replies without a tool call), every request it sent answered 200 (a stream with no error event), the
+harness's output hold an answer it received, and each session hold exactly the turns the harness received (the same
+reply, delivered), one branch of exact ids where each turn extends the one before (smolagents, which resends its
+history as text: a branch per turn), a request continuing another's history kept in its session, and the harness's
+system prompt in the decoded ids of its main request's prompt. mini-swe-agent drops a reply without a tool call from
+the history it resends, so each of its requests starts a conversation, hence a session, of its own.
 """
 
 from __future__ import annotations
@@ -72,8 +80,8 @@ KV_CACHE = "256M"
 whole contexts, six of Claude Code's prompts at once (vLLM allocates a request's room as it generates)."""
 SERVER_NAME = "vllm-harnesses"
 RUN_TIMEOUT_S = 480.0
-"""Seconds one harness run may take before it is killed (seen: 3-60 s; prefilling a 45K-id prompt alone takes 13 s
-on an idle core, several times that on a loaded machine)."""
+"""Seconds one harness run may take before it is killed (seen: 2-17 s on an idle machine, 3-21 s under ``stress-ng
+--cpu 2``; Claude Code's 42K-id prompt alone prefills in about 13 s)."""
 
 
 @pytest.fixture(scope="module")
@@ -221,6 +229,7 @@ async def check_run(
     answered: list[Answered],
     *,
     exit_ok: bool,
+    output: str | None,
     context: str,
     main: Callable[[Answered], bool],
     system: Callable[[Any], list[str]],
@@ -229,6 +238,8 @@ async def check_run(
 ) -> dict[str, Any]:
     """What every run must show (see the module's docstring); asserts it, and returns the run's figures.
 
+    :param output: what the harness printed as its answer, which must hold the text of an answer it received
+        (``None``: a harness that keeps no text answer).
     :param main: picks the harness's main request (the first one it picks is the one checked for the system prompt).
     :param system: the system prompt texts of the main request's body.
     :param branch_per_turn: the harness resends its history as text, so each turn is a branch of its own.
@@ -269,6 +280,8 @@ async def check_run(
             if len(branches) != 1 or branches[0]["turns"] != [t["turn"] for t in turns]:
                 problems.append(f"session {session}: branches {[(b['branch'], b['turns']) for b in branches]}")
             problems += [f"session {session}: {p}" for p in prefix_breaks(trajectory)]
+    if output is not None and not any(a.text.strip() and a.text.strip() in output for a in received):
+        problems.append(f"the harness's output holds none of the answers it got: {output[-1000:]!r}")
     for before, after in itertools.combinations(received, 2):
         if continues(before.body, after.body) and after.session != before.session:
             problems.append(f"{after.short()} continues {before.short()} in another session")
@@ -391,6 +404,7 @@ async def test_a_cli_on_real_vllm_through_the_gateway(
             gw,
             from_recording(proxy),
             exit_ok=not run.timed_out and run.returncode == 0,
+            output=run.stdout,
             context=run.describe(),
             main=main,
             system=system,
@@ -441,6 +455,9 @@ async def test_a_python_harness_on_real_vllm_through_the_gateway(
             gw,
             from_capture(proxy),
             exit_ok=not run.timed_out and run.returncode == 0 and run.result is not None,
+            # mini-swe-agent drops a reply without a tool call from its history (it keeps only its format-error
+            # message): it has no final answer, and each of its requests is a conversation, so a session, of its own
+            output=None if harness is MINI_SWE_AGENT else str(result.get("final") or ""),
             context=f"result {json.dumps(result)[:3000]}\n{run.tail()}",
             main=lambda a: a.generation,
             system=lambda _body: [str(result.get("system") or "")],
@@ -449,6 +466,7 @@ async def test_a_python_harness_on_real_vllm_through_the_gateway(
         )
     if harness is MINI_SWE_AGENT:  # a text answer is no tool call: mini asks again, and stops after three
         assert result.get("exit_status") == "RepeatedFormatError", result
+        assert "assistant" not in result.get("roles", []) and figures["sessions"] == figures["turns"] == 3, figures
     if harness is SMOLAGENTS:
         sent = [a.body for a in from_capture(proxy) if a.generation]
         assert all(body.get("tool_choice") == "required" for body in sent[:-1]), "smolagents' default tool_choice"

@@ -225,7 +225,8 @@ class HermesToolParser:
         calls = "call" if single else 'call ("\\n" call)*'
         return (
             f"root ::= {calls}\n"
-            'call ::= "<tool_call>\\n{\\"name\\": \\"" name "\\", \\"arguments\\": " object "}\\n</tool_call>"\n'
+            # the name rule's literals hold the name's JSON string, quotes and all
+            'call ::= "<tool_call>\\n{\\"name\\": " name ", \\"arguments\\": " object "}\\n</tool_call>"\n'
             f"name ::= {' | '.join(_ebnf_literal(name) for name in names)}\n" + _JSON_GRAMMAR
         )
 

@@ -136,6 +136,20 @@ def _key_of(turn: TurnRecord) -> bytes:
     return hashlib.blake2b(digests[-1] + orjson.dumps(sampling, option=orjson.OPT_SORT_KEYS), digest_size=16).digest()
 
 
+def _check_choice(request: TurnRequest, result: GenerateResult, message: Mapping[str, Any]) -> None:
+    """A forced tool choice answered without a call: the engine did not keep to the grammar it was given (a reply
+    cut by ``max_tokens`` is answered as it is, incomplete)."""
+    if request.tool_choice is not None and result.finish_reason == "stop" and not message.get("tool_calls"):
+        raise GatewayError(
+            502,
+            f"the engine answered {request.tool_choice.param} with no tool call it could read, although it was "
+            f"constrained to the tool-call markup: {str(message.get('content'))!r:.200}",
+            kind="server_error",
+            param=request.tool_choice.param,
+            code="tool_choice_unmet",
+        )
+
+
 def model_context_length(tokenizer: str | None) -> int | None:
     """``max_position_embeddings`` of the model's ``config.json`` beside ``tokenizer`` (a directory), ``None``
     when there is none (a multimodal config keeps it in its ``text_config``)."""
@@ -797,6 +811,7 @@ class Gateway:
                 self._refused(state, plan, exc)
                 result = await self.client.generate(**self._generate_args(state, request, plan))
             message = self.client.parse_completion(result)
+            _check_choice(request, result, message)
             return await self._keep(state, plan, request, result, message, owner)
         except BackendError as exc:
             raise from_backend_error(exc) from exc
@@ -844,14 +859,21 @@ class Gateway:
             except BridgeError as exc:
                 self._refused(state, plan, exc)
                 stream = self.client.stream(**self._generate_args(state, request, plan))
-            branch = plan.branch if plan.branch is not None else plan.new_branch
-            yield Started(session=state.record.id, turn=plan.turn, branch=branch)
             splitter = _Splitter(self.client, stream.request.prompt_ids)
             async with stream:
-                async for delta in stream:
-                    for event in splitter.feed(delta.completion_ids):
+                # the engine's first answer comes before the stream starts: its refusal (a prompt past its context,
+                # a field it does not take) is the route's HTTP error, not an event after a 200
+                first = await anext(stream, None)
+                branch = plan.branch if plan.branch is not None else plan.new_branch
+                yield Started(session=state.record.id, turn=plan.turn, branch=branch)
+                if first is not None:
+                    for event in splitter.feed(first.completion_ids):
                         yield event
+                    async for delta in stream:
+                        for event in splitter.feed(delta.completion_ids):
+                            yield event
             message = self.client.parse_completion(stream.result)
+            _check_choice(request, stream.result, message)
             rest = splitter.finish(message)  # before the turn is kept: a stream that cannot end as parsed is no turn
             served = await self._keep(state, plan, request, stream.result, message, owner)
             for event in rest:

@@ -264,9 +264,9 @@ def write_short_reply_variant(src: Path, dst: Path) -> Path:
     CPU. Random weights otherwise, unchanged but for three residual dimensions and ``lm_head``:
 
     * a bias unit (the same value in every token's embedding): markup (``<|im_start|>``, ``<|endoftext|>``, thinking
-      and tool-response tags, BPE pieces holding ``<``), ids beyond the tokenizer, ``{"`` / `` {"``, and (less so)
-      whitespace, control characters and pieces of UTF-8 sequences are unlikely; ``<tool_call>`` / ``</tool_call>`` mildly so (a tool-call grammar still writes them as the one
-      added id each, not spelled out);
+      and tool-response tags, BPE pieces holding ``<``), ids beyond the tokenizer, ``{"`` and `` {"`` are unlikely,
+      and whitespace, control characters and pieces of UTF-8 sequences less likely; ``<tool_call>`` and
+      ``</tool_call>`` mildly so (a tool-call grammar still writes each as its one added id, not spelled out);
     * an end gate, set in every token of visible text and in ``</tool_call>`` (not in whitespace, which ends a
       generation prompt): after such a token ``<|im_end|>`` is all but certain, otherwise all but impossible. So a
       free reply is one visible token (after a rare whitespace one) and the end of turn, at any temperature;
@@ -276,20 +276,17 @@ def write_short_reply_variant(src: Path, dst: Path) -> Path:
     No layer writes to those dimensions (their rows of ``o_proj`` and ``down_proj`` are zero), so each holds its
     embedding value up to the final norm: the last token's features reach ``lm_head`` as a bigram table.
 
-    Idempotent: a copy made from the same source by this version is reused (a marker holds the source's hashes); one
-    is written in a temporary directory and moved into place under a lock.
+    Idempotent: a copy made from the same source by this version, its files intact, is reused (a marker holds both
+    sides' hashes); one is written in a temporary directory and moved into place under a lock.
 
     :returns: ``dst``.
     """
     dst.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(dst.parent / f".{dst.name}.lock"):
-        source = {
-            name: hashlib.sha256((src / name).read_bytes()).hexdigest()
-            for name in sorted(p.name for p in src.iterdir() if p.is_file())
-        }
-        marker = {"version": SHORT_REPLY_VERSION, "source": source}
-        with contextlib.suppress(OSError, ValueError):
-            if json.loads((dst / _SHORT_REPLY_MARKER).read_text(encoding="utf-8")) == marker:
+        source = {"version": SHORT_REPLY_VERSION, "source": _file_digests(src)}
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            marker = json.loads((dst / _SHORT_REPLY_MARKER).read_text(encoding="utf-8"))
+            if {k: marker[k] for k in source} == source and marker["files"] == _file_digests(dst):
                 return dst
         with tempfile.TemporaryDirectory(prefix=f".{dst.name}-", dir=dst.parent) as tmp:
             staging = Path(tmp) / dst.name
@@ -301,11 +298,21 @@ def write_short_reply_variant(src: Path, dst: Path) -> Path:
                 _short_reply_weights(tensors, config, tokenizer), str(staging / _WEIGHTS), metadata=_SAFETENSORS_META
             )
             (staging / _WEIGHTS).chmod(0o644)
+            marker = {**source, "files": _file_digests(staging)}
             _atomic_write_text(staging / _SHORT_REPLY_MARKER, json.dumps(marker, indent=2, sort_keys=True) + "\n")
             if dst.exists():
                 shutil.rmtree(dst)
             staging.rename(dst)
     return dst
+
+
+def _file_digests(directory: Path) -> dict[str, str]:
+    """The SHA-256 of each file of a model directory (not the short-reply marker)."""
+    return {
+        path.name: hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(directory.iterdir())
+        if path.is_file() and path.name != _SHORT_REPLY_MARKER
+    }
 
 
 def _short_reply_weights(tensors: Tensors, config: Mapping[str, Any], tokenizer: Tokenizer) -> Tensors:
