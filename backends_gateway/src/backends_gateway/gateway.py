@@ -442,10 +442,11 @@ class Gateway:
 
     def _check_limits(self, state: SessionState, request: TurnRequest) -> None:
         limits = self.limits
-        if state.record.counts["turns"] >= limits.max_turns_per_session:
+        turns = state.record.counts["turns"] + state.planned  # those generating count: admission is atomic
+        if turns >= limits.max_turns_per_session:
             raise GatewayError(
                 400,
-                f"session {state.record.id} has {state.record.counts['turns']} turns, the gateway's "
+                f"session {state.record.id} has {turns} turns (answered or generating), the gateway's "
                 f"max_turns_per_session",
                 param="session",
                 code="session_turn_limit",
@@ -562,18 +563,22 @@ class Gateway:
             if replay is not None:
                 answered = _Plan(previous=None, branch=None, reason=None, parent_branch=None, digests=digests, key=key)
                 return state, answered, replay
-            self._admit()
-            self._check_limits(state, request)
             plan = self._plan(state, request, digests, key)
             try:
                 if plan.previous is None and plan.reason == "edited":
                     await self._previous(state, plan, state.anchor(digests, request.messages))
+                # the limits are checked and the turn counted with no await between: concurrent requests cannot
+                # all pass a check that only one of them may
+                self._admit()
+                self._check_limits(state, request)
             except BaseException:
                 self._end(state, plan)
                 raise
         except BaseException:
             self._leave_session(state)
             raise
+        self._in_flight += 1
+        state.planned += 1
         plan.turn = state.next_turn
         state.next_turn += 1
         self._number_branch(state, plan)
@@ -654,6 +659,8 @@ class Gateway:
 
     def _finish(self, state: SessionState, plan: _Plan) -> None:
         """A planned turn ended, kept or not."""
+        self._in_flight -= 1
+        state.planned -= 1
         self._end(state, plan)
         self._unnumber(state, plan)
         self._leave_session(state)
@@ -803,7 +810,6 @@ class Gateway:
                 return await self._replay(state, plan.key, replay, owner)
             finally:
                 self._leave_session(state)
-        self._in_flight += 1
         try:
             try:
                 result = await self.client.generate(**self._generate_args(state, request, plan))
@@ -816,7 +822,6 @@ class Gateway:
         except BackendError as exc:
             raise from_backend_error(exc) from exc
         finally:
-            self._in_flight -= 1
             self._finish(state, plan)
 
     async def stream_turn(
@@ -852,7 +857,6 @@ class Gateway:
             finally:
                 self._leave_session(state)
             return
-        self._in_flight += 1
         try:
             try:  # built (and the bridge proven or refused) before the stream starts, so its headers are final
                 stream = self.client.stream(**self._generate_args(state, request, plan))
@@ -882,7 +886,6 @@ class Gateway:
         except BackendError as exc:
             raise from_backend_error(exc) from exc
         finally:
-            self._in_flight -= 1
             self._finish(state, plan)
 
     def prompt_ids(self, request: TurnRequest) -> list[int]:

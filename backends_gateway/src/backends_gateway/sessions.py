@@ -344,6 +344,8 @@ class SessionState:
     saved: bool = True
     #: requests placed in the session and not yet ended
     pending: int = 0
+    #: turns admitted and not yet ended (generating, or being kept)
+    planned: int = 0
     #: the number the next turn (branch) that starts gets: a turn knows its number and its branch's before it is
     #: generated (a stream's headers name them); a turn that fails gives its number back when no later one took one
     next_turn: int = 0
