@@ -201,3 +201,21 @@ async def test_a_turn_the_store_could_not_keep_is_not_answered_and_not_extended(
         traj = await served.gateway.trajectory("d")
         assert [(t["turn"], t["branch"], t["parent"]) for t in traj["turns"]] == [(0, 0, None), (1, 0, 0)]
         assert traj["branches"][0]["turns"] == [0, 1]
+
+
+async def test_a_reward_the_store_cannot_keep_is_refused_and_changes_nothing(scripted_gateway) -> None:
+    deep: dict[str, object] = {}
+    for _ in range(300):  # deeper than the JSON writer goes
+        deep = {"d": deep}
+    async with (
+        scripted_gateway(["ok<|im_end|>"]) as served,
+        httpx.AsyncClient(base_url=served.url, trust_env=False, timeout=30) as http,
+    ):
+        assert (await http.post("/s/r/v1/chat/completions", json=body())).status_code == 200
+        refused = await http.post("/v1/sessions/r/reward", json={"reward": 1.0, "info": deep})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "info"
+        assert (await http.get("/v1/sessions")).status_code == 200
+        summary = (await http.get("/v1/sessions/r")).json()
+        assert summary["reward"] is None
+        kept = await http.post("/v1/sessions/r/reward", json={"reward": 0.5, "info": {"ok": True}})
+        assert kept.status_code == 200 and (await http.get("/v1/sessions/r")).json()["reward"] == 0.5

@@ -944,17 +944,29 @@ class Gateway:
         return (await self._known(session, owner)).as_json()
 
     async def set_reward(self, session: str, reward: float, info: Mapping[str, Any] | None) -> dict[str, Any]:
+        """Keep a session's reward (and ``info``, any JSON the store can write back): in the store first, then in
+        memory, so a reward the store refuses changes nothing.
+
+        :raises GatewayError: an unknown session (404), ``info`` the store cannot keep (400).
+        """
         record = await self._known(session)
-        record.reward, record.reward_info = reward, None if info is None else dict(info)
-        await self.store.update_session(record)
+        kept = None if info is None else dict(info)
+        if kept is not None:
+            try:
+                orjson.dumps(kept)
+            except orjson.JSONEncodeError as exc:
+                raise GatewayError(400, f"info cannot be kept: {exc}", param="info", code="invalid_value") from None
+        await self.store.update_session(attrs.evolve(record, reward=reward, reward_info=kept))
+        record.reward, record.reward_info = reward, kept
         return record.as_json()
 
     async def close(self, session: str) -> dict[str, Any]:
         """Close a session: no more turns join it; its trajectory is final."""
         record = await self._known(session)
         if record.status != "closed":
-            record.status, record.closed = "closed", time.time()
-            await self.store.update_session(record)
+            closed = time.time()
+            await self.store.update_session(attrs.evolve(record, status="closed", closed=closed))
+            record.status, record.closed = "closed", closed
             state = self._sessions.pop(session, None)
             if state is not None:
                 for digest in state.index:
