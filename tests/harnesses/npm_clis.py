@@ -8,14 +8,13 @@ run headless with a fresh ``HOME``, and watched through a recording proxy in fro
   ``nodejs`` and ``npm`` (sudo when not root), as ``./dev`` installs Chromium. A CLI needing a newer Node than
   the machine's gets npm's ``node`` package of that major in its own directory.
 * :func:`run_cli` runs one headless, in its own process group, killed whole on timeout.
-* :class:`RecordingProxy` forwards every request to the gateway and keeps both sides of each exchange (headers,
-  body, status, the answer's text, streamed or not) for the probe report and for failure messages.
+* The tests watch each run through :class:`~capture_proxy.CaptureProxy` (its exchanges logged by
+  :func:`probe_log`'s path) for the probe report and for failure messages.
 * :func:`check_trajectory` holds what every harness test asserts on the trainer's view of its main session.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import fcntl
 import itertools
@@ -26,15 +25,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import attrs
-from aiohttp import web
+from capture_proxy import CaptureProxy
 
 from backends_testkit.live import ensure_venv, server_venvs_dir
 
@@ -43,9 +40,7 @@ __all__ = [
     "CODEX",
     "QWEN_CODE",
     "CliRun",
-    "Exchange",
     "NpmCli",
-    "RecordingProxy",
     "base_env",
     "Checked",
     "check_harness_run",
@@ -260,245 +255,7 @@ def run_cli(
     )
 
 
-# -- the recording proxy -----------------------------------------------------------------------------------
-
-
-@attrs.define
-class Exchange:
-    """One request through :class:`RecordingProxy` and the gateway's answer."""
-
-    method: str
-    path: str
-    headers: dict[str, str]
-    body: Any
-    status: int = 0
-    response_headers: dict[str, str] = attrs.field(factory=dict)
-    response: str = ""
-    error: str | None = None
-    #: the harness closed its connection before the answer's end was written to it
-    client_closed: bool = False
-
-    def as_json(self) -> dict[str, Any]:
-        return attrs.asdict(self)
-
-    def short(self) -> str:
-        answer = self.response if self.status >= 400 or self.error else ""
-        closed = " (the harness hung up before the end)" if self.client_closed else ""
-        return f"{self.method} {self.path} -> {self.status}{closed} {self.error or ''}{answer[:600]}"
-
-
-_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade", "accept-encoding"}
-_HOP_BACK = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding"}
-
-
-class RecordingProxy:
-    """A reverse proxy in front of ``upstream`` (the gateway's base URL) that keeps every :class:`Exchange`, in a
-    thread of its own. ``with RecordingProxy(gw.url, log=path) as proxy``: point the harness at ``proxy.url``.
-    Streams pass through chunk by chunk. Each exchange is appended to ``log`` as a JSON line.
-
-    ``rewrite(path, body)``, for probing only (never in a test): the JSON body forwarded instead of the one
-    received (which is what the exchange records), to see past a refusal what a harness sends later."""
-
-    def __init__(
-        self, upstream: str, *, log: Path | None = None, rewrite: Callable[[str, Any], Any] | None = None
-    ) -> None:
-        self.upstream = upstream.rstrip("/")
-        self.log = log
-        self.rewrite = rewrite
-        self.exchanges: list[Exchange] = []
-        self.url = ""
-        self._loop = asyncio.new_event_loop()
-        self._stop: asyncio.Event | None = None
-        self._thread: threading.Thread | None = None
-        self._failed: list[BaseException] = []
-
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
-        body: Any
-        try:
-            body = json.loads(raw) if raw else None
-        except ValueError:
-            body = raw.decode("utf-8", "replace")
-        exchange = Exchange(request.method, request.path_qs, dict(request.headers), body)
-        self.exchanges.append(exchange)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        if self.rewrite is not None and isinstance(body, dict):
-            raw = json.dumps(self.rewrite(request.path, json.loads(raw))).encode()
-        chunks: list[bytes] = []
-        try:
-            async with (
-                aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None)) as http,
-                http.request(request.method, self.upstream + request.path_qs, headers=headers, data=raw) as up,
-            ):
-                exchange.status = up.status
-                exchange.response_headers = dict(up.headers)
-                response = web.StreamResponse(
-                    status=up.status,
-                    headers={k: v for k, v in up.headers.items() if k.lower() not in _HOP_BACK},
-                )
-                await response.prepare(request)
-                try:
-                    async for chunk in up.content.iter_any():
-                        chunks.append(chunk)
-                        await response.write(chunk)
-                    await response.write_eof()
-                except (ConnectionError, aiohttp.ClientConnectionResetError):
-                    # the harness hung up (Codex does once it has read the last event), so do we: the gateway sees
-                    # what it would have seen without the proxy
-                    exchange.client_closed = True
-                return response
-        except Exception as exc:
-            exchange.error = f"{type(exc).__name__}: {exc}"
-            raise
-        finally:
-            exchange.response = b"".join(chunks).decode("utf-8", "replace")
-            if self.log is not None:
-                with self.log.open("a", encoding="utf-8") as out:
-                    out.write(json.dumps(exchange.as_json(), default=str) + "\n")
-
-    async def _main(self, started: threading.Event) -> None:
-        self._stop = asyncio.Event()
-        app = web.Application(client_max_size=256 * 1024 * 1024)
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await runner.setup()
-        try:
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            server = site._server
-            assert server is not None
-            port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
-            self.url = f"http://127.0.0.1:{port}"
-            started.set()
-            await self._stop.wait()
-        finally:
-            await runner.cleanup()
-
-    def __enter__(self) -> RecordingProxy:
-        started = threading.Event()
-
-        def run() -> None:
-            try:
-                self._loop.run_until_complete(self._main(started))
-            except BaseException as exc:
-                self._failed.append(exc)
-            finally:
-                started.set()
-
-        self._thread = threading.Thread(target=run, name="recording-proxy", daemon=True)
-        self._thread.start()
-        started.wait(60)
-        if not self.url:
-            raise RuntimeError(f"the recording proxy did not start: {self._failed}")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        if self._thread is not None:
-            self._thread.join(60)
-        self._loop.close()
-
-    def summary(self) -> str:
-        return "\n".join(e.short() for e in self.exchanges)
-
-    def failures(self) -> list[Exchange]:
-        return [e for e in self.exchanges if e.status >= 400 or e.error]
-
-
 # -- the trainer's view ------------------------------------------------------------------------------------
-
-GENERATION_PATHS = ("/v1/messages", "/v1/chat/completions", "/v1/responses")
-"""The routes that answer a turn (``count_tokens`` and model lists are not turns)."""
-
-
-def is_generation(exchange: Exchange) -> bool:
-    return exchange.method == "POST" and exchange.path.split("?")[0].endswith(GENERATION_PATHS)
-
-
-def session_of(exchange: Exchange) -> str | None:
-    for key, value in exchange.response_headers.items():
-        if key.lower() == "x-session-id":
-            return value
-    return None
-
-
-def _events(text: str) -> Iterator[Any]:
-    """The JSON objects of an answer: its ``data:`` lines when streamed (SSE), else the whole body."""
-    if not text.lstrip().startswith("{"):
-        for line in text.splitlines():
-            if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
-                with contextlib.suppress(ValueError):
-                    yield json.loads(line[5:])
-        return
-    with contextlib.suppress(ValueError):
-        yield json.loads(text)
-
-
-def answered_call_ids(exchange: Exchange) -> list[str]:
-    """The ids of the tool calls an answer gave the harness, on whichever wire (Anthropic ``tool_use`` blocks,
-    Responses ``function_call`` items, chat ``tool_calls``), streamed or not, each once."""
-    ids: list[str] = []
-
-    def add(value: Any) -> None:
-        if isinstance(value, str) and value and value not in ids:
-            ids.append(value)
-
-    for event in _events(exchange.response):
-        if not isinstance(event, dict):
-            continue
-        block = event.get("content_block")  # anthropic stream
-        if isinstance(block, dict) and block.get("type") == "tool_use":
-            add(block.get("id"))
-        for block in event.get("content") or []:  # anthropic whole message
-            if isinstance(block, dict) and block.get("type") == "tool_use":
-                add(block.get("id"))
-        item = event.get("item")  # responses stream
-        if isinstance(item, dict) and item.get("type") == "function_call":
-            add(item.get("call_id"))
-        for item in event.get("output") or (event.get("response") or {}).get("output") or []:
-            if isinstance(item, dict) and item.get("type") == "function_call":
-                add(item.get("call_id"))
-        for choice in event.get("choices") or []:  # chat, streamed (delta) or not (message)
-            part = choice.get("delta") or choice.get("message") or {}
-            for call in part.get("tool_calls") or []:
-                add(call.get("id"))
-    return ids
-
-
-def answered_text(exchange: Exchange) -> str:
-    """The text an answer gave the harness, on whichever wire (Anthropic ``text`` blocks or their deltas, Responses
-    ``output_text`` parts of its whole body or of ``response.completed``, chat ``content`` or its deltas)."""
-    text: list[str] = []
-    for event in _events(exchange.response):
-        if not isinstance(event, dict):
-            continue
-        if event.get("type") == "content_block_delta":  # anthropic stream
-            delta = event.get("delta") or {}
-            if delta.get("type") == "text_delta":
-                text.append(str(delta.get("text") or ""))
-        if event.get("type") == "message":  # anthropic whole message
-            text += [str(b.get("text") or "") for b in event.get("content") or [] if b.get("type") == "text"]
-        response = event.get("response") if event.get("type") == "response.completed" else event
-        if isinstance(response, dict) and response.get("object") == "response":  # responses, whole or completed
-            for item in response.get("output") or []:
-                if isinstance(item, dict) and item.get("type") == "message":
-                    text += [
-                        str(p.get("text") or "") for p in item.get("content") or [] if p.get("type") == "output_text"
-                    ]
-        for choice in event.get("choices") or []:  # chat, streamed (delta) or not (message)
-            part = choice.get("delta") or choice.get("message") or {}
-            text.append(str(part.get("content") or ""))
-    return "".join(text)
-
-
-def answer_error(exchange: Exchange) -> str | None:
-    """The error an answer carried in its body after a 200 (a stream's ``error`` or ``response.failed`` event), or
-    ``None``."""
-    for event in _events(exchange.response):
-        if isinstance(event, dict) and (event.get("type") in ("error", "response.failed") or event.get("error")):
-            return json.dumps(event)[:1000]
-    return None
 
 
 def check_trajectory(trajectory: Mapping[str, Any], *, expected_turns: int) -> list[dict[str, Any]]:
@@ -526,7 +283,7 @@ class Checked:
     side: dict[str, list[dict[str, Any]]]
 
 
-def check_harness_run(gw: Any, proxy: RecordingProxy, run: CliRun, loop: Any) -> Checked:
+def check_harness_run(gw: Any, proxy: CaptureProxy, run: CliRun, loop: Any) -> Checked:
     """What every harness test asserts after one headless run of the :class:`~agent_engine.ShellLoop`:
 
     * the CLI exited 0 and printed the loop's final answer;
@@ -557,11 +314,11 @@ def check_harness_run(gw: Any, proxy: RecordingProxy, run: CliRun, loop: Any) ->
     assert len(ids) == 2 and len(set(ids)) == 2, ids
     assert final in json.dumps(turns[-1]["reply"]), turns[-1]["reply"]
 
-    answered = [e for e in proxy.exchanges if is_generation(e) and e.status == 200 and session_of(e) == session]
+    answered = [e for e in proxy.turns() if e.status == 200 and e.session == session]
     assert len(answered) == len(turns), context
     for exchange in answered:
         assert exchange.error is None, exchange.short()
-    got = [answered_call_ids(e) for e in answered]
+    got = [e.call_ids() for e in answered]
     assert [len(g) for g in got] == [len(t["reply"].get("tool_calls") or []) for t in turns], got
     flat = [i for g in got for i in g]
     assert len(set(flat)) == 2, f"the harness got tool call ids {flat}"

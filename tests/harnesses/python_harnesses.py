@@ -6,10 +6,8 @@ and what they send captured on the way.
   content-addressed path beside the venvs so every checkout shares one venv); :func:`ensure_harness_venv` builds it
   with :func:`backends_testkit.live.ensure_venv` (``~/.cache/backends/server-venvs/harness-...``; rebuilt when the
   recipe or the constraints change). None pulls torch.
-* :class:`CaptureProxy`: a logging reverse proxy in front of the gateway (its own thread and event loop): every
-  request's method, path, headers and body, and the gateway's status, headers and body (a stream as its raw SSE
-  text), as :class:`Exchange` records. The harness gets the proxy's URL, so nothing in the harness or the gateway is
-  patched to see the wire.
+* :func:`captured`: a :class:`~capture_proxy.CaptureProxy` in front of the gateway, keeping what the harness sent
+  and what it got.
 * :class:`HarnessProcess`: one harness script (``harness_scripts/``) in its venv as a subprocess in its own process
   group: fresh ``HOME`` and working directory under the test's ``tmp_path``, telemetry off, only a base URL, an API key
   and the model name ``tiny``; killed (the whole group) at its timeout. The script's last line is
@@ -21,9 +19,7 @@ and what they send captured on the way.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import hashlib
 import itertools
 import json
 import os
@@ -31,18 +27,16 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import attrs
-from aiohttp import web
+from capture_proxy import CaptureProxy, Exchange
 
-from backends_testkit.live import ensure_venv, server_venvs_dir
+from backends_testkit.live import ensure_venv, stable_copy
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = HERE / "harness_scripts"
@@ -128,15 +122,7 @@ SMOLAGENTS = Harness(
 
 def stable_constraints(harness: Harness) -> Path:
     """A copy of the harness's constraints at a content-addressed path beside the venvs."""
-    text = harness.constraints.read_text(encoding="utf-8")
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    path = server_venvs_dir() / f".{harness.venv_name}-constraints-{digest}.txt"
-    if not path.exists() or path.read_text(encoding="utf-8") != text:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    return path
+    return stable_copy(harness.constraints.read_text(encoding="utf-8"), f"{harness.venv_name}-constraints")
 
 
 def install_commands(harness: Harness) -> list[list[str]]:
@@ -154,267 +140,6 @@ def ensure_harness_venv(harness: Harness) -> Path:
         install=install_commands(harness),
         marker_extra=harness.constraints.read_text(encoding="utf-8"),
     )
-
-
-# -- the capturing proxy -------------------------------------------------------------------------------------------
-
-_HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "accept-encoding", "upgrade"}
-
-
-@attrs.define
-class Exchange:
-    """One request through :class:`CaptureProxy` and the gateway's answer."""
-
-    method: str
-    path: str
-    headers: dict[str, str]
-    body: bytes
-    started: float
-    status: int | None = None
-    response_headers: dict[str, str] = attrs.field(factory=dict)
-    response: bytes = b""
-    finished: float | None = None
-    client_gone: bool = False
-    upstream_error: str | None = None
-
-    def json(self) -> Any:
-        try:
-            return json.loads(self.body) if self.body else None
-        except ValueError:
-            return None
-
-    @property
-    def streamed(self) -> bool:
-        return "text/event-stream" in self.response_headers.get("content-type", "")
-
-    @property
-    def session(self) -> str | None:
-        return self.response_headers.get("x-session-id")
-
-    @property
-    def turn(self) -> int | None:
-        value = self.response_headers.get("x-turn")
-        return int(value) if value is not None and value.isdigit() else None
-
-    def sse_events(self) -> list[tuple[str | None, Any]]:
-        """A stream's events as ``(event name, parsed data)``."""
-        out: list[tuple[str | None, Any]] = []
-        for block in self.response.decode("utf-8", "replace").replace("\r\n", "\n").split("\n\n"):
-            name: str | None = None
-            data: list[str] = []
-            for line in block.split("\n"):
-                if line.startswith("event:"):
-                    name = line[6:].strip()
-                elif line.startswith("data:"):
-                    data.append(line[5:].lstrip())
-            if not data:
-                continue
-            raw = "\n".join(data)
-            try:
-                out.append((name, json.loads(raw)))
-            except ValueError:
-                out.append((name, raw))
-        return out
-
-    def failure(self) -> str | None:
-        """Why the harness did not get a whole answer (an error status, an error event in a stream, a dropped
-        connection), or ``None``."""
-        if self.upstream_error:
-            return f"upstream: {self.upstream_error}"
-        if self.status != 200:
-            return f"HTTP {self.status}: {self.response.decode('utf-8', 'replace')[:600]}"
-        if self.streamed:
-            for name, data in self.sse_events():
-                kind = data.get("type") if isinstance(data, dict) else None
-                if (
-                    name in ("error", "response.failed")
-                    or kind in ("error", "response.failed")
-                    or (isinstance(data, dict) and "error" in data and data["error"])
-                ):
-                    return f"stream event {name or kind}: {json.dumps(data)[:600]}"
-        if self.client_gone:
-            return "the harness closed the connection before the end of the answer"
-        return None
-
-    def received(self) -> bool:
-        """The harness got this answer whole (an HTTP 200 without an error event)."""
-        return self.failure() is None
-
-    def answer(self) -> tuple[str, list[str]]:
-        """The reply this exchange carried to the harness: its text and its tool-call ids (chat completions, whole
-        or streamed; Responses, whole or its ``response.completed`` event)."""
-        if self.streamed:
-            text, ids = "", list[str]()
-            for _name, data in self.sse_events():
-                if not isinstance(data, dict):
-                    continue
-                if data.get("type") == "response.completed":
-                    return _responses_answer(data.get("response") or {})
-                for choice in data.get("choices") or []:
-                    delta = choice.get("delta") or {}
-                    text += delta.get("content") or ""
-                    ids.extend(c["id"] for c in delta.get("tool_calls") or [] if c.get("id"))
-            return text, ids
-        try:
-            body = json.loads(self.response)
-        except ValueError:
-            return "", []
-        if not isinstance(body, dict):
-            return "", []
-        if body.get("object") == "response":
-            return _responses_answer(body)
-        message = ((body.get("choices") or [{}])[0]).get("message") or {}
-        return message.get("content") or "", [c["id"] for c in message.get("tool_calls") or []]
-
-    def as_json(self) -> dict[str, Any]:
-        body = self.json()
-        return {
-            "method": self.method,
-            "path": self.path,
-            "headers": self.headers,
-            "body": body if body is not None else self.body.decode("utf-8", "replace"),
-            "status": self.status,
-            "response_headers": self.response_headers,
-            "response": self.response.decode("utf-8", "replace"),
-            "seconds": None if self.finished is None else round(self.finished - self.started, 3),
-            "failure": self.failure(),
-        }
-
-
-def _responses_answer(response: Mapping[str, Any]) -> tuple[str, list[str]]:
-    text, ids = "", list[str]()
-    for item in response.get("output") or []:
-        if item.get("type") == "message":
-            text += "".join(part.get("text", "") for part in item.get("content") or [])
-        elif item.get("type") == "function_call":
-            ids.append(item.get("call_id"))
-    return text, ids
-
-
-class CaptureProxy:
-    """``with CaptureProxy(gw.url) as proxy``: a reverse proxy at :attr:`url` forwarding everything to ``upstream``
-    and keeping each :class:`Exchange` in :attr:`exchanges` (in the order the requests arrived)."""
-
-    def __init__(self, upstream: str, *, rewrite: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
-        self.upstream = upstream.rstrip("/")
-        self.rewrite = rewrite
-        """Applied to each JSON request body before it is forwarded (the record keeps what the harness sent): to
-        see how far a harness gets past a field the gateway refuses."""
-        self.exchanges: list[Exchange] = []
-        self.url = ""
-        self._loop = asyncio.new_event_loop()
-        self._stop: asyncio.Event | None = None
-        self._thread: threading.Thread | None = None
-        self._failed: list[BaseException] = []
-        self._session: aiohttp.ClientSession | None = None
-
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        exchange = Exchange(
-            method=request.method,
-            path=request.path_qs,
-            headers={k.lower(): v for k, v in request.headers.items()},
-            body=body,
-            started=time.time(),
-        )
-        self.exchanges.append(exchange)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        if self.rewrite is not None and isinstance(exchange.json(), dict):
-            body = json.dumps(self.rewrite(exchange.json())).encode()
-        assert self._session is not None
-        try:
-            async with self._session.request(
-                request.method, self.upstream + request.path_qs, headers=headers, data=body
-            ) as upstream:
-                exchange.status = upstream.status
-                exchange.response_headers = {k.lower(): v for k, v in upstream.headers.items()}
-                reply_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP}
-                reply = web.StreamResponse(status=upstream.status, headers=reply_headers)
-                await reply.prepare(request)
-                async for piece in upstream.content.iter_any():
-                    exchange.response += piece
-                    try:
-                        await reply.write(piece)
-                    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-                        exchange.client_gone = True
-                        break
-                if not exchange.client_gone:
-                    with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
-                        await reply.write_eof()
-                exchange.finished = time.time()
-                return reply
-        except asyncio.CancelledError:
-            exchange.client_gone = True
-            exchange.finished = time.time()
-            raise
-        except aiohttp.ClientError as exc:
-            exchange.upstream_error = f"{type(exc).__name__}: {exc}"
-            exchange.finished = time.time()
-            return web.Response(status=502, text=exchange.upstream_error)
-
-    async def _main(self, ready: threading.Event) -> None:
-        self._stop = asyncio.Event()
-        timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
-        async with aiohttp.ClientSession(timeout=timeout, auto_decompress=False) as session:
-            self._session = session
-            app = web.Application(client_max_size=64 * 1024 * 1024)
-            app.router.add_route("*", "/{tail:.*}", self._handle)
-            runner = web.AppRunner(app, access_log=None, handle_signals=False)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            server = site._server
-            assert server is not None
-            port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
-            self.url = f"http://127.0.0.1:{port}"
-            ready.set()
-            try:
-                await self._stop.wait()
-            finally:
-                await runner.cleanup()
-
-    def __enter__(self) -> CaptureProxy:
-        ready = threading.Event()
-
-        def run() -> None:
-            try:
-                self._loop.run_until_complete(self._main(ready))
-            except BaseException as exc:
-                self._failed.append(exc)
-            finally:
-                ready.set()
-
-        self._thread = threading.Thread(target=run, name="capture-proxy", daemon=True)
-        self._thread.start()
-        if not ready.wait(60) or not self.url:
-            raise RuntimeError(f"the capture proxy did not start: {self._failed}")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        if self._thread is not None:
-            self._thread.join(30)
-        self._loop.close()
-
-    def turns(self) -> list[Exchange]:
-        """The exchanges that asked for a model turn."""
-        return [
-            e
-            for e in self.exchanges
-            if e.method == "POST" and re.search(r"/v1/(chat/completions|responses|messages)$", e.path.split("?")[0])
-        ]
-
-    def sessions(self) -> list[str]:
-        """The sessions the gateway named in its answers, in order of first appearance."""
-        out: list[str] = []
-        for e in self.exchanges:
-            if e.session and e.session not in out:
-                out.append(e.session)
-        return out
-
-    def failures(self) -> list[str]:
-        return [f"#{i} {e.method} {e.path}: {e.failure()}" for i, e in enumerate(self.exchanges) if e.failure()]
 
 
 # -- the harness process -------------------------------------------------------------------------------------------
@@ -519,23 +244,9 @@ class HarnessProcess:
                 break
         return HarnessRun(self.argv, self._proc.returncode, timed_out, seconds, result, stdout, stderr)
 
-
-def run_harness(
-    venv: Path,
-    script: str,
-    args: Sequence[str],
-    *,
-    base_url: str,
-    workdir: Path,
-    env: Mapping[str, str] | None = None,
-    timeout: float = RUN_TIMEOUT_S,
-) -> HarnessRun:
-    """Run one harness script to its end (or its timeout)."""
-    return (
-        HarnessProcess(venv, script, args, base_url=base_url, workdir=workdir, env=env, timeout=timeout)
-        .start()
-        .finish()
-    )
+    def run(self) -> HarnessRun:
+        """Run the script to its end (or its timeout)."""
+        return self.start().finish()
 
 
 # -- what a test asserts -------------------------------------------------------------------------------------------
@@ -660,6 +371,30 @@ def check_tool_loop(
     return problems
 
 
+def check_concurrent_runs(
+    gw: Any, proxies: Sequence[CaptureProxy], runs: Sequence[HarnessRun], *, name: str, directory: Path
+) -> list[str]:
+    """Identical runs at the same time, each through its own proxy, no session in the URL (their probes saved as
+    ``<name>-<i>``): each must finish its loop with :data:`ANSWER` in a session of its own (:func:`check_session`),
+    none shared, and the gateway hold exactly one session a run. The problems found (``[]``: none)."""
+    problems: list[str] = []
+    for i, (proxy, run) in enumerate(zip(proxies, runs, strict=True)):
+        save_probe(f"{name}-{i}", proxy, run, directory)
+        if run.returncode != 0 or ANSWER not in str((run.result or {}).get("final")):
+            problems.append(f"run {i} did not finish its loop: {run.returncode} {run.result}\n{run.tail(15)}")
+        if len(proxy.sessions()) != 1:
+            problems.append(f"run {i}'s answers name sessions {proxy.sessions()}")
+        for session in proxy.sessions()[:2]:
+            problems.extend(f"run {i}, session {session}: {p}" for p in check_session(gw.trajectory(session), proxy))
+    for first, second in itertools.combinations(proxies, 2):
+        if set(first.sessions()) & set(second.sessions()):
+            problems.append(f"the runs share sessions: {set(first.sessions()) & set(second.sessions())}")
+    held = [s["session"] for s in gw.sessions()]
+    if len(held) != len(runs):
+        problems.append(f"the gateway holds {len(held)} sessions, want {len(runs)}: {held}")
+    return problems
+
+
 def assert_clean(problems: Iterable[str]) -> None:
     found = list(problems)
     assert not found, "\n".join(found)
@@ -692,7 +427,7 @@ def _content_kinds(content: Any) -> list[str]:
 def describe_request(exchange: Exchange) -> dict[str, Any]:
     """One request, compactly: its top-level fields (example values), its messages' or input items' roles and
     content kinds, its tools."""
-    body = exchange.json()
+    body = exchange.body
     out: dict[str, Any] = {"path": exchange.path, "status": exchange.status, "streamed": exchange.streamed}
     if not isinstance(body, dict):
         return out

@@ -12,11 +12,11 @@ import pytest
 from agent_engine import ShellLoop
 from python_harnesses import (
     AGENTS_SDK,
+    HarnessProcess,
     assert_clean,
     captured,
     check_tool_loop,
     ensure_harness_venv,
-    run_harness,
     save_probe,
 )
 
@@ -34,9 +34,8 @@ def test_agents_sdk_runs_the_shell_loop(
     agent_gateway: Callable[..., Any], venv: Path, tmp_path: Path, api: str, mode: str
 ) -> None:
     with agent_gateway(ShellLoop()) as gw, captured(gw) as proxy:
-        run = run_harness(
-            venv, "agents_sdk.py", ["--api", api, "--mode", mode], base_url=proxy.url + "/v1", workdir=tmp_path
-        )
+        args = ["--api", api, "--mode", mode]
+        run = HarnessProcess(venv, "agents_sdk.py", args, base_url=proxy.url + "/v1", workdir=tmp_path).run()
         save_probe(f"agents-sdk-{api}-{mode}", proxy, run, tmp_path)
         assert_clean(check_tool_loop(gw, proxy, run))
         wire = "/v1/responses" if api == "responses" else "/v1/chat/completions"

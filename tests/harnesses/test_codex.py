@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 from agent_engine import ShellLoop
-from npm_clis import CODEX, RecordingProxy, base_env, check_harness_run, ensure_cli, probe_log, run_cli
+from capture_proxy import CaptureProxy
+from npm_clis import CODEX, base_env, check_harness_run, ensure_cli, probe_log, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +59,7 @@ def test_codex_runs_the_shell_loop(agent_gateway: Callable[..., Any], tmp_path: 
     loop = ShellLoop()
     work = tmp_path / "work"
     work.mkdir()
-    with agent_gateway(loop) as gw, RecordingProxy(gw.url, log=probe_log(tmp_path, "codex")) as proxy:
+    with agent_gateway(loop) as gw, CaptureProxy(gw.url, log=probe_log(tmp_path, "codex")) as proxy:
         run = run_cli(codex_argv(prefix), env=codex_env(prefix, tmp_path / "home", proxy.url), cwd=work)
         checked = check_harness_run(gw, proxy, run, loop)
 

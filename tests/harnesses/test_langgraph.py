@@ -11,15 +11,13 @@ from typing import Any
 import pytest
 from agent_engine import ShellLoop
 from python_harnesses import (
-    ANSWER,
     LANGGRAPH,
     HarnessProcess,
     assert_clean,
     captured,
-    check_session,
+    check_concurrent_runs,
     check_tool_loop,
     ensure_harness_venv,
-    run_harness,
     save_probe,
 )
 
@@ -36,7 +34,8 @@ def test_langgraph_react_agent_runs_the_shell_loop(
     agent_gateway: Callable[..., Any], venv: Path, tmp_path: Path, mode: str
 ) -> None:
     with agent_gateway(ShellLoop()) as gw, captured(gw) as proxy:
-        run = run_harness(venv, "langgraph_react.py", ["--mode", mode], base_url=proxy.url + "/v1", workdir=tmp_path)
+        args = ["--mode", mode]
+        run = HarnessProcess(venv, "langgraph_react.py", args, base_url=proxy.url + "/v1", workdir=tmp_path).run()
         save_probe(f"langgraph-{mode}", proxy, run, tmp_path)
         assert_clean(check_tool_loop(gw, proxy, run))
 
@@ -55,20 +54,4 @@ def test_two_identical_langgraph_runs_at_once_keep_their_own_sessions(
             for i, p in enumerate(proxies)
         ]
         runs = [p.finish() for p in procs]
-        problems = []
-        for i, (proxy, run) in enumerate(zip(proxies, runs, strict=True)):
-            save_probe(f"langgraph-concurrent-{i}", proxy, run, tmp_path)
-            if run.returncode != 0 or ANSWER not in str((run.result or {}).get("final")):
-                problems.append(f"run {i} did not finish its loop: {run.returncode} {run.result}\n{run.tail(15)}")
-            if len(proxy.sessions()) != 1:
-                problems.append(f"run {i}'s answers name sessions {proxy.sessions()}")
-            for session in proxy.sessions()[:2]:
-                problems.extend(
-                    f"run {i}, session {session}: {p}" for p in check_session(gw.trajectory(session), proxy)
-                )
-        if set(first.sessions()) & set(second.sessions()):
-            problems.append(f"the runs share sessions: {set(first.sessions()) & set(second.sessions())}")
-        held = [s["session"] for s in gw.sessions()]
-        if len(held) != 2:
-            problems.append(f"the gateway holds {len(held)} sessions, want 2: {held}")
-        assert_clean(problems)
+        assert_clean(check_concurrent_runs(gw, proxies, runs, name="langgraph-concurrent", directory=tmp_path))

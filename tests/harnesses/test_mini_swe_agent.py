@@ -18,6 +18,7 @@ from python_harnesses import (
     HarnessProcess,
     assert_clean,
     captured,
+    check_concurrent_runs,
     check_session,
     check_tool_loop,
     ensure_harness_venv,
@@ -68,26 +69,10 @@ def test_two_identical_mini_runs_at_once_keep_their_own_sessions(
 ) -> None:
     """Two runs of the same task at the same time, no session in the URL: each must end in a session of its own."""
     with agent_gateway(MiniLoop()) as gw, captured(gw) as first, captured(gw) as second:
-        procs = [mini(venv, p.url + "/v1", tmp_path / f"run-{i}").start() for i, p in enumerate((first, second))]
+        proxies = (first, second)
+        procs = [mini(venv, p.url + "/v1", tmp_path / f"run-{i}").start() for i, p in enumerate(proxies)]
         runs = [p.finish() for p in procs]
-        for i, (proxy, run) in enumerate(zip((first, second), runs, strict=True)):
-            save_probe(f"mini-swe-agent-concurrent-{i}", proxy, run, tmp_path)
-        problems = []
-        for i, (proxy, run) in enumerate(zip((first, second), runs, strict=True)):
-            if run.returncode != 0 or ANSWER not in str((run.result or {}).get("final")):
-                problems.append(f"run {i} did not finish its loop: {run.returncode} {run.result}\n{run.tail(15)}")
-            if len(proxy.sessions()) != 1:
-                problems.append(f"run {i}'s answers name sessions {proxy.sessions()}")
-            for session in proxy.sessions()[:2]:
-                problems.extend(
-                    f"run {i}, session {session}: {p}" for p in check_session(gw.trajectory(session), proxy)
-                )
-        if set(first.sessions()) & set(second.sessions()):
-            problems.append(f"the runs share sessions: {set(first.sessions()) & set(second.sessions())}")
-        all_sessions = [s["session"] for s in gw.sessions()]
-        if len(all_sessions) != 2:
-            problems.append(f"the gateway holds {len(all_sessions)} sessions, want 2: {all_sessions}")
-        assert_clean(problems)
+        assert_clean(check_concurrent_runs(gw, proxies, runs, name="mini-swe-agent-concurrent", directory=tmp_path))
 
 
 def test_grpo_rollouts_with_a_session_in_the_url_keep_their_own_sessions(

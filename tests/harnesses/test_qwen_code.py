@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 from agent_engine import ShellLoop
-from npm_clis import QWEN_CODE, RecordingProxy, base_env, check_harness_run, ensure_cli, probe_log, run_cli
+from capture_proxy import CaptureProxy
+from npm_clis import QWEN_CODE, base_env, check_harness_run, ensure_cli, probe_log, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +53,7 @@ def test_qwen_code_runs_the_shell_loop(agent_gateway: Callable[..., Any], tmp_pa
     loop = ShellLoop()
     work = tmp_path / "work"
     work.mkdir()
-    with agent_gateway(loop) as gw, RecordingProxy(gw.url, log=probe_log(tmp_path, "qwen-code")) as proxy:
+    with agent_gateway(loop) as gw, CaptureProxy(gw.url, log=probe_log(tmp_path, "qwen-code")) as proxy:
         run = run_cli(qwen_argv(prefix), env=qwen_env(prefix, tmp_path / "home", proxy.url), cwd=work)
         checked = check_harness_run(gw, proxy, run, loop)
 

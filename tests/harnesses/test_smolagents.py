@@ -19,11 +19,11 @@ from agent_engine import END, ShellLoop, tools_in
 from python_harnesses import (
     ANSWER,
     SMOLAGENTS,
+    HarnessProcess,
     assert_clean,
     captured,
     check_tool_loop,
     ensure_harness_venv,
-    run_harness,
     save_probe,
 )
 
@@ -75,13 +75,13 @@ def test_smolagents_tool_calling_agent_runs_the_shell_loop(
     with agent_gateway(SmolLoop()) as gw, captured(gw) as proxy:
         args = ["--stream"] if stream else []
         url = f"{proxy.url}/s/smol-{'stream' if stream else 'plain'}/v1"
-        run = run_harness(venv, "smolagents_agent.py", args, base_url=url, workdir=tmp_path)
+        run = HarnessProcess(venv, "smolagents_agent.py", args, base_url=url, workdir=tmp_path).run()
         save_probe(f"smolagents-{'stream' if stream else 'plain'}", proxy, run, tmp_path)
         # the run's own checks, but for those of one branch extending itself (asserted as they are, below)
         found = check_tool_loop(gw, proxy, run, responses=observations)
         problems = [p for p in found if not p.startswith(("session smol-", "gateway failures", "--- stdout"))]
         assert_clean(problems)
-        sent = [e.json() for e in proxy.turns()]
+        sent = [e.body for e in proxy.turns()]
         assert all(body.get("tool_choice") == "required" for body in sent), "smolagents' default tool_choice"
         (session,) = proxy.sessions()
         trajectory = gw.trajectory(session)

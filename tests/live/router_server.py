@@ -16,7 +16,6 @@ replica as healthy. What the routers were observed to do is in ``ROUTERS.md``.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from collections.abc import Sequence
@@ -33,7 +32,7 @@ from backends_testkit.live import (
     free_port,
     log_tail,
     probe_client,
-    server_venvs_dir,
+    stable_copy,
 )
 
 VLLM_ROUTER_VERSION = "0.1.17"
@@ -48,15 +47,7 @@ ROUTER_ENV: dict[str, str | None] = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": None
 
 def stable_constraints() -> Path:
     """A copy of ``CONSTRAINTS`` beside the venvs, named by its content (so the recipe is checkout-independent)."""
-    text = CONSTRAINTS.read_text(encoding="utf-8")
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    path = server_venvs_dir() / f".routers-constraints-{digest}.txt"
-    if not path.exists() or path.read_text(encoding="utf-8") != text:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    return path
+    return stable_copy(CONSTRAINTS.read_text(encoding="utf-8"), "routers-constraints")
 
 
 def _ensure(distribution: str, version: str, smoke: str) -> Path:

@@ -50,16 +50,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "harnesses"))
 
 import npm_clis
 import python_harnesses
-from npm_clis import CLAUDE_CODE, CODEX, QWEN_CODE, RecordingProxy, ensure_cli, probe_log, run_cli
+from capture_proxy import CaptureProxy
+from npm_clis import CLAUDE_CODE, CODEX, QWEN_CODE, ensure_cli, probe_log, run_cli
 from python_harnesses import (
     AGENTS_SDK,
     LANGGRAPH,
     MINI_SWE_AGENT,
     SMOLAGENTS,
-    CaptureProxy,
+    HarnessProcess,
     ensure_harness_venv,
     prefix_breaks,
-    run_harness,
     save_probe,
 )
 from test_claude_code import claude_argv, claude_env
@@ -158,7 +158,7 @@ async def live_gateway(vllm_url: str, model_dir: Path, store: Path) -> AsyncIter
 
 @attrs.frozen(kw_only=True)
 class Answered:
-    """One request a harness sent, as it went through either proxy: what it asked and what it got."""
+    """One request a harness sent, as it went through the proxy: what it asked and what it got."""
 
     method: str
     path: str
@@ -169,40 +169,15 @@ class Answered:
     turn: int | None
     text: str
     calls: int
+    generation: bool
     seconds: float | None = None
-
-    @property
-    def generation(self) -> bool:
-        return self.method == "POST" and self.path.split("?")[0].endswith(npm_clis.GENERATION_PATHS)
 
     def short(self) -> str:
         where = f" session {self.session} turn {self.turn}" if self.session else ""
         return f"{self.method} {self.path} -> {self.status}{where}{f': {self.failure}' if self.failure else ''}"
 
 
-def from_recording(proxy: RecordingProxy) -> list[Answered]:
-    out = []
-    for e in proxy.exchanges:
-        headers = {k.lower(): v for k, v in e.response_headers.items()}
-        failure = e.error or (e.short() if e.status != 200 else npm_clis.answer_error(e))
-        turn = headers.get("x-turn")
-        out.append(
-            Answered(
-                method=e.method,
-                path=e.path,
-                body=e.body,
-                status=e.status,
-                failure=failure,
-                session=headers.get("x-session-id"),
-                turn=int(turn) if turn and turn.isdigit() else None,
-                text=npm_clis.answered_text(e),
-                calls=len(npm_clis.answered_call_ids(e)),
-            )
-        )
-    return out
-
-
-def from_capture(proxy: CaptureProxy) -> list[Answered]:
+def answered_requests(proxy: CaptureProxy) -> list[Answered]:
     out = []
     for e in proxy.exchanges:
         text, ids = e.answer()
@@ -210,13 +185,14 @@ def from_capture(proxy: CaptureProxy) -> list[Answered]:
             Answered(
                 method=e.method,
                 path=e.path,
-                body=e.json(),
+                body=e.body,
                 status=e.status,
                 failure=e.failure(),
                 session=e.session,
                 turn=e.turn,
                 text=text,
                 calls=len(ids),
+                generation=e.generation,
                 seconds=None if e.finished is None else e.finished - e.started,
             )
         )
@@ -395,14 +371,14 @@ async def test_a_cli_on_real_vllm_through_the_gateway(
     work = tmp_path / "work"
     work.mkdir()
     async with live_gateway(vllm_harness_url, short_reply_model, tmp_path / "gateway.db") as gw:
-        with RecordingProxy(gw.url, log=probe_log(tmp_path, f"{name}-vllm")) as proxy:
+        with CaptureProxy(gw.url, log=probe_log(tmp_path, f"{name}-vllm")) as proxy:
             run = await asyncio.to_thread(
                 run_cli, argv(prefix), env=env(prefix, tmp_path / "home", proxy.url), cwd=work, timeout=RUN_TIMEOUT_S
             )
         figures = await check_run(
             f"{cli.package}@{cli.version}",
             gw,
-            from_recording(proxy),
+            answered_requests(proxy),
             exit_ok=not run.timed_out and run.returncode == 0,
             output=run.stdout,
             context=run.describe(),
@@ -437,23 +413,17 @@ async def test_a_python_harness_on_real_vllm_through_the_gateway(
     async with live_gateway(vllm_harness_url, short_reply_model, tmp_path / "gateway.db") as gw:
         with CaptureProxy(gw.url) as proxy:
             started = time.monotonic()
-            run = await asyncio.to_thread(
-                run_harness,
-                venv,
-                script,
-                args,
-                base_url=f"{proxy.url}{route}/v1",
-                workdir=tmp_path,
-                env=env,
-                timeout=RUN_TIMEOUT_S,
+            process = HarnessProcess(
+                venv, script, args, base_url=f"{proxy.url}{route}/v1", workdir=tmp_path, env=env, timeout=RUN_TIMEOUT_S
             )
+            run = await asyncio.to_thread(process.run)
             seconds = time.monotonic() - started
         save_probe(f"{name}-vllm", proxy, run, tmp_path)
         result = run.result or {}
         figures = await check_run(
             f"{harness.name}=={harness.version} ({name})",
             gw,
-            from_capture(proxy),
+            answered_requests(proxy),
             exit_ok=not run.timed_out and run.returncode == 0 and run.result is not None,
             # mini-swe-agent drops a reply without a tool call from its history (it keeps only its format-error
             # message): it has no final answer, and each of its requests is a conversation, so a session, of its own
@@ -468,6 +438,6 @@ async def test_a_python_harness_on_real_vllm_through_the_gateway(
         assert result.get("exit_status") == "RepeatedFormatError", result
         assert "assistant" not in result.get("roles", []) and figures["sessions"] == figures["turns"] == 3, figures
     if harness is SMOLAGENTS:
-        sent = [a.body for a in from_capture(proxy) if a.generation]
+        sent = [e.body for e in proxy.turns()]
         assert all(body.get("tool_choice") == "required" for body in sent[:-1]), "smolagents' default tool_choice"
     assert figures["turns"] >= 1

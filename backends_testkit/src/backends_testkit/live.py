@@ -55,6 +55,7 @@ __all__ = [
     "log_tail",
     "probe_client",
     "server_venvs_dir",
+    "stable_copy",
 ]
 
 RECIPE_VERSION = 1
@@ -94,6 +95,22 @@ def server_venvs_dir() -> Path:
         return Path(override).expanduser()
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser()
     return cache / "backends" / "server-venvs"
+
+
+def stable_copy(text: str, name: str) -> Path:
+    """A copy of ``text`` beside the venvs at a content-addressed path, ``.<name>-<sha256 prefix>.txt``.
+
+    An install recipe names this copy (of a constraints file, say) rather than the file in a checkout, so every
+    checkout of the same text shares one cached venv, whatever directory it lives in.
+    """
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    path = server_venvs_dir() / f".{name}-{digest}.txt"
+    if not path.exists() or path.read_text(encoding="utf-8") != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    return path
 
 
 def log_tail(path: Path | str, lines: int = 60) -> str:

@@ -12,23 +12,11 @@ import asyncio
 from typing import Any
 
 from agents import Agent, Runner, function_tool, set_default_openai_api, set_tracing_disabled
-from common import TASK, emit, model, run_command
+from common import TASK, emit, model, run_shell, tool_outputs
 
 INSTRUCTIONS = "You are the backends probe agent. Use the run_shell tool to run shell commands for the user."
 
-tool_outputs: list[str] = []
-
-
-@function_tool
-def run_shell(command: str) -> str:
-    """Run a shell command and return what it printed.
-
-    Args:
-        command: The command line to run.
-    """
-    out = run_command(command)
-    tool_outputs.append(out)
-    return out
+shell_tool = function_tool(run_shell)
 
 
 async def main() -> None:
@@ -39,7 +27,7 @@ async def main() -> None:
     set_tracing_disabled(True)
     if args.api == "chat_completions":
         set_default_openai_api("chat_completions")
-    agent = Agent(name="probe", instructions=INSTRUCTIONS, tools=[run_shell], model=model())
+    agent = Agent(name="probe", instructions=INSTRUCTIONS, tools=[shell_tool], model=model())
     events: list[str] = []
     if args.mode == "run":
         result: Any = await Runner.run(agent, TASK)

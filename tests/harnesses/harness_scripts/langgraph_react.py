@@ -8,7 +8,7 @@ import argparse
 import warnings
 from typing import Any
 
-from common import TASK, api_key, base_url, emit, model, run_command
+from common import TASK, api_key, base_url, emit, model, run_shell
 from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
@@ -19,15 +19,7 @@ with warnings.catch_warnings():
 
 SYSTEM = "You are the backends probe agent. Use the run_shell tool to run shell commands for the user."
 
-
-@tool
-def run_shell(command: str) -> str:
-    """Run a shell command and return what it printed.
-
-    Args:
-        command: The command line to run.
-    """
-    return run_command(command)
+shell_tool = tool(run_shell)
 
 
 def text_of(message: BaseMessage) -> str:
@@ -42,7 +34,7 @@ def main() -> None:
     parser.add_argument("--mode", choices=["invoke", "values", "updates", "messages"], default="invoke")
     args = parser.parse_args()
     llm = ChatOpenAI(model=model(), base_url=base_url(), api_key=api_key())
-    graph: Any = create_react_agent(llm, [run_shell], prompt=SYSTEM)
+    graph: Any = create_react_agent(llm, [shell_tool], prompt=SYSTEM)
     inputs = {"messages": [("user", TASK)]}
     messages: list[BaseMessage] = []
     chunks = 0

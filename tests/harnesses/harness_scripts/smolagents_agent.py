@@ -6,22 +6,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from common import TASK, api_key, base_url, emit, model, run_command
+from common import TASK, api_key, base_url, emit, model, run_shell, tool_outputs
 from smolagents import OpenAIModel, ToolCallingAgent, tool
 
-tool_outputs: list[str] = []
-
-
-@tool
-def run_shell(command: str) -> str:
-    """Run a shell command and return what it printed.
-
-    Args:
-        command: The command line to run.
-    """
-    out = run_command(command)
-    tool_outputs.append(out)
-    return out
+shell_tool = tool(run_shell)
 
 
 def main() -> None:
@@ -29,7 +17,7 @@ def main() -> None:
     parser.add_argument("--stream", action="store_true")
     args = parser.parse_args()
     llm = OpenAIModel(model_id=model(), api_base=base_url(), api_key=api_key())
-    agent = ToolCallingAgent(tools=[run_shell], model=llm, stream_outputs=args.stream)
+    agent = ToolCallingAgent(tools=[shell_tool], model=llm, stream_outputs=args.stream)
     answer: Any = agent.run(TASK)
     steps = [type(step).__name__ for step in agent.memory.steps]
     errors = [str(getattr(step, "error", None)) for step in agent.memory.steps if getattr(step, "error", None)]
