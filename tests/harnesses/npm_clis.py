@@ -124,11 +124,12 @@ def ensure_node() -> tuple[str, str]:
             if shutil.which("sudo") is None:
                 raise RuntimeError("node and npm are missing and this user cannot install them (not root, no sudo)")
             sudo = ["sudo"]
-        install = [*sudo, "env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "-y", "-qq"]
-        install += ["--no-install-recommends", "nodejs", "npm"]
+        # a dpkg lock another install holds is waited for, not failed on
+        apt = [*sudo, "env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "-o", "DPkg::Lock::Timeout=600"]
+        install = [*apt, "install", "-y", "-qq", "--no-install-recommends", "nodejs", "npm"]
         quiet: dict[str, Any] = {"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE, "stdin": subprocess.DEVNULL}
         if subprocess.run(install, check=False, **quiet).returncode != 0:
-            update = subprocess.run([*sudo, "apt-get", "update", "-qq"], check=False, **quiet)
+            update = subprocess.run([*apt, "update", "-qq"], check=False, **quiet)
             done = subprocess.run(install, check=False, **quiet)
             if update.returncode != 0 or done.returncode != 0:
                 raise RuntimeError(f"apt-get could not install nodejs and npm: {done.stderr.decode()[-2000:]}")
