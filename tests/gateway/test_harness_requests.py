@@ -82,7 +82,9 @@ async def test_claude_codes_head_probe_is_answered(scripted_gateway) -> None:
         assert (await http.get("/")).json()["model"] == "tiny"
 
 
-async def test_an_output_format_constrains_the_reply_to_its_schema(scripted_gateway) -> None:
+async def test_an_output_format_is_a_schema_constraint_refused_by_name_by_an_engine_without_one(
+    scripted_gateway,
+) -> None:
     schema = {"type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"]}
     body = {**CLAUDE_CODE, "output_config": {"format": {"type": "json_schema", "schema": schema}}, "tools": None}
     async with scripted_gateway(['{"title": "ls"}<|im_end|>']) as served:
