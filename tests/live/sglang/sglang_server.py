@@ -32,6 +32,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from backends_testkit.live import ServerProcess, ensure_venv, server_venvs_dir
@@ -184,8 +185,10 @@ def server_command(
     lora: bool = False,
     routed_experts: bool = False,
     served_model_name: str = SERVED_MODEL_NAME,
+    extra: Sequence[str] = (),
 ) -> list[str]:
-    """The command line of an SGLang server on ``{host}:{port}`` (filled in by ``ServerProcess``)."""
+    """The command line of an SGLang server on ``{host}:{port}`` (filled in by ``ServerProcess``), ``extra``
+    flags last."""
     argv = [
         str(venv / "bin" / "python"),
         "-m",
@@ -227,7 +230,7 @@ def server_command(
         ]
     if routed_experts:
         argv += ["--enable-return-routed-experts"]
-    return argv
+    return argv + list(extra)
 
 
 def sglang_server(
@@ -238,8 +241,9 @@ def sglang_server(
     name: str,
     lora: bool = False,
     routed_experts: bool = False,
+    extra: Sequence[str] = (),
 ) -> ServerProcess:
-    """A not-yet-started SGLang server process for ``model_dir``.
+    """A not-yet-started SGLang server process for ``model_dir`` (``extra``: more flags).
 
     It runs in the log's directory (``python -m`` puts the working directory first on ``sys.path``: not
     this repository, where ``tests/live/sglang`` would shadow the ``sglang`` package).
@@ -249,7 +253,7 @@ def sglang_server(
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     return ServerProcess(
-        server_command(venv, model_dir, lora=lora, routed_experts=routed_experts),
+        server_command(venv, model_dir, lora=lora, routed_experts=routed_experts, extra=extra),
         name=name,
         log_path=log_path,
         env=env,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import sglang_server
-from live_chaos import ChaosSetupError, require, sigkill, wait_until
+from live_chaos import ChaosSetupError, sigkill, wait_until
 
 from backends_core import (
     AdminPolicy,
@@ -26,7 +26,6 @@ from backends_core import (
     RequestError,
     RequestTimeout,
     SamplingParams,
-    ServerState,
     ServerStatusError,
     Timeouts,
 )
@@ -49,12 +48,28 @@ AFTER_KILL_DEADLINE_S = 60.0
 
 
 @pytest.fixture(scope="module")
+def requests_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the doomed server logs every request it receives."""
+    return tmp_path_factory.mktemp("sglang-chaos-requests")
+
+
+def received(requests_log: Path) -> int:
+    """How many requests the server has logged as received (one JSON event per line)."""
+    return sum(f.read_text().count('"request.received"') for f in requests_log.iterdir() if f.is_file())
+
+
+@pytest.fixture(scope="module")
 def doomed_sglang(
-    sglang_venv: Path, tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
+    sglang_venv: Path, tiny_models: TinyModels, requests_log: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
     """A live SGLang server on the tiny dense model that only this module uses (and kills)."""
     log_path = tmp_path_factory.getbasetemp() / "live-logs" / "sglang-chaos.log"
-    server = sglang_server.sglang_server(sglang_venv, tiny_models.dense, log_path=log_path, name="sglang-chaos")
+    # every request the server receives, logged as a JSON event in ``requests_log`` (level 0: metadata only)
+    extra = ["--log-requests", "--log-requests-level", "0", "--log-requests-format", "json"]
+    extra += ["--log-requests-target", str(requests_log)]
+    server = sglang_server.sglang_server(
+        sglang_venv, tiny_models.dense, log_path=log_path, name="sglang-chaos", extra=extra
+    )
     server.start()
     try:
         server.wait_ready(sglang_server.READY_PATH, timeout=sglang_server.START_TIMEOUT_S)
@@ -64,9 +79,16 @@ def doomed_sglang(
         server.stop(timeout=sglang_server.STOP_TIMEOUT_S)
 
 
-async def test_sigkill_with_200_requests_in_flight(doomed_sglang: ServerProcess, tiny_models: TinyModels) -> None:
+async def test_sigkill_with_200_requests_in_flight(
+    doomed_sglang: ServerProcess, requests_log: Path, tiny_models: TinyModels
+) -> None:
     """200 concurrent ``generate`` calls of one client, all confirmed in flight on the server (running or
     queued in its scheduler), then SIGKILL of the server's process group.
+
+    Generation is paused while the calls arrive, so none can finish before all are counted however slowly a
+    loaded machine lets them in: SGLang holds a request that arrives while paused before its scheduler (which
+    then reports nothing in flight), so arrivals are counted in the server's own request log. Generation resumes
+    just before the kill, which then lands on running and queued requests.
 
     Every call ends exactly once, within a deadline, as a ``GenerateResult`` or a typed ``RequestError``
     (never a raw httpx / asyncio exception); every error says the request may have been processed (each one
@@ -96,25 +118,21 @@ async def test_sigkill_with_200_requests_in_flight(doomed_sglang: ServerProcess,
             finally:
                 ends[i] += 1
 
+        await client.admin.pause("keep")
+        earlier = received(requests_log)  # the server's own warm-up request
         tasks = [asyncio.create_task(call(i)) for i in range(REQUESTS)]
         try:
-            in_flight_on_server = 0
 
             async def all_arrived() -> bool:
-                nonlocal in_flight_on_server
-                (outcome,) = await client.admin.outcomes().state()
-                state: ServerState | None = outcome.value
-                if state is None or state.in_flight is None:
-                    raise ChaosSetupError(f"no in-flight count from the server before the kill: {outcome!r}")
-                in_flight_on_server = state.in_flight
-                # every request not already answered is running or queued in the scheduler
-                return in_flight_on_server > 0 and in_flight_on_server + len(ends) >= REQUESTS
+                return await asyncio.to_thread(received, requests_log) - earlier >= REQUESTS
 
             waited = await wait_until(
-                all_arrived, within=ARRIVAL_TIMEOUT_S, what=f"{REQUESTS} requests in flight on {server.url}"
+                all_arrived, within=ARRIVAL_TIMEOUT_S, what=f"{REQUESTS} requests received by {server.url}"
             )
+            if ends:
+                raise ChaosSetupError(f"{len(ends)} calls ended while generation was paused: {outcomes[min(ends)]!r}")
+            await client.admin.resume()
             answered_before_kill = len(ends)
-            require(answered_before_kill < REQUESTS, "every request finished before the kill: make them longer")
             sigkill(server)
             killed_at = time.monotonic()
             _, pending = await asyncio.wait(tasks, timeout=AFTER_KILL_DEADLINE_S)
@@ -125,7 +143,7 @@ async def test_sigkill_with_200_requests_in_flight(doomed_sglang: ServerProcess,
             await asyncio.gather(*tasks, return_exceptions=True)
 
         sys.stderr.write(
-            f"\n[chaos] sglang: {in_flight_on_server} in flight on the server after {waited:.1f}s, "
+            f"\n[chaos] sglang: {received(requests_log) - earlier} requests received while paused after {waited:.1f}s, "
             f"{answered_before_kill} answered before the kill; all ended {ended_after:.2f}s after it\n"
         )
         assert not pending, f"{len(pending)} calls still running {AFTER_KILL_DEADLINE_S} s after the kill"
