@@ -213,7 +213,7 @@ async def test_a_reward_the_store_cannot_keep_is_refused_and_changes_nothing(scr
     ):
         assert (await http.post("/s/r/v1/chat/completions", json=body())).status_code == 200
         refused = await http.post("/v1/sessions/r/reward", json={"reward": 1.0, "info": deep})
-        assert refused.status_code == 400 and refused.json()["error"]["param"] == "info"
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "body"
         assert (await http.get("/v1/sessions")).status_code == 200
         summary = (await http.get("/v1/sessions/r")).json()
         assert summary["reward"] is None

@@ -28,16 +28,18 @@ from typing import Any
 import attrs
 import orjson
 
-from backends_core import GenerateResult, JsonSchema, SamplingParams
+from backends_core import GenerateResult, JsonSchema
 from backends_gateway.errors import GatewayError
 from backends_gateway.fields import (
     CompletionLimit,
     ToolChoice,
     bad,
+    boolean,
     check_image,
     completion_tokens,
     integer,
     number,
+    sampling_params,
     tool_choice,
 )
 from backends_gateway.sessions import TurnRequest
@@ -208,7 +210,7 @@ def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
         "content": "" if content is None else _text_content(content, f"{where}.content"),
     }
     is_error = block.get("is_error")
-    if is_error not in (None, True, False):
+    if is_error is not None and not isinstance(is_error, bool):
         raise bad(f"{where}.is_error must be a boolean", f"{where}.is_error", "invalid_type")
     if is_error:
         # kept on the tool message: a template that reads is_error renders it, the trajectory keeps it (OpenAI's
@@ -407,7 +409,7 @@ def _tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> ToolChoice |
             f"tool_choice.{extra[0]} is not a field of a tool choice", f"tool_choice.{extra[0]}", "unknown_parameter"
         )
     single = value.get("disable_parallel_tool_use")
-    if single not in (None, True, False):
+    if single is not None and not isinstance(single, bool):
         raise bad("tool_choice.disable_parallel_tool_use must be a boolean", "tool_choice.disable_parallel_tool_use")
     choice = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}[kind]
     name = value.get("name")
@@ -587,14 +589,13 @@ def parse_messages_request(body: Any, *, limit: CompletionLimit, counting: bool 
     tools = _tools(body.get("tools"))
     forced = _tool_choice(body.get("tool_choice"), tools)
     kwargs = _template_kwargs(body, max_tokens)
-    stream = body.get("stream")
-    if stream not in (None, True, False):
-        raise bad("stream must be a boolean", "stream", "invalid_type")
+    stream = boolean(body, "stream")
     metadata = _metadata(body.get("metadata"))
     top_k = integer(body, "top_k", low=0)
     temperature = number(body, "temperature", low=0.0, high=1.0)
     top_p = number(body, "top_p", low=0.0, high=1.0)
-    sampling = SamplingParams(
+    sampling = sampling_params(
+        {"stop": "stop_sequences"},
         max_tokens=max_tokens or limit.tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,

@@ -197,15 +197,15 @@ def _after(request: web.Request) -> float | None:
     try:
         value = float(raw)
     except ValueError:
-        raise GatewayError(
-            400, f"after must be a time in seconds, got {raw!r}", param="after", code="invalid_value"
-        ) from None
+        value = math.nan
+    if not math.isfinite(value):
+        raise GatewayError(400, f"after must be a time in seconds, got {raw!r}", param="after", code="invalid_value")
     return value
 
 
 def _limit(request: web.Request) -> int:
     raw = request.query.get("limit", "1000")
-    if not raw.isdigit() or not 1 <= int(raw) <= 10_000:
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 10_000:
         raise GatewayError(
             400, f"limit must be an integer in [1, 10000], got {raw!r}", param="limit", code="invalid_value"
         )

@@ -3,23 +3,27 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+import re
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, TypeGuard
 
 import attrs
 
-from backends_core import InvalidRequestError
+from backends_core import InvalidRequestError, SamplingParams
 from backends_core.images import image_of_url
 from backends_gateway.errors import GatewayError
 
 __all__ = [
     "CompletionLimit",
     "bad",
+    "boolean",
     "check_image",
     "completion_tokens",
     "check_image_detail",
     "integer",
     "number",
+    "one_of",
+    "sampling_params",
     "ToolChoice",
     "tool_choice",
 ]
@@ -27,6 +31,32 @@ __all__ = [
 
 def bad(message: str, param: str, code: str = "invalid_value") -> GatewayError:
     return GatewayError(400, message, param=param, code=code)
+
+
+def one_of(value: Any, allowed: Collection[str]) -> TypeGuard[str]:
+    """Whether ``value`` is one of the strings ``allowed`` (a list or object where a name belongs is not, rather
+    than a ``TypeError`` from hashing it)."""
+    return isinstance(value, str) and value in allowed
+
+
+def boolean(body: Mapping[str, Any], key: str) -> bool | None:
+    """``body[key]`` when it is a JSON boolean (``0`` and ``1`` are not), ``None`` when absent or null."""
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise bad(f"{key} must be a boolean, got {value!r}", key, "invalid_type")
+    return value
+
+
+def sampling_params(names: Mapping[str, str] | None = None, **fields: Any) -> SamplingParams:
+    """The turn's :class:`SamplingParams`; what the library refuses in them (``top_p`` 0, ``min_tokens`` above
+    ``max_tokens``, an empty stop string...) is a 400 naming the request's field (``names`` maps the library's
+    field to the route's, e.g. ``stop`` to ``stop_sequences``), never a server error."""
+    try:
+        return SamplingParams(**fields)
+    except InvalidRequestError as exc:
+        field = re.match(r"[a-z_]+", str(exc))
+        name = field.group(0) if field and field.group(0) in fields else "body"
+        raise bad(str(exc), (names or {}).get(name, name)) from exc
 
 
 @attrs.frozen(kw_only=True)
@@ -91,6 +121,8 @@ def tool_choice(
     as what constrains the engine (``None``: the model chooses). ``parallel_tool_calls: false`` is honoured with a
     forced choice (one call) and refused without one: nothing else can stop a sampled reply from calling two
     tools, and the answer must be what was sampled."""
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad(f"parallel_tool_calls must be a boolean, got {parallel!r}", "parallel_tool_calls", "invalid_type")
     names = [t["function"]["name"] for t in tools or ()]
     if choice in (None, "auto"):
         if parallel not in (None, True):

@@ -16,16 +16,19 @@ from typing import Any
 import attrs
 import orjson
 
-from backends_core import GenerateResult, JsonSchema, SamplingParams
+from backends_core import GenerateResult, JsonSchema
 from backends_gateway.errors import GatewayError
 from backends_gateway.fields import (
     CompletionLimit,
     bad,
+    boolean,
     check_image,
     check_image_detail,
     completion_tokens,
     integer,
     number,
+    one_of,
+    sampling_params,
     tool_choice,
 )
 from backends_gateway.sessions import TurnRequest
@@ -49,6 +52,14 @@ _REFUSED = {
     "safety_identifier": "safety identifiers",
 }
 _IGNORED_WHEN_DEFAULT = {"n": 1, "parallel_tool_calls": True, "store": False, "service_tier": "auto"}
+
+
+def _is_default(key: str, value: Any) -> bool:
+    """Whether a refused parameter only restates its default (of the default's own type: ``n: true`` is not 1)."""
+    default = _IGNORED_WHEN_DEFAULT.get(key, object())
+    return type(value) is type(default) and value == default
+
+
 _KNOWN = frozenset(
     {
         "model",
@@ -124,7 +135,7 @@ def _check_messages(messages: Any) -> tuple[list[dict[str, Any]], tuple[str, ...
         if not isinstance(message, dict):
             raise bad(f"{where} must be an object, got {type(message).__name__}", where, "invalid_type")
         role = message.get("role")
-        if role not in _ROLES:
+        if not one_of(role, _ROLES):
             raise bad(f"{where}.role must be one of {sorted(_ROLES)}, got {role!r}", f"{where}.role")
         content = message.get("content")
         if content is not None and not isinstance(content, str | list):
@@ -228,7 +239,7 @@ def parse_chat_request(body: Any, *, limit: CompletionLimit) -> ChatCall:
     if unknown:
         raise bad(f"unknown parameter {unknown[0]!r}", unknown[0], "unknown_parameter")
     for key, why in _REFUSED.items():
-        if key in body and body[key] is not None and body[key] != _IGNORED_WHEN_DEFAULT.get(key, object()):
+        if key in body and body[key] is not None and not _is_default(key, body[key]):
             raise bad(f"{key} is not supported by this gateway: {why}", key, "unsupported_parameter")
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -243,9 +254,7 @@ def parse_chat_request(body: Any, *, limit: CompletionLimit) -> ChatCall:
         tools=tools,
         named=fn.get("name") if isinstance(fn, dict) and isinstance(fn.get("name"), str) else None,
     )
-    stream = body.get("stream")
-    if stream not in (None, True, False):
-        raise bad("stream must be a boolean", "stream", "invalid_type")
+    stream = boolean(body, "stream")
     options = body.get("stream_options")
     include_usage = False
     if options is not None:
@@ -253,15 +262,13 @@ def parse_chat_request(body: Any, *, limit: CompletionLimit) -> ChatCall:
             raise bad("stream_options is only allowed with stream=true", "stream_options")
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise bad("stream_options takes include_usage only", "stream_options", "unsupported_parameter")
-        include_usage = bool(options.get("include_usage"))
+        include_usage = bool(boolean(options, "include_usage"))
     named = body.get("max_completion_tokens")
     key = "max_completion_tokens"
     if named is None:
         named, key = body.get("max_tokens"), "max_tokens"
     max_tokens = completion_tokens({key: named}, key, limit)
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, True, False):
-        raise bad("logprobs must be a boolean", "logprobs", "invalid_type")
+    logprobs = boolean(body, "logprobs")
     top = integer(body, "top_logprobs", low=0, high=20) or 0
     if top and not logprobs:
         raise bad("top_logprobs needs logprobs=true", "top_logprobs")
@@ -280,12 +287,11 @@ def parse_chat_request(body: Any, *, limit: CompletionLimit) -> ChatCall:
     ):
         raise bad("stop_token_ids must be a list of token ids", "stop_token_ids", "invalid_type")
     for flag in ("ignore_eos", "return_routed_experts", "store"):
-        if body.get(flag) not in (None, True, False):
-            raise bad(f"{flag} must be a boolean", flag, "invalid_type")
+        boolean(body, flag)
     temperature = number(body, "temperature", low=0.0, high=2.0)
     top_p = number(body, "top_p", low=0.0, high=1.0)
     top_k = integer(body, "top_k", low=-1)
-    sampling = SamplingParams(
+    sampling = sampling_params(
         max_tokens=max_tokens or limit.tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,

@@ -32,10 +32,13 @@ from backends_gateway.fields import (
     CompletionLimit,
     ToolChoice,
     bad,
+    boolean,
     check_image,
     check_image_detail,
     completion_tokens,
     number,
+    one_of,
+    sampling_params,
     tool_choice,
 )
 from backends_gateway.gateway import Gateway, Served, Started
@@ -179,7 +182,7 @@ def _text_parts(content: Any, where: str, *, kinds: Mapping[str, frozenset[str]]
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in kinds or not isinstance(part.get("text"), str):
+        if not one_of(kind, kinds) or not isinstance(part.get("text"), str):
             raise bad(
                 f"{where}[{j}] is a {kind!r} part: this gateway takes {' and '.join(sorted(kinds))} parts only",
                 f"{where}[{j}]",
@@ -222,7 +225,7 @@ def _user_content(content: Any, where: str) -> str | list[dict[str, Any]]:
         if kind == "input_image":
             parts.append(_image_part(part, at))
             continue
-        if kind not in _PART_KEYS or not isinstance(part.get("text"), str):
+        if not one_of(kind, _PART_KEYS) or not isinstance(part.get("text"), str):
             raise bad(
                 f"{at} is a {kind!r} part: this gateway takes input_image, input_text and output_text parts only",
                 at,
@@ -252,7 +255,7 @@ def _item_kind(item: Mapping[str, Any], where: str) -> str:
     kind = item.get("type")
     if kind is None and "role" in item:
         return "message"
-    if kind not in _ITEM_KEYS:
+    if not one_of(kind, _ITEM_KEYS):
         raise bad(
             f"{where} is a {kind!r} item: this gateway takes message, function_call, function_call_output and "
             "reasoning items",
@@ -321,7 +324,7 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
         kind = _item_kind(item, where)
         if kind == "message":
             role = item.get("role")
-            if role not in _MESSAGE_ROLES:
+            if not one_of(role, _MESSAGE_ROLES):
                 raise bad(f"{where}.role must be one of {sorted(_MESSAGE_ROLES)}, got {role!r}", f"{where}.role")
             if role == "user":
                 messages.append({"role": role, "content": _user_content(item.get("content"), f"{where}.content")})
@@ -466,7 +469,7 @@ def _check_include(value: Any) -> None:
     if not isinstance(value, list):
         raise bad("include must be a list", "include", "invalid_type")
     for i, name in enumerate(value):
-        if name not in _INCLUDABLE:
+        if not one_of(name, _INCLUDABLE):
             raise bad(
                 f"include[{i}] {name!r} is not supported by this gateway (it answers {sorted(_INCLUDABLE)})",
                 f"include[{i}]",
@@ -518,9 +521,7 @@ def parse_responses_request(body: Any, *, limit: CompletionLimit) -> ResponsesCa
     forced = tool_choice(
         choice, body.get("parallel_tool_calls"), tools=tools, named=named if isinstance(named, str) else None
     )
-    stream = body.get("stream")
-    if stream not in (None, True, False):
-        raise bad("stream must be a boolean", "stream", "invalid_type")
+    stream = boolean(body, "stream")
     options = body.get("stream_options")
     if options is not None:
         if not stream:
@@ -537,8 +538,7 @@ def parse_responses_request(body: Any, *, limit: CompletionLimit) -> ResponsesCa
     for key in ("user", "prompt_cache_key"):
         if body.get(key) is not None and not isinstance(body[key], str):
             raise bad(f"{key} must be a string", key, "invalid_type")
-    if body.get("store") not in (None, True, False):
-        raise bad("store must be a boolean", "store", "invalid_type")
+    boolean(body, "store")
     if body.get("truncation") not in (None, "disabled"):
         raise bad(
             "truncation 'auto' is not supported: the gateway never drops input (a prompt past the context fails)",
@@ -553,7 +553,8 @@ def parse_responses_request(body: Any, *, limit: CompletionLimit) -> ResponsesCa
         parse_response_id(previous)
     temperature = number(body, "temperature", low=0.0, high=2.0)
     top_p = number(body, "top_p", low=0.0, high=1.0)
-    sampling = SamplingParams(
+    sampling = sampling_params(
+        {"max_tokens": "max_output_tokens"},
         max_tokens=max_tokens or limit.tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,

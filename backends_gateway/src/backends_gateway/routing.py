@@ -95,14 +95,42 @@ def require_trainer(request: web.Request) -> None:
         )
 
 
+MAX_JSON_DEPTH = 128
+"""How deeply a request body may nest: far past any real request (a tool's JSON schema included), well inside what
+the store can write back (orjson writes at most 254 levels)."""
+
+
 async def read_json(request: web.Request) -> Any:
-    raw = await request.read()
+    """The request's JSON body; a body that cannot be read (a broken compressed stream), is not JSON, or nests
+    deeper than :data:`MAX_JSON_DEPTH` is a 400 before anything else looks at it."""
+    try:
+        raw = await request.read()
+    except web.RequestPayloadError as exc:
+        encoding = request.headers.get("Content-Encoding", "identity")
+        raise GatewayError(
+            400, f"the body could not be read (Content-Encoding {encoding!r}): {exc}", param="body", code="invalid_body"
+        ) from None
     if not raw:
         raise GatewayError(400, "the request has no body: send a JSON object", param="body", code="invalid_json")
     try:
-        return orjson.loads(raw)
+        value = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise GatewayError(400, f"the body is not valid JSON: {exc}", param="body", code="invalid_json") from None
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:  # else it cannot nest that deep: no walk
+        _check_depth(value)
+    return value
+
+
+def _check_depth(value: Any) -> None:
+    pending = [(value, 1)] if isinstance(value, dict | list) else []
+    while pending:
+        node, depth = pending.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise GatewayError(
+                400, f"the body nests deeper than {MAX_JSON_DEPTH} levels", param="body", code="too_deep"
+            )
+        children = node.values() if isinstance(node, dict) else node
+        pending.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
 
 
 def session_of(request: web.Request) -> str | None:
@@ -142,7 +170,7 @@ def harness_session_of(request: web.Request, body: Any) -> str | None:
 def is_retry(request: web.Request) -> bool:
     """Whether the request says it repeats an earlier attempt: the official SDKs' ``x-stainless-retry-count``."""
     count = request.headers.get("x-stainless-retry-count", "0").strip()
-    return count.isdigit() and int(count) > 0
+    return count.isascii() and count.isdigit() and int(count) > 0
 
 
 def gateway_of(request: web.Request) -> Gateway:
