@@ -79,9 +79,7 @@ BAD = [
 async def test_a_clients_mistake_is_a_400_naming_the_field(scripted_gateway, case, path, payload, param) -> None:
     async with scripted_gateway(["never<|im_end|>"]) as served:
         async with httpx.AsyncClient(base_url=served.url, trust_env=False) as http:
-            response = await http.post(
-                path, content=json.dumps(payload), headers={"content-type": "application/json"}
-            )
+            response = await http.post(path, content=json.dumps(payload), headers={"content-type": "application/json"})
         assert response.status_code == 400, response.text
         answer = response.json()
         error = answer["error"]
