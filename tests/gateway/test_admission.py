@@ -40,3 +40,23 @@ async def test_max_turns_per_session_holds_for_concurrent_turns(scripted_gateway
             statuses = sorted([(await task).status_code for task in sent])
         assert statuses == [200] * 3 + [400] * 5
         assert len((await served.gateway.trajectory("one"))["turns"]) == 3
+
+
+async def test_max_sessions_counts_the_sessions_an_earlier_run_left_open(scripted_gateway) -> None:
+    limits = GatewayLimits(max_sessions=2)
+    body = {"model": "tiny", "messages": USER, "max_tokens": 8}
+    async with (
+        scripted_gateway(["a<|im_end|>", "b<|im_end|>"], limits=limits, name="kept") as first,
+        httpx.AsyncClient(base_url=first.url, trust_env=False, timeout=60) as http,
+    ):
+        for session in ("one", "two"):
+            assert (await http.post(f"/s/{session}/v1/chat/completions", json=body)).status_code == 200
+    # the same store, a new process: both sessions are still open
+    async with scripted_gateway(["c<|im_end|>"], limits=limits, name="kept") as again:
+        async with httpx.AsyncClient(base_url=again.url, trust_env=False, timeout=60) as http:
+            refused = await http.post("/s/three/v1/chat/completions", json=body)
+            assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_sessions"
+            assert (await http.get("/health")).json()["open_sessions"] == 2
+            assert (await http.post("/v1/sessions/one/close")).status_code == 200
+            assert (await http.post("/s/three/v1/chat/completions", json=body)).status_code == 200
+        assert again.script.started == 1

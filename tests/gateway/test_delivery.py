@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from backends_gateway import GatewayLimits
 
@@ -126,3 +128,21 @@ async def test_a_request_refused_once_placed_in_a_new_session_leaves_no_session(
                 assert refused.status_code == 400 and refused.json()["error"]["code"] == "session_token_limit"
             assert (await http.get("/v1/sessions")).json()["data"] == []
         assert served.gateway.open_sessions == 0  # nothing counts toward max_sessions
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_client_that_goes_away_is_no_error_in_the_log(
+    scripted_gateway, caplog: pytest.LogCaptureFixture, stream: bool
+) -> None:
+    caplog.set_level(logging.INFO, logger="backends_gateway")
+    async with scripted_gateway(["held reply<|im_end|>"]) as served:
+        served.script.gate.clear()
+        async with httpx.AsyncClient(base_url=served.url, trust_env=False, timeout=60) as http:
+            payload = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+            call = asyncio.create_task(http.post("/s/gone/v1/chat/completions", json=payload))
+            await asyncio.wait_for(served.script.entered.wait(), 60)
+            call.cancel()
+            await asyncio.gather(call, return_exceptions=True)
+        served.script.gate.set()
+        assert await served.gateway.sessions(group=None, status=None, limit=10, after=None) == []
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text

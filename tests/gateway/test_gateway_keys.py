@@ -163,3 +163,32 @@ async def test_anthropic_harnesses_send_their_key_as_x_api_key_and_meet_the_same
             with pytest.raises(anthropic.AuthenticationError):
                 await wrong.messages.create(**ask)
         assert len(served.script.requests) == 1
+
+
+async def test_an_empty_x_api_key_beside_a_bearer_key_is_no_key_and_two_different_keys_are_refused(
+    scripted_gateway,
+) -> None:
+    async with scripted_gateway(list(REPLIES), keys=KEYS) as served, http(served.url, None) as client:
+        empty_beside = {"x-api-key": "", "Authorization": f"Bearer {TEAM_A}"}
+        answered = await client.post(
+            "/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+            headers=empty_beside,
+        )
+        assert message(answered)["content"] == "answer 0"
+        two = {"x-api-key": TEAM_B, "Authorization": f"Bearer {TEAM_A}"}
+        assert_error(await client.get("/v1/sessions", headers=two), 401, "invalid_api_key")
+        same = {"x-api-key": TEAM_A, "Authorization": f"Bearer {TEAM_A}"}
+        assert (await client.get("/v1/sessions", headers=same)).status_code == 200
+
+
+@pytest.mark.parametrize("session", [".", "..", "..."])
+async def test_a_session_id_of_only_dots_is_refused(scripted_gateway, session: str) -> None:
+    async with scripted_gateway(list(REPLIES)) as served, http(served.url, None) as client:
+        response = await client.post(
+            "/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+            headers={"X-Session-ID": session},
+        )
+        assert_error(response, 400, "session_id")
+        assert served.script.requests == []

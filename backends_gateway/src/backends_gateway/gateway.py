@@ -171,10 +171,19 @@ def new_session_id() -> str:
     return uuid.uuid4().hex
 
 
+def _names_a_session(value: str) -> bool:
+    """1-128 of ``[A-Za-z0-9._:@-]``, not only dots (``.`` and ``..`` are path steps in a URL, which clients and
+    proxies rewrite)."""
+    return _SESSION_ID.fullmatch(value) is not None and value.strip(".") != ""
+
+
 def check_session_id(value: str, where: str) -> str:
-    if not _SESSION_ID.fullmatch(value):
+    if not _names_a_session(value):
         raise GatewayError(
-            400, f"{where} must match [A-Za-z0-9._:@-]{{1,128}}, got {value[:160]!r}", param=where, code="session_id"
+            400,
+            f"{where} must match [A-Za-z0-9._:@-]{{1,128}} and not be only dots, got {value[:160]!r}",
+            param=where,
+            code="session_id",
         )
     return value
 
@@ -204,6 +213,8 @@ class Gateway:
         self.store = store
         self.limits = limits or GatewayLimits()
         self._sessions: dict[str, SessionState] = {}
+        # open sessions of the store not (yet) in memory: what an earlier run left open counts toward max_sessions
+        self._dormant: set[str] = set()
         self._loading: dict[str, asyncio.Future[SessionState | None]] = {}
         # a turn's digest -> the open sessions holding it (for requests naming none)
         self._joined: dict[bytes, set[str]] = {}
@@ -220,8 +231,8 @@ class Gateway:
 
     @property
     def open_sessions(self) -> int:
-        """Sessions open in this process's memory."""
-        return len(self._sessions)
+        """Open sessions: in this process's memory, and those the store held open when it started."""
+        return len(self._sessions) + len(self._dormant)
 
     @property
     def model(self) -> str | None:
@@ -258,6 +269,8 @@ class Gateway:
         except BaseException:
             await self.store.aclose()
             raise
+        stored = await self.store.list_sessions(status="open", limit=self.limits.max_sessions)
+        self._dormant = {record.id for record in stored}
         self.context_length, self._context_source = self.limits.context_length, "; --context-length"
         if self.context_length is None:
             self.context_length = model_context_length(self.client.config.tokenizer)
@@ -319,6 +332,7 @@ class Gateway:
             state = await self._load(session)
             if state is not None and state.record.status == "open":
                 self._sessions[session] = state
+                self._dormant.discard(session)
             future.set_result(state)
             return state
         except BaseException as exc:
@@ -329,9 +343,9 @@ class Gateway:
             del self._loading[session]
 
     async def _create(self, session: str, group: str | None, owner: str | None) -> SessionState:
-        if len(self._sessions) >= self.limits.max_sessions:
+        if self.open_sessions >= self.limits.max_sessions:
             raise Overloaded(
-                f"{len(self._sessions)} sessions are open (the gateway's max_sessions): close finished sessions "
+                f"{self.open_sessions} sessions are open (the gateway's max_sessions): close finished sessions "
                 "(POST /v1/sessions/{id}/close) or retry later",
                 retry_after=self.limits.retry_after_s,
                 code="too_many_sessions",
@@ -549,7 +563,7 @@ class Gateway:
     ) -> tuple[SessionState, _Plan, TurnRecord | None]:
         if session is not None:
             check_session_id(session, "session")
-        if harness_session is not None and not _SESSION_ID.fullmatch(harness_session):
+        if harness_session is not None and not _names_a_session(harness_session):
             harness_session = None  # a harness's own id this gateway cannot name a session by: history decides
         if group is not None:
             check_session_id(group, "X-Session-Group")
@@ -967,6 +981,7 @@ class Gateway:
             closed = time.time()
             await self.store.update_session(attrs.evolve(record, status="closed", closed=closed))
             record.status, record.closed = "closed", closed
+            self._dormant.discard(session)
             state = self._sessions.pop(session, None)
             if state is not None:
                 for digest in state.index:

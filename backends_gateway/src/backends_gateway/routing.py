@@ -53,14 +53,13 @@ async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     if keys is None or request.path in PUBLIC_PATHS:
         request[PRINCIPAL_KEY] = None
         return await handler(request)
-    presented = request.headers.get("x-api-key")
-    if presented is None:
-        scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer":
-            presented = ""
-    if not presented:
+    scheme, _, bearer = request.headers.get("Authorization", "").partition(" ")
+    sent = {key for key in (request.headers.get("x-api-key", ""), bearer if scheme.lower() == "bearer" else "") if key}
+    if not sent:
         raise _unauthorized("no key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')")
-    principal = keys.identify(presented.strip())
+    if len({key.strip() for key in sent}) > 1:
+        raise _unauthorized("two different keys (x-api-key and Authorization): send one")
+    principal = keys.identify(sent.pop().strip())
     if principal is None:
         raise _unauthorized("the key is not one of this gateway's")
     request[PRINCIPAL_KEY] = principal
