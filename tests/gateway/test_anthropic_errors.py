@@ -14,6 +14,7 @@ import pytest
 from backends_core import ServerStatusError
 from backends_gateway import GatewayLimits
 
+JSON = {"content-type": "application/json"}
 USER = [{"role": "user", "content": "hi"}]
 TOOL = {"name": "add", "input_schema": {"type": "object"}}
 
@@ -232,7 +233,7 @@ async def test_the_middlewares_errors_on_the_messages_routes_are_in_anthropics_s
     async with scripted_gateway(["never<|im_end|>"], limits=GatewayLimits(max_body_bytes=4096)) as served:
         async with httpx.AsyncClient(base_url=served.url, trust_env=False) as http:
             cases = {
-                "invalid_json": await http.post("/v1/messages", content=b"{not json"),
+                "invalid_json": await http.post("/v1/messages", content=b"{not json", headers=JSON),
                 "body_too_large": await http.post(
                     "/v1/messages", json=body(messages=[{"role": "user", "content": "x" * 8000}])
                 ),
@@ -241,7 +242,7 @@ async def test_the_middlewares_errors_on_the_messages_routes_are_in_anthropics_s
                 "session_id": await http.post("/s/bad%20id/v1/messages", json=body()),
                 "method_not_allowed": await http.get("/v1/messages"),
             }
-            openai = await http.post("/v1/chat/completions", content=b"{not json")
+            openai = await http.post("/v1/chat/completions", content=b"{not json", headers=JSON)
         types = {
             "invalid_json": "invalid_request_error",
             "body_too_large": "request_too_large",

@@ -12,6 +12,7 @@ import pytest
 from backends_core import ServerStatusError
 from backends_gateway import GatewayLimits
 
+JSON = {"content-type": "application/json"}
 USER = [{"role": "user", "content": "hi"}]
 # a 2x2 PNG
 URL = (
@@ -97,7 +98,7 @@ async def test_malformed_oversized_unrouted_and_wrong_model_requests_get_the_err
     async with scripted_gateway(["never<|im_end|>"], limits=GatewayLimits(max_body_bytes=4096)) as served:
         async with httpx.AsyncClient(base_url=served.url, trust_env=False) as http:
             cases = {
-                "invalid_json": await http.post("/v1/chat/completions", content=b"{not json"),
+                "invalid_json": await http.post("/v1/chat/completions", content=b"{not json", headers=JSON),
                 "body_too_large": await http.post(
                     "/v1/chat/completions", json=body(messages=[{"role": "user", "content": "x" * 8000}])
                 ),

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from aiohttp import web
@@ -45,9 +45,12 @@ from backends_gateway.openai_chat import ChatStream, chat_completion, error_body
 from backends_gateway.openai_responses import create_response
 from backends_gateway.routing import (
     GATEWAY_KEY,
+    HOSTS_KEY,
     KEYS_KEY,
+    LOOPBACK_HOSTS,
     Handler,
     auth,
+    browsers,
     check_model,
     gateway_of,
     harness_session_of,
@@ -280,12 +283,16 @@ async def root(request: web.Request) -> web.Response:
     return json_response({"service": "backends gateway", "model": gateway.model, "health": "/health"})
 
 
-def create_app(gateway: Gateway, *, keys: Keys | None = None) -> web.Application:
+def create_app(
+    gateway: Gateway, *, keys: Keys | None = None, allowed_hosts: frozenset[str] | None = None
+) -> web.Application:
     """The aiohttp application serving ``gateway`` (its client and store opened by the caller); ``keys``: who may
-    call it (``None``: anyone who can reach it)."""
-    app = web.Application(middlewares=[_errors, auth], client_max_size=gateway.limits.max_body_bytes)
+    call it (``None``: anyone who can reach it); ``allowed_hosts``: the ``Host`` names it answers to (``None``:
+    any)."""
+    app = web.Application(middlewares=[_errors, browsers, auth], client_max_size=gateway.limits.max_body_bytes)
     app[GATEWAY_KEY] = gateway
     app[KEYS_KEY] = keys
+    app[HOSTS_KEY] = allowed_hosts
 
     for prefix in ("", "/s/{session}"):
         app.router.add_post(prefix + "/v1/chat/completions", chat_completions)
@@ -304,12 +311,29 @@ def create_app(gateway: Gateway, *, keys: Keys | None = None) -> web.Application
     return app
 
 
+def _answered_hosts(host: str, extra: Iterable[str]) -> frozenset[str] | None:
+    names = frozenset(name.lower().strip("[]") for name in extra)
+    if host.strip("[]") in LOOPBACK_HOSTS or host.startswith("127."):
+        return LOOPBACK_HOSTS | {host} | names
+    return names or None
+
+
 @contextlib.asynccontextmanager
 async def serve(
-    gateway: Gateway, *, host: str = "127.0.0.1", port: int = 0, backlog: int = 4096, keys: Keys | None = None
+    gateway: Gateway,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    backlog: int = 4096,
+    keys: Keys | None = None,
+    allowed_hosts: Iterable[str] = (),
 ) -> AsyncIterator[str]:
     """Serve ``gateway`` until the block exits; yields the base URL (``port=0``: a free port). ``keys``: who may
     call it (:mod:`backends_gateway.keys`; ``None``: anyone who can reach it).
+
+    :param allowed_hosts: ``Host`` names the gateway answers to besides its loopback names when it listens on a
+        loopback address (any other is a DNS rebinding of a web page); listening on another address, it answers
+        any ``Host`` unless names are given here.
 
     :param backlog: connections the kernel queues before they are accepted (capped by ``net.core.somaxconn``).
         aiohttp's default, 128, is too few for a rollout batch connecting at once: the overflow ends in connection
@@ -317,7 +341,10 @@ async def serve(
     """
     # handler_cancellation: a turn whose client went away is cancelled, and its generation aborted on the engine
     runner = web.AppRunner(
-        create_app(gateway, keys=keys), access_log=None, handle_signals=False, handler_cancellation=True
+        create_app(gateway, keys=keys, allowed_hosts=_answered_hosts(host, allowed_hosts)),
+        access_log=None,
+        handle_signals=False,
+        handler_cancellation=True,
     )
     await runner.setup()
     try:

@@ -71,6 +71,14 @@ def register(sub: Any) -> None:
         help="a TOML file of bearer keys ([trainer] and [harness] tables, name = key): harness keys see only their "
         "own sessions, the trainer key everything (default: no keys; anyone who reaches the port may call it)",
     )
+    p.add_argument(
+        "--allowed-hosts",
+        default="",
+        metavar="NAMES",
+        help="comma-separated Host names the gateway answers to besides localhost, 127.0.0.1 and ::1 (listening on "
+        "loopback, any other Host is refused as a DNS rebinding; listening elsewhere, any Host is answered unless "
+        "names are given)",
+    )
     for name, default in _LIMIT_FLAGS.items():
         shown = default if default is not None else _FROM_MODEL.get(name, "none")
         p.add_argument(
@@ -113,6 +121,7 @@ def _serve(args: argparse.Namespace) -> int:
         keys = None if args.keys is None else Keys.from_file(args.keys)
     except KeysError as exc:
         raise UsageError(f"argument --keys: {exc}") from None
+    hosts = [name.strip() for name in args.allowed_hosts.split(",") if name.strip()]
     if keys is None and args.host not in _LOOPBACK:
         print(
             f"warning: listening on {args.host} without --keys: anyone who reaches the port can send turns and read "
@@ -129,7 +138,7 @@ def _serve(args: argparse.Namespace) -> int:
             async with (
                 Client(config) as client,
                 Gateway(client, store, limits=limits) as gateway,
-                serve(gateway, host=args.host, port=args.port, keys=keys) as url,
+                serve(gateway, host=args.host, port=args.port, keys=keys, allowed_hosts=hosts) as url,
             ):
                 # what is loaded now (tokenizer, templates, parsers) lives as long as the process: kept out of the
                 # collector's full passes, which would otherwise walk it and stall every turn in flight

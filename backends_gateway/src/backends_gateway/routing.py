@@ -16,11 +16,14 @@ from backends_gateway.keys import Keys, Principal
 
 __all__ = [
     "GATEWAY_KEY",
+    "HOSTS_KEY",
     "KEYS_KEY",
+    "LOOPBACK_HOSTS",
     "PRINCIPAL_KEY",
     "PUBLIC_PATHS",
     "Handler",
     "auth",
+    "browsers",
     "check_model",
     "gateway_of",
     "harness_session_of",
@@ -36,6 +39,7 @@ __all__ = [
 
 GATEWAY_KEY: web.AppKey[Gateway] = web.AppKey("gateway", Gateway)
 KEYS_KEY: web.AppKey[Keys | None] = web.AppKey("keys")
+HOSTS_KEY: web.AppKey[frozenset[str] | None] = web.AppKey("allowed_hosts")
 PRINCIPAL_KEY: web.RequestKey[Principal | None] = web.RequestKey("principal")
 #: routes anyone may call on a gateway with keys: nothing in them is a session's
 PUBLIC_PATHS = frozenset({"/", "/health", "/ui"})
@@ -44,6 +48,58 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def json_response(body: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
+
+
+#: the names a gateway listening on a loopback address answers to (any other ``Host`` is a DNS rebinding)
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+@web.middleware
+async def browsers(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """What keeps a web page in a browser on the same machine from driving the gateway: the ``Host`` must be one
+    the gateway answers to (:data:`HOSTS_KEY`; ``None``: any), a request from a page of another origin (its
+    ``Origin`` header) is refused, and a POST body must be declared JSON (a browser sends ``text/plain`` and form
+    bodies to any origin without asking first; a JSON one only after a CORS preflight, which the gateway never
+    grants). Harnesses and SDKs send no ``Origin`` and declare their JSON."""
+    allowed = request.app[HOSTS_KEY]
+    host = _hostname(request.host)
+    if allowed is not None and host not in allowed:
+        raise GatewayError(
+            403,
+            f"Host {request.host!r} is not one this gateway answers to ({', '.join(sorted(allowed))}; "
+            "--allowed-hosts adds more)",
+            kind="permission_error",
+            code="host_not_allowed",
+        )
+    origin = request.headers.get("Origin")
+    if origin is not None and origin != f"{request.scheme}://{request.host}":
+        raise GatewayError(
+            403,
+            f"a request from the web page {origin!r} is refused: the gateway answers its own page and programs only",
+            kind="permission_error",
+            code="cross_origin",
+        )
+    if request.method == "POST" and request.body_exists and not _declares_json(request.content_type):
+        raise GatewayError(
+            415,
+            f"a POST body must be JSON: send 'Content-Type: application/json' (got {request.content_type!r})",
+            param="Content-Type",
+            code="unsupported_media_type",
+        )
+    return await handler(request)
+
+
+def _hostname(host: str) -> str:
+    """``Host`` without its port (``[::1]:8080`` -> ``::1``), lower-cased."""
+    if host.startswith("["):
+        return host[1:].partition("]")[0].lower()
+    return host.rpartition(":")[0].lower() if host.count(":") == 1 else host.lower()
+
+
+def _declares_json(content_type: str) -> bool:
+    return content_type == "application/json" or (
+        content_type.startswith("application/") and content_type.endswith("+json")
+    )
 
 
 @web.middleware
