@@ -345,6 +345,7 @@ async def serve(
         access_log=None,
         handle_signals=False,
         handler_cancellation=True,
+        keepalive_timeout=gateway.limits.idle_timeout_s,
     )
     await runner.setup()
     try:

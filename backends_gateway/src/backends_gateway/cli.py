@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
+import resource
 import signal
 import sys
 from collections.abc import Callable, Coroutine
@@ -100,6 +102,16 @@ def register(sub: Any) -> None:
     e.set_defaults(func=_export)
 
 
+def _raise_file_limit() -> None:
+    """Every connection holds a file descriptor: take the hard limit the system allows, not the soft default
+    (1,024 on many systems, 256 on some), so a rollout batch's connections are not what stops the gateway."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft < wanted:
+        with contextlib.suppress(ValueError, OSError):  # a system that refuses keeps its limit
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
 def _limits(args: argparse.Namespace) -> GatewayLimits:
     return GatewayLimits(**{name: getattr(args, name) for name in _LIMIT_FLAGS})
 
@@ -128,6 +140,8 @@ def _serve(args: argparse.Namespace) -> int:
             "every session",
             file=sys.stderr,
         )
+
+    _raise_file_limit()
 
     async def run() -> int:
         stop = asyncio.Event()

@@ -68,6 +68,10 @@ class GatewayLimits:
     :param context_length: the served model's context, prompt and completion (``None``: ``max_position_embeddings``
         of the model's ``config.json`` beside the tokenizer). A request that cannot fit is refused by name.
     :param retry_after_s: the ``Retry-After`` of a 429.
+    :param idle_timeout_s: a connection that has not sent a whole request's headers for this long (its first
+        request, or the next on a kept-alive connection) is closed: a client that trickles its headers, or opens
+        connections it never uses, holds none of the process's file descriptors for longer.
+    :param body_timeout_s: a request's body must have arrived this long after its headers (408 otherwise).
     """
 
     max_body_bytes: int = 16 << 20
@@ -78,6 +82,8 @@ class GatewayLimits:
     max_completion_tokens: int | None = None
     context_length: int | None = None
     retry_after_s: int = 1
+    idle_timeout_s: int = 75
+    body_timeout_s: int = 60
 
 
 @attrs.frozen(kw_only=True)

@@ -3,6 +3,7 @@ request (the keys middleware) and what it may read, the session a request names,
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -158,8 +159,17 @@ the store can write back (orjson writes at most 254 levels)."""
 async def read_json(request: web.Request) -> Any:
     """The request's JSON body; a body that cannot be read (a broken compressed stream), is not JSON, or nests
     deeper than :data:`MAX_JSON_DEPTH` is a 400 before anything else looks at it."""
+    deadline = request.app[GATEWAY_KEY].limits.body_timeout_s
     try:
-        raw = await request.read()
+        async with asyncio.timeout(deadline):
+            raw = await request.read()
+    except TimeoutError:
+        raise GatewayError(
+            408,
+            f"the body did not arrive within {deadline} s of the headers (the gateway's body_timeout_s)",
+            param="body",
+            code="body_timeout",
+        ) from None
     except web.RequestPayloadError as exc:
         encoding = request.headers.get("Content-Encoding", "identity")
         raise GatewayError(
