@@ -408,19 +408,19 @@ def _mutate(draw: st.DrawFn, body: Any, value: st.SearchStrategy[Any] | None = N
 def bodies(draw: st.DrawFn, valid: Any, fields: dict[str, list[Any]] | None = None) -> bytes:
     """``valid`` with a few of the valid ``fields``, then mutated a few times (or not at all), as JSON; now and then
     something else: bytes, any JSON, cut JSON, JSON holding a lone surrogate."""
-    kind = draw(st.integers(0, 19))
-    if kind == 0:
+    kind = draw(st.sampled_from(["mutated"] * 16 + ["bytes", "json", "lone surrogate", "cut"]))
+    if kind == "bytes":
         return draw(st.binary(max_size=48))
-    if kind == 1:
+    if kind == "json":
         return encode(draw(json_values), ascii=draw(st.booleans()))
     chosen = draw(st.lists(st.sampled_from(sorted(fields)), max_size=3, unique=True)) if fields else []
     body = copy.deepcopy({**valid, **{key: draw(st.sampled_from(fields[key])) for key in chosen}})
     for _ in range(draw(st.integers(0, 3))):
         _mutate(draw, body)
-    if kind == 2:
+    if kind == "lone surrogate":
         _mutate(draw, body, lone_surrogates)
     raw = encode(body, ascii=draw(st.booleans()))
-    return raw[: draw(st.integers(0, len(raw) - 1))] if kind == 3 else raw
+    return raw[: draw(st.integers(0, len(raw) - 1))] if kind == "cut" else raw
 
 
 def encode(value: Any, *, ascii: bool) -> bytes:
@@ -447,9 +447,13 @@ SESSION_HEADERS = [
     "x-stainless-retry-count",
 ]
 turn_headers = st.one_of(st.just({}), st.dictionaries(st.sampled_from(SESSION_HEADERS), header_values, max_size=3))
+#: numbers as a query may spell them, most of which no route takes: other scripts' digits, exponents, signs
+NUMERALS = ["1", "0", "10001", "\u00b2", "\u0663", "\U0001d7d9", "1e3", "-1", "+1", " 1", "1_000", "0x1f", "nan", "inf"]
+query_values = st.one_of(st.sampled_from(NUMERALS), st.sampled_from(NUMERALS[3:6]), texts)
 query_strings = st.one_of(
     st.lists(
-        st.tuples(st.one_of(st.sampled_from(["group", "status", "limit", "after", "tokens"]), texts), texts),
+        st.tuples(st.sampled_from(["limit", "after", "group", "status", "tokens"]) | texts, query_values),
+        min_size=1,
         max_size=3,
     ).map(
         lambda pairs: "&".join(f"{quote(k, safe='', errors='replace')}={quote(v, errors='replace')}" for k, v in pairs)
@@ -485,7 +489,7 @@ def is_messages(path: str) -> bool:
 @st.composite
 def turns(draw: st.DrawFn, route: str) -> Call:
     """A POST to ``route``, under a session's path now and then, with session headers."""
-    prefix = f"/s/{in_path(draw(session_ids))}" if draw(st.integers(0, 3)) == 0 else ""
+    prefix = draw(st.sampled_from(["", "", "", f"/s/{in_path(draw(session_ids))}"]))
     headers = {**draw(turn_headers), **JSON_TYPE}
     return Call("POST", prefix + route, headers, draw(bodies(VALID[route], VALID_FIELDS[route])))
 
@@ -640,7 +644,7 @@ def session_reads(draw: st.DrawFn) -> Call:
     """A read of the sessions: the list with a query, or one session's summary, trajectory or models."""
     session = in_path(draw(session_ids))
     reads = ["/v1/sessions", f"/v1/sessions/{session}", f"/v1/sessions/{session}/trajectory", "/v1/models"]
-    path = draw(st.sampled_from([*reads, f"/s/{session}/v1/models", "/health", "/"]))
+    path = draw(st.sampled_from([*reads, "/v1/sessions", "/v1/sessions", f"/s/{session}/v1/models", "/health", "/"]))
     query = draw(query_strings)
     return Call(draw(st.sampled_from(["GET", "HEAD"])), f"{path}?{query}" if query else path, draw(turn_headers))
 
