@@ -195,7 +195,8 @@ def test_a_gateway_with_keys_answers_only_its_keys_and_prints_none_of_them(tiny_
                 )
                 assert ok.status_code == 200, ok.text
                 assert http.get("/v1/sessions/run/trajectory", headers={"x-api-key": harness}).status_code == 403
-                seen = http.get("/v1/sessions/run/trajectory", headers={"Authorization": f"Bearer {trainer}"})
+                # the trainer names the harness key's "run" in that key's names
+                seen = http.get("/v1/sessions/runner~run/trajectory", headers={"Authorization": f"Bearer {trainer}"})
                 assert seen.status_code == 200 and len(seen.json()["turns"]) == 1
         finally:
             gateway.send_signal(signal.SIGTERM)

@@ -43,6 +43,8 @@ CHROMEDRIVER = Path("/usr/bin/chromedriver")
 KEY = "trainer-key-0123"
 HARNESS = "harness-key-4567"
 KEYS = Keys(trainer={"trainer": KEY}, harness={"runner": HARNESS})
+#: the harness's sessions and group as the trainer (and so the page) names them
+AGENT, CHAT, STEP_8 = "runner~agent-1", "runner~chat-1", "runner~step-8"
 WIDTH, HEIGHT = 1200, 800
 DEADLINE = 30.0  # seconds any one page state may take to appear
 
@@ -153,8 +155,8 @@ async def record_sessions(url: str) -> None:
         await chat(http, "agent-1", "step-7", [*second, a2, tool_result(a2, "10")])
         await chat(http, "agent-1", "step-7", [*first, a1, tool_result(a1, "6")])
         auth = {"Authorization": f"Bearer {KEY}"}
-        await call(http, "POST", "/v1/sessions/agent-1/reward", json={"reward": 0.75}, headers=auth)
-        await call(http, "POST", "/v1/sessions/agent-1/close", headers=auth)
+        await call(http, "POST", f"/v1/sessions/{AGENT}/reward", json={"reward": 0.75}, headers=auth)
+        await call(http, "POST", f"/v1/sessions/{AGENT}/close", headers=auth)
         await chat(http, "chat-1", "step-8", [{"role": "user", "content": "Bonjour, ça va ?"}])
 
 
@@ -246,12 +248,12 @@ def check_page(
         for col in ("turns", "bridged", "branched", "rerendered"):
             assert int(cell[col].text) == s[col], col
     branches = {b["branch"]: b for b in trajectory["branches"]}
-    agent = next(r for r in rows if r.get_attribute("data-session") == "agent-1")
+    agent = next(r for r in rows if r.get_attribute("data-session") == AGENT)
     assert int(agent.find_element(By.CSS_SELECTOR, 'td[data-col="branches"]').text) == len(branches) == 2
 
     # one trajectory: every branch, its tokens exactly as the training view has them
     agent.click()
-    detail = ready('#detail[data-session="agent-1"][data-state="ready"]')
+    detail = ready(f'#detail[data-session="{AGENT}"][data-state="ready"]')
     assert "0.75" in detail.find_element(By.CSS_SELECTOR, "[data-reward]").text
     turns = {t["turn"]: t for t in trajectory["turns"]}
     drawn = detail.find_elements(By.CSS_SELECTOR, "details.branch")
@@ -297,11 +299,11 @@ def check_page(
 
     # the group filter asks the gateway for that group's sessions only
     group = driver.find_element(By.ID, "group")
-    group.send_keys("step-8")
+    group.send_keys(STEP_8)
     driver.find_element(By.CSS_SELECTOR, '#filters button[type="submit"]').click()
-    ready('#sessions[data-query="group=step-8"][data-state="ready"]')
+    ready('#sessions[data-query="group=runner%7Estep-8"][data-state="ready"]')
     rows = driver.find_elements(By.CSS_SELECTOR, "#sessions tbody tr[data-session]")
-    assert [r.get_attribute("data-session") for r in rows] == [s["session"] for s in step8] == ["chat-1"]
+    assert [r.get_attribute("data-session") for r in rows] == [s["session"] for s in step8] == [CHAT]
 
     # a key the gateway refuses (a new fragment on the open page): said on the page, and nothing left on show
     driver.get(f"{url}/ui#key=not-the-key")
@@ -320,15 +322,15 @@ async def test_the_page_lists_the_sessions_and_draws_a_trajectory_token_by_token
         auth = {"Authorization": f"Bearer {KEY}"}
         async with httpx.AsyncClient(base_url=served.url, trust_env=False, headers=auth) as http:
             listed = (await call(http, "GET", "/v1/sessions"))["data"]
-            step8 = (await call(http, "GET", "/v1/sessions", params={"group": "step-8"}))["data"]
-            trajectory = await call(http, "GET", "/v1/sessions/agent-1/trajectory")
-        assert {s["session"]: s["group"] for s in listed} == {"agent-1": "step-7", "chat-1": "step-8"}
+            step8 = (await call(http, "GET", "/v1/sessions", params={"group": STEP_8}))["data"]
+            trajectory = await call(http, "GET", f"/v1/sessions/{AGENT}/trajectory")
+        assert {s["session"]: s["group"] for s in listed} == {AGENT: "runner~step-7", CHAT: STEP_8}
         served.seen.clear()
         await asyncio.to_thread(check_page, browser, served.url, listed, trajectory, step8, tmp_path)
     page_loads = [path for path, _ in served.seen if path.startswith("/ui")]
     assert page_loads == ["/ui"]  # the fragment, and the key in it, never reached the server
     api = [(path, auth) for path, auth in served.seen if path.startswith("/v1/")]
-    assert ("/v1/sessions/agent-1/trajectory?tokens=1", f"Bearer {KEY}") in api
+    assert (f"/v1/sessions/{AGENT}/trajectory?tokens=1", f"Bearer {KEY}") in api
     assert {auth for _, auth in api} == {f"Bearer {KEY}", "Bearer not-the-key"}
 
 
@@ -337,7 +339,7 @@ async def test_the_trajectory_route_gives_each_ids_text_piece_on_request(tiny_mo
         await record_sessions(served.url)
         auth = {"Authorization": f"Bearer {KEY}"}
         async with httpx.AsyncClient(base_url=served.url, trust_env=False, headers=auth) as http:
-            for session in ("agent-1", "chat-1"):
+            for session in (AGENT, CHAT):
                 plain = await call(http, "GET", f"/v1/sessions/{session}/trajectory")
                 assert all("tokens" not in b for b in plain["branches"])
                 traj = await call(http, "GET", f"/v1/sessions/{session}/trajectory", params={"tokens": "1"})
@@ -350,14 +352,14 @@ async def test_the_trajectory_route_gives_each_ids_text_piece_on_request(tiny_mo
                         k: v for k, v in plain.items() if k != "branches"
                     }
             # "ça", "très" and the emoji are several byte-level ids each: the id that ends a character carries it
-            chat = (await call(http, "GET", "/v1/sessions/chat-1/trajectory", params={"tokens": "1"}))["branches"][0]
+            chat = (await call(http, "GET", f"/v1/sessions/{CHAT}/trajectory", params={"tokens": "1"}))["branches"][0]
             assert "" in chat["tokens"] and "\ufffd" not in "".join(chat["tokens"])
             assert any(piece.endswith("🙂") for piece in chat["tokens"])
             page = await http.get("/ui", headers={"Authorization": ""})  # the shell holds no data: no key
             assert page.status_code == 200 and page.headers["Content-Type"].startswith("text/html")
             assert "default-src 'none'" in page.headers["Content-Security-Policy"]
             assert re.search(r"\bsrc=|\bhref=|url\(|@import", page.text) is None  # nothing loaded from elsewhere
-            bad = await http.get("/v1/sessions/agent-1/trajectory", params={"tokens": "yes"})
+            bad = await http.get(f"/v1/sessions/{AGENT}/trajectory", params={"tokens": "yes"})
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
             missing = await http.get("/v1/sessions/nope/trajectory", params={"tokens": "1"})
             assert missing.status_code == 404 and missing.json()["error"]["param"] == "session"

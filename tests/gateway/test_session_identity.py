@@ -78,4 +78,9 @@ async def test_a_harness_id_never_joins_another_keys_session(scripted_gateway) -
             second = await chat(
                 http, USER, **{"x-claude-code-session-id": "shared", "Authorization": "Bearer harness-key-bbbbbbbb"}
             )
-        assert first.headers["X-Session-ID"] == "shared" and second.headers["X-Session-ID"] != "shared"
+            listed = await http.get("/v1/sessions", headers={"Authorization": "Bearer trainer-key-cccccccc"})
+        # each key's harness has its own "shared": two sessions of one turn each, as the trainer sees them
+        assert first.headers["X-Session-ID"] == second.headers["X-Session-ID"] == "shared"
+        assert first.headers["X-Turn"] == second.headers["X-Turn"] == "0"
+        sessions = {s["session"]: (s["owner"], s["turns"]) for s in listed.json()["data"]}
+        assert sessions == {"a~shared": ("a", 1), "b~shared": ("b", 1)}

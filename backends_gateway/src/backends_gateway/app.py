@@ -22,8 +22,9 @@ turn its messages extend, else starts one; the answer's ``X-Session-ID`` header 
 puts a new session in a group (GRPO).
 
 With :class:`~backends_gateway.keys.Keys`, every route but ``/health`` and the page's shell needs a key: a harness
-key sends turns and lists or reads its own sessions (another key's session: 404); trajectories, rewards and
-closing need the trainer key (403 otherwise); no key or an unknown one: 401.
+key sends turns and lists or reads its own sessions, named in names of its own (``routing.scoped``: the trainer
+sees team-a's ``run-1`` as ``team-a~run-1``); trajectories, rewards and closing need the trainer key (403
+otherwise); no key or an unknown one: 401.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from backends_gateway.routing import (
     browsers,
     check_model,
     gateway_of,
+    group_of,
     harness_session_of,
     is_retry,
     json_response,
@@ -60,7 +62,10 @@ from backends_gateway.routing import (
     read_json,
     reader_of,
     require_trainer,
+    scoped,
     session_of,
+    shown,
+    shown_summary,
     turn_headers,
 )
 from backends_gateway.streaming import deliver, stream_turn
@@ -124,7 +129,7 @@ def _turn_args(request: web.Request, body: Any) -> dict[str, Any]:
     return {
         "session": session_of(request),
         "harness_session": harness_session_of(request, body),
-        "group": request.headers.get("X-Session-Group") or None,
+        "group": group_of(request),
         "owner": owner_of(request),
         "retry": is_retry(request),
     }
@@ -139,11 +144,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tokenizer = gateway.client.tokenizer
     if call.stream:
         events = gateway.stream_turn(call.turn, **args)
-        return await stream_turn(request, gateway, events, lambda first: ChatStream(call, first.session, tokenizer))
+        return await stream_turn(
+            request, gateway, events, lambda first: ChatStream(call, shown(request, first.session), tokenizer)
+        )
     served = await gateway.turn(call.turn, **args)
     result = served.result
     answer = chat_completion(
-        id=f"chatcmpl-{served.session}-{served.record.turn}",
+        id=f"chatcmpl-{shown(request, served.session)}-{served.record.turn}",
         model=call.model,
         message=served.message,
         finish=result.finish_reason,
@@ -152,7 +159,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         logprobs=token_logprobs(tokenizer, result) if call.logprobs else None,
         fingerprint=result.weight_version,
     )
-    return await deliver(request, gateway, served, json_response(answer, headers=turn_headers(served)))
+    return await deliver(request, gateway, served, json_response(answer, headers=turn_headers(request, served)))
 
 
 async def messages(request: web.Request) -> web.StreamResponse:
@@ -175,7 +182,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     message = anthropic.message_body(
         id=anthropic.new_message_id(), model=call.model, message=served.message, result=served.result, stop=stop
     )
-    return await deliver(request, gateway, served, json_response(message, headers=turn_headers(served)))
+    return await deliver(request, gateway, served, json_response(message, headers=turn_headers(request, served)))
 
 
 async def count_tokens(request: web.Request) -> web.Response:
@@ -221,17 +228,19 @@ async def list_sessions(request: web.Request) -> web.Response:
     if unknown:
         raise GatewayError(400, f"unknown query parameter {unknown[0]!r}", param=unknown[0], code="unknown_parameter")
     data = await gateway.sessions(
-        group=request.query.get("group"),
+        group=scoped(request, request.query.get("group"), "group"),
         status=request.query.get("status"),
         limit=_limit(request),
         after=_after(request),
         owner=reader_of(request),
     )
-    return json_response({"object": "list", "data": data})
+    return json_response({"object": "list", "data": [shown_summary(request, summary) for summary in data]})
 
 
 async def get_session(request: web.Request) -> web.Response:
-    return json_response(await gateway_of(request).summary(request.match_info["id"], owner=reader_of(request)))
+    session = scoped(request, request.match_info["id"], "session")
+    summary = await gateway_of(request).summary(session, owner=reader_of(request))
+    return json_response(shown_summary(request, summary))
 
 
 async def trajectory(request: web.Request) -> web.Response:

@@ -52,6 +52,9 @@ __all__ = ["CompletionLimit", "Gateway", "GatewayLimits", "Served", "Started", "
 
 log = logging.getLogger("backends_gateway")
 _SESSION_ID = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
+#: a session or group of a harness key as the gateway names it: ``<key name>~<the harness's name>``
+_OWNED_ID = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]{0,63})~([A-Za-z0-9._:@-]{1,128})")
+OWNER_SEPARATOR = "~"
 
 
 @attrs.frozen(kw_only=True)
@@ -173,18 +176,38 @@ def model_context_length(tokenizer: str | None) -> int | None:
     return None
 
 
-def new_session_id() -> str:
-    return uuid.uuid4().hex
+def new_session_id(owner: str | None = None) -> str:
+    """A name for a session no request named: unguessable, and in ``owner``'s names (see :func:`owned_name`)."""
+    return uuid.uuid4().hex if owner is None else owned_name(owner, uuid.uuid4().hex)
 
 
-def _names_a_session(value: str) -> bool:
+def owned_name(owner: str, name: str) -> str:
+    """The gateway's name for a session or group that the key ``owner`` calls ``name``.
+
+    Each harness key names its sessions and groups in names of its own, so that no key can learn which names
+    another uses (a turn to another key's ``run-1`` starts its own ``run-1``), take a name another will use, or add
+    sessions to another's group. The trainer, which sees every key's sessions, names them ``team-a~run-1``."""
+    return f"{owner}{OWNER_SEPARATOR}{name}"
+
+
+def owner_named(name: str) -> str | None:
+    """The key whose names ``name`` is one of (:func:`owned_name`); ``None``: a name of the gateway's own."""
+    matched = _OWNED_ID.fullmatch(name)
+    return None if matched is None else matched[1]
+
+
+def _names_a_session(value: str, *, owned: bool = True) -> bool:
     """1-128 of ``[A-Za-z0-9._:@-]``, not only dots (``.`` and ``..`` are path steps in a URL, which clients and
-    proxies rewrite)."""
-    return _SESSION_ID.fullmatch(value) is not None and value.strip(".") != ""
+    proxies rewrite); ``owned``: or such a name in a key's names (:func:`owned_name`)."""
+    matched = _OWNED_ID.fullmatch(value) if owned else None
+    plain = value if matched is None else matched[2]
+    return _SESSION_ID.fullmatch(plain) is not None and plain.strip(".") != ""
 
 
-def check_session_id(value: str, where: str) -> str:
-    if not _names_a_session(value):
+def check_session_id(value: str, where: str, *, owned: bool = True) -> str:
+    """``value`` if it names a session (or group); else a 400 naming ``where``. ``owned``: a name in a key's names
+    (``team-a~run-1``, as the trainer sees them) is one too."""
+    if not _names_a_session(value, owned=owned):
         raise GatewayError(
             400,
             f"{where} must match [A-Za-z0-9._:@-]{{1,128}} and not be only dots, got {value[:160]!r}",
@@ -363,6 +386,9 @@ class Gateway:
     async def _named(self, session: str, group: str | None, owner: str | None) -> SessionState:
         state = await self.state(session)
         if state is None:
+            named_for = owner_named(session)
+            if named_for is not None and named_for != owner:  # a key's name only that key starts a session by
+                raise _no_session(session)
             state = self._sessions.get(session) or await self._create(session, group, owner)
         if state.record.owner != owner:
             raise _no_session(session)
@@ -410,13 +436,13 @@ class Gateway:
             try:
                 state = await self._named(harness_session, group, owner)
             except GatewayError:  # another key's session of that name: this harness's turns are not its
-                state = await self._create(new_session_id(), group, owner)
+                state = await self._create(new_session_id(owner), group, owner)
         else:
             orphaned = self._sessions.get(self._orphans.get((owner, key), ""))
             found = orphaned if orphaned is not None and key in orphaned.orphans else None
             if found is None:
                 found = self._guess(owner, digests, messages)
-            state = found if found is not None else await self._create(new_session_id(), group, owner)
+            state = found if found is not None else await self._create(new_session_id(owner), group, owner)
         record = state.record
         if record.status != "open":
             raise GatewayError(409, f"session {record.id} is closed", param="session", code="session_closed")
@@ -817,7 +843,8 @@ class Gateway:
         retry: bool = False,
     ) -> Served:
         """Generate and keep one turn; returns once it is durable. ``owner``: the key sending it (a session belongs
-        to the key that started it; another key's session is not found). ``harness_session``: the harness's own
+        to the key that started it; another key's session is not found, and a name in a key's names,
+        :func:`owned_name`, starts a session only for that key). ``harness_session``: the harness's own
         id for its conversation, the session when ``session`` names none. ``retry``: the harness says this
         request repeats one it sent (an SDK's retry header): answered with that turn if it was kept.
 

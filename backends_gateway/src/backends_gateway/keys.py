@@ -2,8 +2,9 @@
 
 A gateway given keys answers only requests that carry one (``Authorization: Bearer <key>``, or ``x-api-key:
 <key>`` as Anthropic's SDKs send it). A **harness** key sends turns and reads its own sessions' summaries; every
-session it starts belongs to it, and another key's session is answered as if it did not exist (404). The
-**trainer** key does all that and reads everything: any session, trajectories, rewards, closing, the page.
+session it starts belongs to it, and it names its sessions and groups in names of its own (another key's
+``run-1`` is another session; see :func:`backends_gateway.gateway.owned_name`). The **trainer** key does all that
+and reads everything: any session, trajectories, rewards, closing, the page.
 
 Keys are read from a file (never from the command line, where any user of the machine sees them) and held only as
 SHA-256 digests; no error message, log line or answer contains one::

@@ -46,12 +46,15 @@ from backends_gateway.openai_chat import error_body
 from backends_gateway.routing import (
     check_model,
     gateway_of,
+    group_of,
     harness_session_of,
     is_retry,
     json_response,
     owner_of,
     read_json,
+    scoped,
     session_of,
+    shown,
     turn_headers,
 )
 from backends_gateway.sessions import TurnRecord, TurnRequest
@@ -117,7 +120,7 @@ _PART_KEYS = {
     "output_text": frozenset({"type", "text", "annotations", "logprobs"}),
 }
 _IMAGE_KEYS = frozenset({"type", "image_url", "detail", "file_id"})
-_RESPONSE_ID = re.compile(r"resp_([A-Za-z0-9.:@-]{1,128})_([0-9a-f]{24})")
+_RESPONSE_ID = re.compile(r"resp_([A-Za-z0-9._:@~-]{1,193})_([0-9a-f]{24})")
 
 
 @attrs.frozen(kw_only=True)
@@ -720,20 +723,23 @@ def response_object(
 # -- the route -------------------------------------------------------------------------------------------------
 
 
-async def _previous(gateway: Gateway, call: ResponsesCall, session: str | None, owner: str | None) -> TurnRecord:
+async def _previous(request: web.Request, call: ResponsesCall, session: str | None) -> TurnRecord:
     ident = call.previous_response_id
     assert ident is not None
-    named, suffix = parse_response_id(ident)
+    shown_as, suffix = parse_response_id(ident)
+    named = scoped(request, shown_as, "previous_response_id")
     if session is not None and session != named:
         raise bad(
-            f"previous_response_id {ident!r} is a response of session {named!r}, not of {session!r}",
+            f"previous_response_id {ident!r} is a response of session {shown_as!r}, not of {shown(request, session)!r}",
             "previous_response_id",
         )
     missing = GatewayError(
         404, f"no response {ident!r}", kind="not_found_error", param="previous_response_id", code="not_found"
     )
     try:
-        turn = await gateway.find_turn(named, lambda t: t.request.get("responses", {}).get("id") == suffix, owner=owner)
+        turn = await gateway_of(request).find_turn(
+            named, lambda t: t.request.get("responses", {}).get("id") == suffix, owner=owner_of(request)
+        )
     except GatewayError as exc:
         if exc.status == 404:  # no such session (or another key's): no such response
             raise missing from None
@@ -753,11 +759,11 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     owner = owner_of(request)
     previous = None
     if call.previous_response_id is not None:
-        previous = await _previous(gateway, call, session, owner)
+        previous = await _previous(request, call, session)
         session = previous.session
     suffix = uuid.uuid4().hex[:24]
     turn = call.turn(suffix, previous)
-    group = request.headers.get("X-Session-Group") or None
+    group = group_of(request)
     harness = harness_session_of(request, body)
     retry = is_retry(request)
     created = int(time.time())
@@ -776,9 +782,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         )
     served = await gateway.turn(turn, session=session, harness_session=harness, group=group, owner=owner, retry=retry)
     kept = _suffix_of(served.record, suffix)
-    ids = _Ids(response=f"resp_{served.session}_{kept}", suffix=kept)
+    ids = _Ids(response=f"resp_{shown(request, served.session)}_{kept}", suffix=kept)
     answer = json_response(
-        response_object(call, ids, created, served=served, gateway=gateway), headers=turn_headers(served)
+        response_object(call, ids, created, served=served, gateway=gateway), headers=turn_headers(request, served)
     )
     return await deliver(request, gateway, served, answer)
 
@@ -961,7 +967,8 @@ async def _stream(
 
     def wire(first: Started) -> _Events:
         kept = suffix if first.replay is None else _suffix_of(first.replay, suffix)
-        return _Events(call, _Ids(response=f"resp_{first.session}_{kept}", suffix=kept), created, gateway)
+        ids = _Ids(response=f"resp_{shown(request, first.session)}_{kept}", suffix=kept)
+        return _Events(call, ids, created, gateway)
 
     return await stream_turn(request, gateway, events, wire)
 

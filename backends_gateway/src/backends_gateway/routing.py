@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, overload
 
 import orjson
 from aiohttp import web
 
 from backends_gateway.errors import GatewayError
-from backends_gateway.gateway import Gateway, Served, Started
+from backends_gateway.gateway import OWNER_SEPARATOR, Gateway, Served, Started, check_session_id, owned_name
 from backends_gateway.keys import Keys, Principal
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "browsers",
     "check_model",
     "gateway_of",
+    "group_of",
     "harness_session_of",
     "is_retry",
     "json_response",
@@ -34,7 +35,10 @@ __all__ = [
     "read_json",
     "reader_of",
     "require_trainer",
+    "scoped",
     "session_of",
+    "shown",
+    "shown_summary",
     "turn_headers",
 ]
 
@@ -198,9 +202,46 @@ def _check_depth(value: Any) -> None:
         pending.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
 
 
+@overload
+def scoped(request: web.Request, name: str, where: str) -> str: ...
+@overload
+def scoped(request: web.Request, name: None, where: str) -> None: ...
+@overload
+def scoped(request: web.Request, name: str | None, where: str) -> str | None: ...
+def scoped(request: web.Request, name: str | None, where: str) -> str | None:
+    """The gateway's name for the session or group ``name`` that the request names (``where``: in which field): a
+    harness key's names are its own (:func:`~backends_gateway.gateway.owned_name`), the trainer's and a keyless
+    gateway's are the gateway's."""
+    harness = reader_of(request)
+    if name is None or harness is None:
+        return name
+    return owned_name(harness, check_session_id(name, where, owned=False))
+
+
+def shown(request: web.Request, name: str) -> str:
+    """``name`` as the request's key calls it (the inverse of :func:`scoped`)."""
+    harness = reader_of(request)
+    return name if harness is None else name.removeprefix(harness + OWNER_SEPARATOR)
+
+
+def shown_summary(request: web.Request, summary: dict[str, Any]) -> dict[str, Any]:
+    """A session's summary as the request's key names its session and group."""
+    if reader_of(request) is None:
+        return summary
+    group = summary["group"]
+    return {**summary, "session": shown(request, summary["session"]), "group": group and shown(request, group)}
+
+
 def session_of(request: web.Request) -> str | None:
-    """The session a request names: the path's ``/s/{session}``, else its ``X-Session-ID`` header."""
-    return request.match_info.get("session") or request.headers.get("X-Session-ID") or None
+    """The session a request names, as the gateway names it: the path's ``/s/{session}``, else its
+    ``X-Session-ID`` header."""
+    named = request.match_info.get("session") or request.headers.get("X-Session-ID") or None
+    return scoped(request, named, "session")
+
+
+def group_of(request: web.Request) -> str | None:
+    """The group a turn's session joins, as the gateway names it: the ``X-Session-Group`` header."""
+    return scoped(request, request.headers.get("X-Session-Group") or None, "X-Session-Group")
 
 
 #: headers in which harnesses name their own conversation: Claude Code's, then Codex's (its thread is the
@@ -209,6 +250,18 @@ HARNESS_SESSION_HEADERS = ("x-claude-code-session-id", "thread-id", "session-id"
 
 
 def harness_session_of(request: web.Request, body: Any) -> str | None:
+    """:func:`_harness_named`, as the gateway names it; ``None`` where it cannot name a session (history
+    decides)."""
+    named = _harness_named(request, body)
+    if named is None or reader_of(request) is None:
+        return named
+    try:
+        return scoped(request, named, "session")
+    except GatewayError:
+        return None
+
+
+def _harness_named(request: web.Request, body: Any) -> str | None:
     """The harness's own id for its conversation, when it sends one: a header of
     :data:`HARNESS_SESSION_HEADERS`, else the ``session_id`` of Anthropic's ``metadata.user_id`` (Claude Code
     sends a JSON object there as a string), else a Responses ``prompt_cache_key``. The session of a request
@@ -254,9 +307,9 @@ def check_model(gateway: Gateway, model: str) -> None:
         )
 
 
-def turn_headers(served: Served | Started) -> dict[str, str]:
+def turn_headers(request: web.Request, served: Served | Started) -> dict[str, str]:
     """The session, turn and branch a turn's answer names (a stream's, before its turn is generated)."""
-    headers = {"X-Session-ID": served.session}
+    headers = {"X-Session-ID": shown(request, served.session)}
     if isinstance(served, Served):
         headers["X-Turn"] = str(served.record.turn)
         headers["X-Branch"] = str(served.record.branch)

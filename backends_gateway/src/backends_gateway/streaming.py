@@ -56,7 +56,7 @@ async def stream_turn(
     everything after is an event."""
     first = await anext(events)  # the session is placed (or the request refused) before anything is sent
     assert isinstance(first, Started)
-    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **turn_headers(first)}
+    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **turn_headers(request, first)}
     response = web.StreamResponse(headers=headers)
     served: Served | None = None
     ended = False
