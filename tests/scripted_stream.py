@@ -15,8 +15,9 @@ from scripted_backend import ScriptedBackend
 
 
 class StreamingScript(ScriptedBackend):
-    """:class:`ScriptedBackend` that also streams (one delta per token, logprob ``-0.5 - i/100``), can hold every
-    generation until :attr:`gate` is set, and raises :attr:`fail` (once) instead of answering when it is set."""
+    """:class:`ScriptedBackend` (where a reply may also stop on ``<|endoftext|>``) that also streams (one delta
+    per token, logprob ``-0.5 - i/100``), can hold every generation until :attr:`gate` is set, and raises
+    :attr:`fail` (once) instead of answering when it is set."""
 
     def __init__(self, tokenizer: Any, replies: list[str]) -> None:
         super().__init__(tokenizer, replies)
@@ -28,11 +29,14 @@ class StreamingScript(ScriptedBackend):
 
     def _result(self, raw: str, request: GenerateRequest, server_url: str) -> GenerateResult:
         ids = encode(self.tokenizer, raw)
+        # a reply ending in <|endoftext|> stopped on it as an engine stops on a model's second end token, saying so
+        second_end = raw.endswith("<|endoftext|>")
         return GenerateResult(
             prompt_ids=request.prompt_ids,
             completion_ids=tuple(ids),
             logprobs=-0.5 - np.arange(len(ids), dtype=np.float32) / 100,
-            finish_reason="stop" if raw.endswith("<|im_end|>") else "length",
+            finish_reason="stop" if raw.endswith("<|im_end|>") or second_end else "length",
+            stop_reason=ids[-1] if second_end else None,
             server=server_url,
         )
 

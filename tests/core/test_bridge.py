@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 
@@ -101,6 +102,17 @@ def test_a_foreign_stop_token_is_refused_not_papered_over(tok) -> None:
         extend_prompt(tok, history=history, previous=prev, new_messages=[{"role": "user", "content": "x"}])
     assert info.value.reason == "foreign_stop_token"
     assert "<|endoftext|>" in tok.decode([prev.completion_ids[-1]])
+
+
+def test_a_turn_stopped_on_the_models_second_end_token_is_closed_and_extended(tok) -> None:
+    # Qwen checkpoints end samples on <|endoftext|> as well as <|im_end|>: the engine says which token stopped it
+    history, prev = turn(tok, [{"role": "user", "content": "hi"}], "bye<|endoftext|>")
+    stopped = attrs.evolve(prev, stop_reason=prev.completion_ids[-1])
+    ids = extend_prompt(tok, history=history, previous=stopped, new_messages=[{"role": "user", "content": "x"}])
+    assert ids[: len(prev.token_ids)] == list(prev.token_ids)  # the sampled stop token stays
+    assert (
+        tok.decode(ids[len(prev.token_ids) :]) == "<|im_end|>\n<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_an_empty_new_turn_is_refused(tok) -> None:

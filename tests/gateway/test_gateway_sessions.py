@@ -128,6 +128,27 @@ async def test_a_reply_the_bridge_refuses_starts_a_branch_named_by_the_refusal(s
         assert traj["rerendered"] == 1
 
 
+async def test_a_reply_that_stopped_on_the_models_second_end_token_bridges_even_after_a_restart(
+    scripted_gateway,
+) -> None:
+    first = [{"role": "user", "content": "go"}]
+    async with scripted_gateway(["bye<|endoftext|>"], name="second-end") as served:
+        message = reply(await chat(served.url, first, path="/s/e/v1"))
+        assert message["content"] == "bye"  # the stop token is no text of the reply
+    # the turn comes back from the store: it still knows which token ended it
+    async with scripted_gateway(["fine<|im_end|>"], name="second-end") as served:
+        r2 = await chat(served.url, [*first, message, {"role": "user", "content": "next"}], path="/s/e/v1")
+        assert r2.headers["X-Branch"] == "0" and r2.headers["X-Turn"] == "1"
+        traj = await get(served.url, "/v1/sessions/e/trajectory")
+    turn0, turn1 = traj["turns"]
+    endoftext = turn0["completion_ids"][-1]
+    assert turn0["stop_reason"] == endoftext and turn0["finish_reason"] == "stop"
+    assert turn1["prompt_ids"][: len(turn0["prompt_ids"]) + len(turn0["completion_ids"])] == (
+        turn0["prompt_ids"] + turn0["completion_ids"]
+    )
+    assert turn1["parent"] == 0 and traj["bridged"] == 1 and traj["rerendered"] == 0
+
+
 async def test_sessions_are_listed_by_group_and_status_and_a_closed_one_takes_no_turn(scripted_gateway) -> None:
     async with scripted_gateway(list(REPLIES)) as served:
         for name in ("g1", "g2"):

@@ -110,6 +110,8 @@ class TurnRecord:
     #: whether the harness was answered with it: an answer that never reached its harness (the client went away
     #: as it was written) is kept, but is no training sample until a retry of the same request receives it
     delivered: bool = True
+    #: the token id or string the engine said ended the completion (the reply's parse drops that token)
+    stop_reason: int | str | None = None
 
     @classmethod
     def of(
@@ -145,6 +147,7 @@ class TurnRecord:
             reused_ids=result.reused_ids,
             routed_experts=result.routed_experts,
             image_spans=tuple(result.image_spans),
+            stop_reason=result.stop_reason,
             request={"model": model, "sampling": _sampling_json(request.sampling), **dict(request.metadata)},
         )
 
@@ -178,6 +181,7 @@ class TurnRecord:
             reused_ids=self.reused_ids,
             images=images,
             image_spans=self.image_spans,
+            stop_reason=self.stop_reason,
         )
 
     @property
@@ -195,6 +199,7 @@ class TurnRecord:
             "completion_ids": self.completion_ids.tolist(),
             "logprobs": self.logprobs.tolist(),
             "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
             "weight_version": self.weight_version,
             "weight_versions": [attrs.asdict(s) for s in self.weight_versions],
             "message_spans": [attrs.asdict(s) for s in self.message_spans],

@@ -115,7 +115,7 @@ _SESSION_COLUMNS = "id, grp, status, reward, reward_info, created, closed, count
 _TURN_COLUMNS = (
     "session, turn, branch, parent, created, messages, tools, template_kwargs, reply, prompt_ids, completion_ids, "
     "logprobs, finish_reason, weight_version, weight_versions, message_spans, server, reused_ids, routed_experts, "
-    "routed_start, request, image_spans, delivered"
+    "routed_start, request, image_spans, delivered, stop_reason"
 )
 #: how many columns a turn's row has
 _TURN_WIDTH = _TURN_COLUMNS.count(",") + 1
@@ -187,6 +187,7 @@ def _turn_row(t: TurnRecord) -> tuple[Any, ...]:
         orjson.dumps(dict(t.request), default=json_default),
         orjson.dumps([[s.start, s.end] for s in t.image_spans]),
         int(t.delivered),
+        _json(t.stop_reason),
     )
 
 
@@ -220,6 +221,7 @@ def _turn(row: Sequence[Any]) -> TurnRecord:
         # NULL: a turn kept before image spans were (a text turn, or one that cannot be extended)
         image_spans=() if row[21] is None else tuple(ImageSpan(s, e) for s, e in orjson.loads(row[21])),
         delivered=bool(row[22]),
+        stop_reason=_loads(row[23]),
     )
 
 

@@ -405,6 +405,19 @@ def extend_prompt(
     ).ids
 
 
+def _stopped_on_its_last_id(tokenizer: Any, result: GenerateResult) -> bool:
+    """Whether the completion's last id is the token that ended it: the stop token the engine reported, or the
+    tokenizer's EOS (which engines report as no stop reason at all)."""
+    completion = result.completion_ids
+    if result.finish_reason != "stop" or not completion:
+        return False
+    reason = result.stop_reason
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return (isinstance(reason, int) and not isinstance(reason, bool) and completion[-1] == reason) or (
+        reason is None and isinstance(eos, int) and completion[-1] == eos
+    )
+
+
 def extend_with_spans(
     tokenizer: Any,
     *,
@@ -458,12 +471,18 @@ def extend_with_spans(
         close = eot_ids[generated_eot:]
     elif previous.finish_reason in ("length", "abort"):
         close = [*_unclosed_think_ids(tokenizer, completion), *eot_ids]
+    elif _stopped_on_its_last_id(tokenizer, previous):
+        # the engine stopped on a token that ends the sample (the model's EOS, a second end token as Qwen's
+        # <|endoftext|>, a stop_token_ids entry): the turn ended there, so the template's end of turn closes it
+        # after that token, which stays as sampled; the reply's parse drops it as the answer's did
+        close = eot_ids
     else:
         last = completion[-1] if completion else None
         raise BridgeError(
             "foreign_stop_token",
-            f"the previous turn stopped on token {last!r} ({previous.stop_reason!r}), which is not the template's "
-            f"end of turn {eot!r}; closing it would invent tokens the template never produces",
+            f"the previous turn stopped on token {last!r} (stop reason {previous.stop_reason!r}), which is neither the "
+            f"template's end of turn {eot!r} nor a stop token the engine reported: it cannot be told apart from a "
+            "reply cut short, and closing it would invent tokens the template never produces",
         )
     if stats is not None:
         if how == "tail":
